@@ -1,0 +1,40 @@
+"""Shared test configuration.
+
+GPU tests carry ``@pytest.mark.gpu``; they are skipped unless CuPy imports and sees a device.
+The real images live in ``../shared/data`` by default; ``SCRATCHD_DATA`` overrides it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _gpu_available() -> bool:
+    try:
+        import cupy
+
+        return bool(cupy.cuda.runtime.getDeviceCount() > 0)
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any("gpu" in item.keywords for item in items) and not _gpu_available():
+        skip = pytest.mark.skip(reason="needs an NVIDIA GPU with CuPy")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """The real defect images (../shared/data unless SCRATCHD_DATA says otherwise)."""
+    path = Path(os.environ.get("SCRATCHD_DATA", ROOT.parent / "shared" / "data"))
+    if not path.is_dir():
+        pytest.fail(f"real image data not found at {path} (set SCRATCHD_DATA)")
+    return path
