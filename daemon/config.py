@@ -1,0 +1,185 @@
+"""The daemon's configuration: DESIGN.md's TOML skeleton as typed msgspec Structs.
+
+Precedence, lowest to highest: the defaults below, the TOML file (``--config``), the
+``SCRATCHD_SOCKET`` environment variable (socket only), command-line flags. Every key is
+checked: an unknown key is an error that names it with its dotted path
+(``unknown key 'queue.slotz'``), a wrong type or out-of-range value names the key too.
+
+Part classes: ``[classes.<name>]`` tables are merged over the built-in ``safety`` and
+``normal`` classes (a file may redefine either). ``normal`` is what a request without a
+``part_class`` gets, so it always exists. A request naming a class that is not configured
+is answered ``invalid`` (a typo in a gateway's class name must be seen, not silently served
+with another class's deadline).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Final, Literal
+
+import msgspec
+
+SOCKET_ENV: Final = "SCRATCHD_SOCKET"
+DEFAULT_SOCKET: Final = "/run/scratchd/scratchd.sock"
+MAX_PRIORITY: Final = 7
+
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Priority = Annotated[int, msgspec.Meta(ge=0, le=MAX_PRIORITY)]
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message names the file and key."""
+
+
+class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    socket: str = DEFAULT_SOCKET
+    bind: str = "127.0.0.1"
+    health_port: Port = 8081
+    metrics_port: Port = 9108
+    socket_mode: Annotated[int, msgspec.Meta(ge=0, le=0o777)] = 0o660
+    allowed_uids: list[NonNegative] = []
+    allowed_gids: list[NonNegative] = []
+    drain_timeout_ms: Positive = 10_000
+    """SIGTERM: how long accepted requests may take to be answered before workers stop."""
+
+
+class QueueConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    slots: Positive = 256
+    slot_bytes: Annotated[int, msgspec.Meta(ge=64)] = 4 * 1024 * 1024
+    tick_ms: Positive = 1
+    max_queue_delay_ms: NonNegative = 10
+    max_batch: Positive = 16
+
+
+class WorkersConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    backend: Literal["auto", "cuda", "cpu"] = "auto"
+    cpu_workers: Positive = 2
+    gpus: Literal["all"] | list[NonNegative] = "all"
+    cpu_max_batch: Positive = 8
+    """The CPU backend's own batch limit (the GPU's comes from free memory)."""
+    heartbeat_ms: Positive = 250
+    hang_timeout_ms: Positive = 30_000
+    """A worker whose heartbeat is older than this is SIGTERMed (a batch on CPU can be slow)."""
+    kill_grace_ms: Positive = 2_000
+    """SIGTERM → SIGKILL escalation delay."""
+    boot_timeout_ms: Positive = 120_000
+    max_kills: Positive = 3
+    """A request whose worker died this many times while holding it is answered ``error``."""
+
+
+class ClassConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    priority: Priority = 0
+    deadline_ms: Positive = 3000
+
+
+class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    path: str = ""
+
+
+class DriftConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    window: Positive = 500
+    threshold: Annotated[float, msgspec.Meta(ge=0.0)] = 0.15
+
+
+DEFAULT_CLASSES: Final[dict[str, ClassConfig]] = {
+    "safety": ClassConfig(priority=7, deadline_ms=1000),
+    "normal": ClassConfig(priority=0, deadline_ms=3000),
+}
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    server: ServerConfig = ServerConfig()
+    queue: QueueConfig = QueueConfig()
+    workers: WorkersConfig = WorkersConfig()
+    classes: dict[str, ClassConfig] = msgspec.field(default_factory=lambda: dict(DEFAULT_CLASSES))
+    model: ModelConfig = ModelConfig()
+    drift: DriftConfig = DriftConfig()
+
+    def class_names(self) -> list[str]:
+        """Class names in a fixed order; a class's index is its number in the queue."""
+        return sorted(self.classes)
+
+
+_UNKNOWN = re.compile(r"Object contains unknown field `(?P<key>[^`]+)`(?: - at `\$(?P<at>[^`]*)`)?")
+_AT = re.compile(r"(?P<msg>.*?) - at `\$(?P<at>[^`]*)`$")
+
+
+def _dotted(*parts: str) -> str:
+    return ".".join(p.strip(".") for p in parts if p.strip("."))
+
+
+def _explain(exc: msgspec.ValidationError, prefix: str = "") -> str:
+    text = str(exc)
+    unknown = _UNKNOWN.match(text)
+    if unknown:
+        return f"unknown key '{_dotted(prefix, unknown['at'] or '', unknown['key'])}'"
+    located = _AT.match(text)
+    if located:
+        return f"invalid value for '{_dotted(prefix, located['at'])}': {located['msg']}"
+    return f"invalid value in '{prefix or 'config'}': {text}"
+
+
+def _convert(raw: Mapping[str, Any]) -> Config:
+    raw = dict(raw)
+    raw_classes = raw.pop("classes", {})
+    if not isinstance(raw_classes, dict):
+        raise ConfigError("invalid value for 'classes': expected a table of [classes.<name>]")
+    classes = dict(DEFAULT_CLASSES)
+    for name, table in raw_classes.items():
+        try:
+            classes[name] = msgspec.convert(table, ClassConfig)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(_explain(exc, f"classes.{name}")) from None
+    try:
+        config = msgspec.convert(raw, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(exc)) from None
+    return msgspec.structs.replace(config, classes=classes)
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    section, _, name = key.partition(".")
+    table = raw.setdefault(section, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"invalid value for '{section}': expected a table")
+    table[name] = value
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Defaults ← TOML file ← ``SCRATCHD_SOCKET`` ← ``overrides`` (dotted keys, e.g.
+    ``{"workers.backend": "cpu"}``; None values are ignored so click flags pass through)."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    env = os.environ if environ is None else environ
+    if env.get(SOCKET_ENV):
+        _set_dotted(raw, "server.socket", env[SOCKET_ENV])
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(raw, key, value)
+    try:
+        return _convert(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}" if path is not None else str(exc)) from None
+
+
+def socket_path(flag: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """The socket a client command talks to: ``--socket``, else ``SCRATCHD_SOCKET``, else
+    the default."""
+    env = os.environ if environ is None else environ
+    return flag or env.get(SOCKET_ENV) or DEFAULT_SOCKET

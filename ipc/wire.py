@@ -1,0 +1,218 @@
+"""The client protocol: msgpack frames over the daemon's Unix socket.
+
+Framing (both directions)::
+
+    +----------------------+-----------------------------------+
+    | length: u32 big-end. | body: msgpack, `length` bytes     |
+    +----------------------+-----------------------------------+
+
+The receiver checks `length` against its frame cap *before* reading the body. Bodies are
+tagged unions (the ``type`` key): a client sends :class:`InferRequest` or
+:class:`StatusRequest`; the daemon answers each with exactly one :class:`Reply` or
+:class:`StatusReply` carrying the same ``id``. Connections are pipelined: a client may have
+many requests in flight and replies come back in completion order, matched by ``id``
+(ids are the client's business; the daemon never interprets them beyond echoing).
+
+Images travel either raw (``pixels``: row-major uint8, ``height`` x ``width`` x ``channels``
+with channels 1 = grey or 3 = RGB) or encoded (``encoded``: PNG, BMP or JPEG bytes). The
+daemon converts everything to 8-bit greyscale.
+
+A requested mask comes back **bit-packed**: ``numpy.packbits(mask != 0)`` over the row-major
+``(height, width)`` of the request image, shape in ``mask_shape``; :func:`unpack_mask` turns
+it back into a 0/255 uint8 array. (Bit-packing is what the queue stores, so the daemon's loop
+never spends time PNG-encoding.)
+
+Schema evolution: fields are only ever appended, with defaults, so an old client can talk to a
+new daemon and vice versa. Structs are plain maps (not ``array_like``) so a PLC gateway in
+another language can build them by name; the image bytes dominate the cost anyway.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Annotated, Final, Literal
+
+import msgspec
+import numpy as np
+
+LENGTH_PREFIX: Final = struct.Struct(">I")
+PREFIX_BYTES: Final = LENGTH_PREFIX.size
+MAX_FRAME_OVERHEAD: Final = 64 * 1024
+"""Bytes a frame may carry beyond the image itself (ids, class names, msgpack framing)."""
+
+RequestId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+ReplyStatus = Literal["ok", "timeout", "overloaded", "invalid", "error"]
+STATUSES: Final[tuple[ReplyStatus, ...]] = ("ok", "timeout", "overloaded", "invalid", "error")
+
+
+class InferRequest(msgspec.Struct, frozen=True, tag="infer", tag_field="type"):
+    """One image to inspect. Exactly one of ``pixels`` / ``encoded`` is set.
+
+    ``priority`` (0 normal .. 7 most urgent) and ``deadline_ms`` (from arrival) override the
+    part class's configured values when given.
+    """
+
+    id: RequestId
+    part_class: str = "normal"
+    pixels: bytes | None = None
+    height: int = 0
+    width: int = 0
+    channels: int = 1
+    encoded: bytes | None = None
+    priority: int | None = None
+    deadline_ms: int | None = None
+    want_mask: bool = False
+
+
+class StatusRequest(msgspec.Struct, frozen=True, tag="status", tag_field="type"):
+    """Ask for the daemon's status snapshot."""
+
+    id: RequestId
+
+
+class Timings(msgspec.Struct, frozen=True):
+    """Where a request's time went, in milliseconds (daemon clock)."""
+
+    queue_ms: float = 0.0
+    """Enqueue to claim by a worker."""
+    compute_ms: float = 0.0
+    """The worker's forward + post-processing time for the batch this request was in."""
+    total_ms: float = 0.0
+    """Frame received to reply written."""
+
+
+Box = tuple[float, float, float, float, float]
+"""``(x0, y0, x1, y1, score)`` in input pixels, x1/y1 exclusive."""
+
+
+class Reply(msgspec.Struct, frozen=True, tag="reply", tag_field="type"):
+    """The one answer to an :class:`InferRequest`.
+
+    ``verdict`` is ``"defect"`` or ``"clean"`` when ``status == "ok"`` and empty otherwise;
+    ``error`` says why for every other status. ``worker`` names the worker that computed it.
+    """
+
+    id: int
+    status: ReplyStatus
+    verdict: str = ""
+    score: float = 0.0
+    boxes: list[Box] = []
+    mask: bytes | None = None
+    mask_shape: tuple[int, int] | None = None
+    timings: Timings = Timings()
+    worker: str | None = None
+    error: str = ""
+
+
+class WorkerStatus(msgspec.Struct, frozen=True):
+    """One worker as ``scratchd status`` shows it; ``state`` is ``ready`` while serving."""
+
+    id: int
+    name: str
+    pid: int
+    state: str
+    device: str
+    restarts: int
+    slot: int = -1
+    heartbeat_age_ms: float = 0.0
+    batches: int = 0
+    requests: int = 0
+
+
+class QueueStatus(msgspec.Struct, frozen=True):
+    """Queue occupancy: ``depth`` is the number of queued requests per priority 0..7."""
+
+    depth: list[int]
+    slots: int
+    in_use: int
+    in_flight: int
+
+
+class StatusReply(msgspec.Struct, frozen=True, tag="status_reply", tag_field="type"):
+    """The daemon's status snapshot (the observability work appends fields here)."""
+
+    id: int
+    state: str
+    pid: int
+    uptime_s: float
+    backend: str
+    workers: list[WorkerStatus]
+    queue: QueueStatus
+    requests: dict[str, int] = {}
+    """Replies sent since start, by status."""
+    classes: dict[str, tuple[int, int]] = {}
+    """Configured part classes: name -> (priority, deadline_ms)."""
+
+
+ClientMessage = InferRequest | StatusRequest
+DaemonMessage = Reply | StatusReply
+
+_encoder: Final = msgspec.msgpack.Encoder()
+_client_decoder: Final = msgspec.msgpack.Decoder(ClientMessage)
+_daemon_decoder: Final = msgspec.msgpack.Decoder(DaemonMessage)
+_loose_decoder: Final = msgspec.msgpack.Decoder()
+
+DecodeError = msgspec.DecodeError
+"""Raised for a body that is not valid msgpack or does not match the schema."""
+
+
+def encode_frame(message: ClientMessage | DaemonMessage) -> bytes:
+    """The length-prefixed frame for ``message``."""
+    buf = bytearray(PREFIX_BYTES)
+    _encoder.encode_into(message, buf, PREFIX_BYTES)
+    LENGTH_PREFIX.pack_into(buf, 0, len(buf) - PREFIX_BYTES)
+    return bytes(buf)
+
+
+def frame_length(prefix: bytes) -> int:
+    """The body length announced by a 4-byte prefix."""
+    (length,) = LENGTH_PREFIX.unpack(prefix)
+    return int(length)
+
+
+def decode_client_message(body: bytes | memoryview) -> ClientMessage:
+    """Decode a request body; raises :data:`DecodeError` with a readable reason."""
+    return _client_decoder.decode(body)
+
+
+def decode_daemon_message(body: bytes | memoryview) -> DaemonMessage:
+    """Decode a reply body (client side)."""
+    return _daemon_decoder.decode(body)
+
+
+def salvage_request_id(body: bytes | memoryview) -> int:
+    """The ``id`` of a body that failed typed decoding, if one can be read; else 0.
+
+    Lets the daemon address its ``invalid`` reply to the request a client actually sent,
+    so a pipelined client can match it.
+    """
+    try:
+        loose = _loose_decoder.decode(body)
+    except msgspec.DecodeError:
+        return 0
+    if isinstance(loose, dict):
+        rid = loose.get("id")
+        if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 2**63:
+            return rid
+    return 0
+
+
+def pack_mask(mask: np.ndarray) -> tuple[bytes, tuple[int, int]]:
+    """Bit-pack a ``(H, W)`` mask (non-zero = defect) for a :class:`Reply`."""
+    if mask.ndim != 2:
+        raise ValueError(f"mask must be (H, W), got shape {mask.shape}")
+    height, width = mask.shape
+    return np.packbits(mask != 0).tobytes(), (int(height), int(width))
+
+
+def unpack_mask(reply: Reply) -> np.ndarray | None:
+    """The reply's mask as uint8 0/255 of the request image's shape, or None."""
+    if reply.mask is None or reply.mask_shape is None:
+        return None
+    height, width = reply.mask_shape
+    if len(reply.mask) != (height * width + 7) // 8:
+        raise ValueError(
+            f"mask of {len(reply.mask)} bytes does not match its shape {height}x{width}"
+        )
+    bits = np.unpackbits(np.frombuffer(reply.mask, dtype=np.uint8), count=height * width)
+    return (bits.reshape(height, width) * np.uint8(255)).astype(np.uint8)
