@@ -1,0 +1,45 @@
+"""Argument validation shared by the ``<op>_ref`` functions (and later their ``<op>_cuda`` twins).
+
+Every op checks dtype, rank and the shapes that must agree *before* it computes, so a wrong
+call fails with a message naming the op and the argument instead of broadcasting silently.
+Activations are float32 NHWC (channels last) throughout the network.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+Act = Literal["relu", "none"]
+ACTS: tuple[Act, ...] = ("relu", "none")
+
+
+def check_array(
+    op: str, name: str, arr: np.ndarray, *, ndim: int, dtype: type = np.float32
+) -> None:
+    """Raise ``ValueError`` unless ``arr`` is an ndarray of ``dtype`` with ``ndim`` axes."""
+    if not isinstance(arr, np.ndarray):
+        raise TypeError(f"{op}: {name} must be a numpy array, got {type(arr).__name__}")
+    if arr.dtype != dtype:
+        raise ValueError(f"{op}: {name} must be {np.dtype(dtype)}, got {arr.dtype}")
+    if arr.ndim != ndim:
+        raise ValueError(f"{op}: {name} must have {ndim} axes, got shape {arr.shape}")
+
+
+def check_shape(op: str, name: str, arr: np.ndarray, shape: tuple[int, ...]) -> None:
+    """Raise ``ValueError`` unless ``arr.shape == shape``."""
+    if arr.shape != shape:
+        raise ValueError(f"{op}: {name} must have shape {shape}, got {arr.shape}")
+
+
+def check_act(op: str, act: str) -> None:
+    if act not in ACTS:
+        raise ValueError(f"{op}: act must be one of {ACTS}, got {act!r}")
+
+
+def apply_act_(x: np.ndarray, act: Act) -> np.ndarray:
+    """Apply ``act`` in place and return ``x`` (no copy: the caller owns ``x``)."""
+    if act == "relu":
+        np.maximum(x, 0.0, out=x)
+    return x

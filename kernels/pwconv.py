@@ -1,0 +1,39 @@
+"""``pwconv``: pointwise (1x1) convolution with bias, optional residual add, then activation.
+
+``out[n, y, x, co] = act(b[co] + sum_ci x[n, y, x, ci] * w[ci, co] (+ residual[n, y, x, co]))``
+
+The residual is added *before* the activation (ResNet order), so a GPU kernel fuses matmul,
+bias, residual and ReLU into one epilogue. Channels last makes this one BLAS matmul
+``[N*H*W, Cin] @ [Cin, Cout]``; the weight is PyTorch's ``[Cout, Cin, 1, 1]`` as ``[Cin, Cout]``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from scratchd.kernels._checks import Act, apply_act_, check_act, check_array, check_shape
+
+
+def pwconv_ref(
+    x: np.ndarray,  # [N, H, W, Cin] float32
+    w: np.ndarray,  # [Cin, Cout] float32
+    b: np.ndarray,  # [Cout] float32
+    act: Act = "relu",
+    residual: np.ndarray | None = None,  # [N, H, W, Cout] float32
+) -> np.ndarray:  # [N, H, W, Cout] float32
+    """1x1 convolution as a matmul over pixels, plus bias (and residual), then ``act``."""
+    check_array("pwconv", "x", x, ndim=4)
+    check_array("pwconv", "w", w, ndim=2)
+    check_array("pwconv", "b", b, ndim=1)
+    check_act("pwconv", act)
+    n, h, wd, cin = x.shape
+    cout = w.shape[1]
+    check_shape("pwconv", "w", w, (cin, cout))
+    check_shape("pwconv", "b", b, (cout,))
+    out = np.matmul(x.reshape(n * h * wd, cin), w).reshape(n, h, wd, cout)
+    out += b
+    if residual is not None:
+        check_array("pwconv", "residual", residual, ndim=4)
+        check_shape("pwconv", "residual", residual, (n, h, wd, cout))
+        out += residual
+    return apply_act_(out, act)
