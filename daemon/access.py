@@ -1,0 +1,135 @@
+"""Who may talk to the daemon: peer credentials of a Unix socket and the allow-list.
+
+Two layers, both needed on a plant network:
+
+1. the filesystem: the socket is created with ``server.socket_mode`` (0660 by default) in
+   ``/run/scratchd`` (mode 0750, group ``scratchd``), so only the owner and the group can
+   even ``connect()``;
+2. this module: the kernel's record of the connecting process (``SO_PEERCRED``: pid, uid,
+   gid at ``connect()`` time, unforgeable by the peer) plus its supplementary groups
+   (``SO_PEERGROUPS``), checked against ``server.allowed_uids`` / ``server.allowed_gids``.
+
+The decision, made once per connection before any frame is read:
+
+    both lists empty           → allow (anyone who can open the socket)
+    uid in allowed_uids        → allow
+    any of the peer's groups   → allow          (primary gid or a supplementary one)
+      in allowed_gids
+    otherwise                  → refuse, with a reason naming uid, gid and pid
+
+root is not special: a line controller running as root must be listed like anyone else.
+The refused peer gets one ``error`` reply and the connection is closed (the acceptor does
+that); the reason goes to the log and a counter.
+
+Note for the unit file: ``PrivateUsers=`` must stay off. Inside a private user namespace
+every peer outside it reads as the overflow uid 65534 and the allow-list would be useless.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+# Linux <asm-generic/socket.h>; the socket module does not export SO_PEERGROUPS.
+SO_PEERGROUPS = 59
+_UCRED = struct.Struct("=iII")  # pid_t pid; uid_t uid; gid_t gid
+_MAX_GROUPS = 65536  # NGROUPS_MAX on Linux
+_INVALID_ID = 0xFFFFFFFF  # (uid_t)-1
+
+
+class SupportsGetsockopt(Protocol):
+    """A socket, or asyncio's ``TransportSocket`` from ``get_extra_info("socket")``."""
+
+    def getsockopt(self, level: int, optname: int, buflen: int, /) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class PeerCredentials:
+    """What the kernel recorded about the peer when it connected."""
+
+    pid: int
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        return f"uid={self.uid} gid={self.gid} pid={self.pid}"
+
+
+def peer_credentials(sock: SupportsGetsockopt) -> PeerCredentials:
+    """SO_PEERCRED (and SO_PEERGROUPS where the kernel has it) of a connected Unix socket.
+
+    Raises OSError when the socket is not a connected ``AF_UNIX`` socket.
+    """
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    pid, uid, gid = _UCRED.unpack(raw)
+    if uid == _INVALID_ID or gid == _INVALID_ID:
+        # What the kernel reports for a socket with no peer (unconnected, or not AF_UNIX).
+        raise OSError(errno.ENOTCONN, "socket has no peer credentials")
+    return PeerCredentials(pid=pid, uid=uid, gid=gid, groups=_peer_groups(sock))
+
+
+def _peer_groups(sock: SupportsGetsockopt) -> tuple[int, ...]:
+    # SO_PEERGROUPS (Linux 4.13) fails with ERANGE when the buffer is too small; grow once
+    # to the kernel's maximum rather than loop on a size it does not report through Python.
+    for count in (64, _MAX_GROUPS):
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * count)
+        except OSError as exc:
+            if exc.errno == errno.ERANGE and count != _MAX_GROUPS:
+                continue
+            return ()
+        return struct.unpack(f"={len(raw) // 4}I", raw)
+    return ()
+
+
+@dataclass(frozen=True)
+class Decision:
+    allowed: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    """The allow-list from ``[server] allowed_uids`` / ``allowed_gids``."""
+
+    allowed_uids: frozenset[int] = frozenset()
+    allowed_gids: frozenset[int] = frozenset()
+
+    @classmethod
+    def from_lists(cls, uids: Iterable[int] = (), gids: Iterable[int] = ()) -> AccessPolicy:
+        return cls(frozenset(uids), frozenset(gids))
+
+    @property
+    def open(self) -> bool:
+        """True when no list is configured: the socket's mode is the only gate."""
+        return not self.allowed_uids and not self.allowed_gids
+
+    def decide(self, peer: PeerCredentials) -> Decision:
+        if self.open:
+            return Decision(True, "no allow-list configured")
+        if peer.uid in self.allowed_uids:
+            return Decision(True, f"uid {peer.uid} in allowed_uids")
+        matched = sorted(self.allowed_gids.intersection((peer.gid, *peer.groups)))
+        if matched:
+            return Decision(True, f"gid {matched[0]} in allowed_gids")
+        return Decision(
+            False,
+            f"peer {peer.describe()} is not in allowed_uids {sorted(self.allowed_uids)} "
+            f"and none of its groups {sorted({peer.gid, *peer.groups})} "
+            f"is in allowed_gids {sorted(self.allowed_gids)}",
+        )
+
+    def check(self, sock: SupportsGetsockopt) -> tuple[Decision, PeerCredentials | None]:
+        """Decide for a freshly accepted connection. Credentials that cannot be read refuse."""
+        if self.open:
+            return Decision(True, "no allow-list configured"), None
+        try:
+            peer = peer_credentials(sock)
+        except OSError as exc:
+            return Decision(False, f"peer credentials unreadable: {exc.strerror or exc}"), None
+        return self.decide(peer), peer
