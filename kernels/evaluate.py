@@ -1,0 +1,95 @@
+"""Segmentation and detection metrics, shared by ``scratchd eval`` and ``scripts/train.py``.
+
+- **IoU** of one image: ``|pred ∩ gt| / |pred ∪ gt|`` of the binary masks. A group's IoU is
+  the mean over its *defect images* (non-empty ground truth). Images with an empty ground
+  truth (``mtile/free``) have no IoU (their union is empty whenever the prediction is clean,
+  and 0 otherwise): they count in the AUROC and the false-positive rate instead.
+- Groups are reported as stored (``sd900/Sc``, ``mtile/crack``, …) and pooled by their first
+  path component (``sd900``, ``mtile``): the pooled mean is over all defect images of it.
+- **AUROC** (image level): the probability that a defect image's score exceeds a clean
+  image's (ties count one half), i.e. the Mann-Whitney statistic; computed per top-level
+  group that has clean images (``mtile``: tile defects vs ``free``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+def mask_iou(pred: np.ndarray, gt: np.ndarray) -> float | None:
+    """IoU of two same-shape masks (non-zero = defect); None when the union is empty."""
+    if pred.shape != gt.shape:
+        raise ValueError(f"mask_iou: shapes differ {pred.shape} vs {gt.shape}")
+    p, g = pred != 0, gt != 0
+    union = int(np.count_nonzero(p | g))
+    return None if union == 0 else int(np.count_nonzero(p & g)) / union
+
+
+def auroc(positive: np.ndarray, negative: np.ndarray) -> float:
+    """Area under the ROC curve of scores (positives should score higher)."""
+    pos, neg = np.asarray(positive, np.float64), np.asarray(negative, np.float64)
+    if len(pos) == 0 or len(neg) == 0:
+        raise ValueError("auroc needs at least one positive and one negative score")
+    scores = np.concatenate([pos, neg])
+    order = np.argsort(scores, kind="mergesort")
+    ranks = np.empty(len(scores))
+    ranks[order] = np.arange(1, len(scores) + 1)
+    # Average the ranks of tied scores.
+    _uniq, inverse = np.unique(scores, return_inverse=True)
+    sums = np.bincount(inverse, weights=ranks)
+    counts = np.bincount(inverse)
+    ranks = (sums / counts)[inverse]
+    u = ranks[: len(pos)].sum() - len(pos) * (len(pos) + 1) / 2
+    return float(u / (len(pos) * len(neg)))
+
+
+@dataclass
+class Evaluation:
+    """Accumulates per-image results; :meth:`summary` gives the report."""
+
+    ious: dict[str, list[float]] = field(default_factory=dict)
+    scores: dict[str, list[tuple[float, bool]]] = field(default_factory=dict)
+    defect_verdicts: dict[str, list[bool]] = field(default_factory=dict)
+    seconds: float = 0.0
+    images: int = 0
+
+    def add(
+        self, group: str, pred: np.ndarray, gt: np.ndarray | None, score: float, verdict: str
+    ) -> None:
+        """One image: predicted mask, ground-truth mask (None: unknown), score, verdict."""
+        self.images += 1
+        if gt is None:
+            return
+        top = group.split("/")[0]
+        is_defect = bool(np.any(gt))
+        self.scores.setdefault(top, []).append((score, is_defect))
+        self.defect_verdicts.setdefault(group, []).append(verdict == "defect")
+        if is_defect:
+            iou = mask_iou(pred, gt)
+            assert iou is not None  # gt is non-empty, so the union is
+            self.ious.setdefault(group, []).append(iou)
+            if top != group:
+                self.ious.setdefault(top, []).append(iou)
+
+    def summary(self) -> dict[str, Any]:
+        iou = {g: round(float(np.mean(v)), 4) for g, v in sorted(self.ious.items())}
+        n = {g: len(v) for g, v in sorted(self.ious.items())}
+        aucs: dict[str, float] = {}
+        for top, rows in sorted(self.scores.items()):
+            pos = [s for s, d in rows if d]
+            neg = [s for s, d in rows if not d]
+            if pos and neg:
+                aucs[top] = round(auroc(np.array(pos), np.array(neg)), 4)
+        flagged = {g: round(float(np.mean(v)), 4) for g, v in sorted(self.defect_verdicts.items())}
+        return {
+            "images": self.images,
+            "iou": iou,
+            "iou_images": n,
+            "auroc": aucs,
+            "defect_rate": flagged,
+            "seconds": round(self.seconds, 3),
+            "ms_per_image": round(1000 * self.seconds / max(self.images, 1), 2),
+        }

@@ -1,0 +1,160 @@
+"""The shipped model: weights + metadata in one npz, and the predict API the workers call.
+
+File format (``kernels/weights/scratchnet.npz``): a plain ``.npz`` loaded with
+``allow_pickle=False``. One float32 entry per weight (names and shapes from
+:func:`scratchd.kernels.net.weight_shapes`), plus ``__meta__``: a uint8 array holding the
+UTF-8 JSON of :class:`ModelMeta` (architecture, input normalisation, decision threshold,
+minimum defect area, training intensity histogram, validation metrics, training-data hash,
+parameter count, version).
+
+``ScratchNet.predict`` takes uint8 ``(H, W)`` frames of any sizes, runs frames of one size
+together (in chunks of at most ``MAX_BATCH_PIXELS`` input pixels, bounding the activation
+memory to about 1 GB), and returns one :class:`Prediction` per frame, in order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from scratchd.kernels.net import NetConfig, Weights, check_weights, count_params, forward
+from scratchd.kernels.postprocess import (
+    Box,
+    Verdict,
+    binary_entropy_bits,
+    intensity_histogram,
+    postprocess,
+)
+
+DEFAULT_PATH = Path(__file__).resolve().parent / "weights" / "scratchnet.npz"
+META_KEY = "__meta__"
+MAX_BATCH_PIXELS = 4 * 1024 * 1024
+
+
+class ModelError(ValueError):
+    """A model file that cannot be used; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class ModelMeta:
+    """Everything about a model that is not a weight (JSON in the npz)."""
+
+    version: str
+    architecture: dict[str, Any]  # NetConfig.to_json()
+    mean: float  # input normalisation: (x / 255 - mean) / std
+    std: float
+    threshold: float  # probability at or above which a pixel is a defect
+    min_area: int  # components smaller than this (pixels) are dropped
+    score_window: int  # image score: peak mean probability over this square window
+    histogram: list[float]  # training intensities, 64 bins over 0..255, sums to 1
+    val_metrics: dict[str, Any]
+    train_data_sha256: str
+    params: int
+    training: dict[str, Any] = field(default_factory=dict)  # seed, steps, augmentation, …
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelMeta:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    prob: np.ndarray  # [H, W] float32 defect probability
+    mask: np.ndarray  # [H, W] uint8 0/255: kept components only
+    score: float  # image score in [0, 1] (see kernels/postprocess.py)
+    verdict: Verdict
+    boxes: list[Box]  # (x0, y0, x1, y1, score), x1/y1 exclusive, best first
+    entropy: float  # mean per-pixel binary entropy of prob, bits in [0, 1]
+    histogram: np.ndarray  # [64] uint32 input intensity counts
+
+
+class ScratchNet:
+    """A loaded model: numpy weights, architecture and post-processing settings."""
+
+    def __init__(self, weights: Weights, meta: ModelMeta) -> None:
+        self.config = NetConfig.from_json(meta.architecture)
+        check_weights(weights, self.config)
+        self.weights = weights
+        self.meta = meta
+
+    @property
+    def version(self) -> str:
+        return self.meta.version
+
+    def prob(self, images: np.ndarray) -> np.ndarray:
+        """uint8 ``[N, H, W]`` (one size) → probability ``[N, H, W]`` float32."""
+        return forward(self.weights, self.config, images, self.meta.mean, self.meta.std)
+
+    def predict(self, images: Sequence[np.ndarray]) -> list[Prediction]:
+        """One :class:`Prediction` per uint8 ``(H, W)`` image, in input order."""
+        by_size: dict[tuple[int, int], list[int]] = {}
+        for i, img in enumerate(images):
+            _check_image(img, i)
+            by_size.setdefault(img.shape, []).append(i)
+        results: list[Prediction | None] = [None] * len(images)
+        for (h, w), idx in by_size.items():
+            chunk = max(1, MAX_BATCH_PIXELS // (h * w))
+            for lo in range(0, len(idx), chunk):
+                part = idx[lo : lo + chunk]
+                probs = self.prob(np.stack([images[i] for i in part]))
+                for i, prob in zip(part, probs, strict=True):
+                    results[i] = self._finish(images[i], prob)
+        return [r for r in results if r is not None]
+
+    def _finish(self, image: np.ndarray, prob: np.ndarray) -> Prediction:
+        m = self.meta
+        post = postprocess(prob, m.threshold, m.min_area, m.score_window)
+        return Prediction(
+            prob=prob,
+            mask=post.mask,
+            score=post.score,
+            verdict=post.verdict,
+            boxes=post.boxes,
+            entropy=binary_entropy_bits(prob),
+            histogram=intensity_histogram(image),
+        )
+
+
+def _check_image(img: np.ndarray, i: int) -> None:
+    if not isinstance(img, np.ndarray) or img.dtype != np.uint8 or img.ndim != 2:
+        desc = f"{img.dtype} {img.shape}" if isinstance(img, np.ndarray) else type(img).__name__
+        raise ValueError(f"image {i}: expected a uint8 (H, W) array, got {desc}")
+    if img.size == 0:
+        raise ValueError(f"image {i}: empty image {img.shape}")
+
+
+def save_model(path: str | Path, weights: Weights, meta: ModelMeta) -> None:
+    """Write ``weights`` and ``meta`` as a plain npz (no pickled objects)."""
+    cfg = NetConfig.from_json(meta.architecture)
+    check_weights(weights, cfg)
+    if meta.params != count_params(cfg):
+        raise ValueError(f"meta.params {meta.params} != architecture's {count_params(cfg)}")
+    blob = np.frombuffer(json.dumps(meta.to_json(), sort_keys=True).encode(), dtype=np.uint8)
+    with open(path, "wb") as f:
+        np.savez_compressed(f, **weights, **{META_KEY: blob})
+
+
+def load_model(path: str | Path | None = None) -> ScratchNet:
+    """Load a model file (default: the one shipped in the package)."""
+    path = Path(path) if path is not None else DEFAULT_PATH
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files}
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{path}: not a readable model file: {exc}") from None
+    blob = arrays.pop(META_KEY, None)
+    if blob is None:
+        raise ModelError(f"{path}: no {META_KEY} entry")
+    try:
+        meta = ModelMeta.from_json(json.loads(blob.tobytes().decode()))
+        return ScratchNet(arrays, meta)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ModelError(f"{path}: {exc}") from None
