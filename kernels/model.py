@@ -138,8 +138,9 @@ def save_model(path: str | Path, weights: Weights, meta: ModelMeta) -> None:
     if meta.params != count_params(cfg):
         raise ValueError(f"meta.params {meta.params} != architecture's {count_params(cfg)}")
     blob = np.frombuffer(json.dumps(meta.to_json(), sort_keys=True).encode(), dtype=np.uint8)
+    arrays: dict[str, Any] = {**weights, META_KEY: blob}
     with open(path, "wb") as f:
-        np.savez_compressed(f, **weights, **{META_KEY: blob})
+        np.savez_compressed(f, **arrays)
 
 
 def load_model(path: str | Path | None = None) -> ScratchNet:
