@@ -42,8 +42,9 @@ def check_shards(out: Path) -> CheckReport:
             report.errors.append(exc)
             continue
         try:
-            _check_records(shard, report)
-            if shard.sha256() != info.sha256:
+            damaged = _check_records(shard, report)
+            # A damaged record already explains a digest mismatch; report only the record.
+            if not damaged and shard.sha256() != info.sha256:
                 report.errors.append(
                     ShardError(info.file, None, "content differs from the manifest's SHA-256")
                 )
@@ -53,14 +54,18 @@ def check_shards(out: Path) -> CheckReport:
     return report
 
 
-def _check_records(shard: ShardFile, report: CheckReport) -> None:
+def _check_records(shard: ShardFile, report: CheckReport) -> bool:
+    """Check every record's data CRC; True when any failed (each is appended to report)."""
+    damaged = False
     for i in range(len(shard)):
         try:
             record = shard.record(i)
         except ShardError as exc:
             report.errors.append(exc)
+            damaged = True
             continue
         record.image.release()
         if record.mask is not None:
             record.mask.release()
         report.records += 1
+    return damaged

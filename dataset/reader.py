@@ -79,16 +79,23 @@ class ShardFile:
 
     def record(self, i: int) -> Record:
         """Record ``i`` of this shard after checking its image and mask CRC."""
+        if not self._data_crc_ok(i):
+            raise ShardError(self.name, i, f"image/mask CRC mismatch ({self.metas[i].rel})")
         entry = self.index[i]
         start = int(entry["offset"]) + int(entry["meta_len"])
         image_end = start + int(entry["image_len"])
         end = image_end + int(entry["mask_len"])
         view = memoryview(self._mm)
         image, mask = view[start:image_end], view[image_end:end]
-        if crc32(image, mask) != int(entry["data_crc"]):
-            raise ShardError(self.name, i, f"image/mask CRC mismatch ({self.metas[i].rel})")
         has_mask = bool(int(entry["flags"]) & FLAG_HAS_MASK)
         return Record(image=image, mask=mask if has_mask else None, meta=self.metas[i])
+
+    def _data_crc_ok(self, i: int) -> bool:
+        entry = self.index[i]
+        start = int(entry["offset"]) + int(entry["meta_len"])
+        end = start + int(entry["image_len"]) + int(entry["mask_len"])
+        with memoryview(self._mm) as view, view[start:end] as data:
+            return crc32(data) == int(entry["data_crc"])
 
     def sha256(self) -> str:
         return hashlib.sha256(self._mm).hexdigest()
@@ -114,9 +121,24 @@ class ShardFile:
 
     def _read_index(self) -> np.ndarray:
         start, stop = HEADER_SIZE, self.header.data_offset
+        index = np.frombuffer(self._mm[start:stop], dtype=INDEX_DTYPE).copy()
         if crc32(self._mm[start:stop]) != self.header.index_crc:
-            raise ShardError(self.name, None, "index CRC mismatch: the index is corrupt")
-        return np.frombuffer(self._mm[start:stop], dtype=INDEX_DTYPE).copy()
+            raise self._diagnose_index(index)
+        return index
+
+    def _diagnose_index(self, index: np.ndarray) -> ShardError:
+        """Name the first index entry that disagrees with the data, for an index whose CRC
+        failed: the CRC says *that* the index is damaged, the data can say *where*."""
+        self.index = index
+        try:
+            self._check_tiling()
+            for i in range(len(index)):
+                self._read_meta(i)
+                if not self._data_crc_ok(i):
+                    raise ShardError(self.name, i, "image/mask CRC mismatch")
+        except ShardError as exc:
+            return ShardError(self.name, exc.record, f"index CRC mismatch ({exc.reason})")
+        return ShardError(self.name, None, "index CRC mismatch: the index is corrupt")
 
     def _check_tiling(self) -> None:
         """Records must lie back to back from the data offset to the end of the file."""
