@@ -1,0 +1,183 @@
+"""A robust, process-shared pthread mutex living inside a shared mapping.
+
+Why this lock: the queue's critical sections are entered by the main process and by worker
+processes that may be SIGKILLed at any instruction. A POSIX semaphore or a
+``multiprocessing.Lock`` held by a dead process stays locked forever. A *robust* mutex does
+not: the kernel walks the dead thread's robust list and marks the futex ``OWNER_DIED``, and
+the next ``pthread_mutex_lock`` returns ``EOWNERDEAD`` *with the lock acquired*. The new
+holder must then repair whatever the dead one left half-done and call
+``pthread_mutex_consistent`` before unlocking; if it unlocks without doing so the mutex
+becomes ``ENOTRECOVERABLE`` for everyone.
+
+Memory: :data:`MUTEX_BYTES` bytes at a caller-chosen, 64-byte aligned offset of a writable
+mmap (glibc's ``pthread_mutex_t`` is 40 bytes on x86-64 and 48 on aarch64). Only the process
+that creates the segment calls :meth:`RobustMutex.initialize`, once, before any other process
+attaches; everyone else just wraps the same bytes.
+
+Repair protocol (see :meth:`RobustMutex.acquire`): on ``EOWNERDEAD`` the ``repair`` callback
+given to the constructor runs while the lock is held, then the mutex is marked consistent.
+If ``repair`` raises, the mutex is still marked consistent and released (a later locker gets
+an ordinary lock, not ``EOWNERDEAD`` again), and the exception propagates.
+
+Calls go through ctypes with ``argtypes`` set once; ctypes releases the GIL around each call,
+so a blocked ``lock`` never stalls other Python threads. Measured ≈ 1 µs per uncontended
+lock + unlock pair from Python (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import mmap
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+MUTEX_BYTES = 64  # room for pthread_mutex_t on every glibc ABI we run on (40 or 48 bytes)
+_ATTR_BYTES = 16  # pthread_mutexattr_t is 4 bytes on glibc; generous for other ABIs
+
+_PTHREAD_PROCESS_SHARED = 1
+_PTHREAD_MUTEX_ROBUST = 1
+
+
+class LockError(RuntimeError):
+    """The mutex could not be initialised, acquired or released (the message says which)."""
+
+
+def _load_pthread() -> ctypes.CDLL:
+    # glibc ≥ 2.34 has pthread in libc itself; older ones keep it in libpthread.
+    for name in ("c", "pthread"):
+        path = ctypes.util.find_library(name)
+        if path is None:
+            continue
+        lib = ctypes.CDLL(path, use_errno=True)
+        if hasattr(lib, "pthread_mutex_consistent"):
+            return lib
+    raise LockError("no C library with pthread_mutex_consistent (robust mutexes) found")
+
+
+_LIB = _load_pthread()
+for _fn in (
+    "pthread_mutexattr_init",
+    "pthread_mutexattr_setpshared",
+    "pthread_mutexattr_setrobust",
+    "pthread_mutexattr_destroy",
+    "pthread_mutex_init",
+    "pthread_mutex_lock",
+    "pthread_mutex_trylock",
+    "pthread_mutex_unlock",
+    "pthread_mutex_consistent",
+):
+    getattr(_LIB, _fn).restype = ctypes.c_int
+_LIB.pthread_mutexattr_setpshared.argtypes = [ctypes.c_void_p, ctypes.c_int]
+_LIB.pthread_mutexattr_setrobust.argtypes = [ctypes.c_void_p, ctypes.c_int]
+for _fn in (
+    "pthread_mutexattr_init",
+    "pthread_mutexattr_destroy",
+    "pthread_mutex_lock",
+    "pthread_mutex_trylock",
+    "pthread_mutex_unlock",
+    "pthread_mutex_consistent",
+):
+    getattr(_LIB, _fn).argtypes = [ctypes.c_void_p]
+_LIB.pthread_mutex_init.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise LockError(f"{what} failed: {errno.errorcode.get(rc, rc)} ({os.strerror(rc)})")
+
+
+class RobustMutex:
+    """A robust, process-shared mutex over ``MUTEX_BYTES`` bytes of ``buf`` at ``offset``.
+
+    ``repair`` runs (lock held) whenever this process acquires the mutex from a holder that
+    died; it must restore every invariant the critical sections protect.
+    """
+
+    def __init__(
+        self, buf: mmap.mmap, offset: int, repair: Callable[[], None] | None = None
+    ) -> None:
+        if offset % 64:
+            raise LockError(f"mutex offset {offset} is not 64-byte aligned")
+        self._cell = (ctypes.c_char * MUTEX_BYTES).from_buffer(buf, offset)
+        self._ptr = ctypes.c_void_p(ctypes.addressof(self._cell))
+        self._repair = repair
+        self._lock = _LIB.pthread_mutex_lock
+        self._unlock = _LIB.pthread_mutex_unlock
+        self.repairs = 0  # times this process repaired after a dead holder
+
+    def initialize(self) -> None:
+        """Initialise the mutex as robust and process-shared. Creator only, before sharing."""
+        attr = ctypes.create_string_buffer(_ATTR_BYTES)
+        _check(_LIB.pthread_mutexattr_init(attr), "pthread_mutexattr_init")
+        try:
+            _check(
+                _LIB.pthread_mutexattr_setpshared(attr, _PTHREAD_PROCESS_SHARED),
+                "pthread_mutexattr_setpshared",
+            )
+            _check(
+                _LIB.pthread_mutexattr_setrobust(attr, _PTHREAD_MUTEX_ROBUST),
+                "pthread_mutexattr_setrobust",
+            )
+            _check(_LIB.pthread_mutex_init(self._ptr, attr), "pthread_mutex_init")
+        finally:
+            _LIB.pthread_mutexattr_destroy(attr)
+
+    def acquire(self) -> None:
+        """Lock; on ``EOWNERDEAD`` run ``repair`` and mark the mutex consistent."""
+        rc = self._lock(self._ptr)
+        if rc == 0:
+            return
+        if rc == errno.EOWNERDEAD:
+            self._recover()
+            return
+        _check(rc, "pthread_mutex_lock")
+
+    def try_acquire(self) -> bool:
+        """Lock if free (repairing after a dead holder); False if another process holds it."""
+        rc = _LIB.pthread_mutex_trylock(self._ptr)
+        if rc == 0:
+            return True
+        if rc == errno.EBUSY:
+            return False
+        if rc == errno.EOWNERDEAD:
+            self._recover()
+            return True
+        _check(rc, "pthread_mutex_trylock")
+        return False
+
+    def release(self) -> None:
+        """Unlock. Raises :class:`LockError` if this thread does not hold the lock."""
+        rc = self._unlock(self._ptr)
+        if rc:
+            _check(rc, "pthread_mutex_unlock")
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """``with mutex.held(): ...`` — acquire, run the block, release."""
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def close(self) -> None:
+        """Drop the buffer export so the mmap can be closed. The mutex bytes stay as they are."""
+        self._ptr = ctypes.c_void_p(0)
+        del self._cell
+
+    def _recover(self) -> None:
+        # Order: repair while we hold the lock, then consistent, so no other process can
+        # observe the half-repaired state; consistent even if repair raised, so the mutex
+        # never becomes ENOTRECOVERABLE because of a bug in repair.
+        self.repairs += 1
+        try:
+            if self._repair is not None:
+                self._repair()
+        except BaseException:
+            _LIB.pthread_mutex_consistent(self._ptr)
+            self.release()
+            raise
+        _check(_LIB.pthread_mutex_consistent(self._ptr), "pthread_mutex_consistent")

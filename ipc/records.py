@@ -1,0 +1,228 @@
+"""The queue's value types and the fixed-size result record they are stored as.
+
+``DescState`` is the descriptor lifecycle (transitions live in ``ipc/queue.py``)::
+
+    FREE ──reserve──▶ WRITTEN ──submit──▶ QUEUED ──claim_batch──▶ CLAIMED ──complete──▶ DONE
+      ▲                 │ release           │ expire_due /            │ reclaim_worker       │
+      │                 ▼                   ▼ claim_batch (late)      ▼ (owner died)         │
+      └──── FREE ◀── collect_completed ◀── EXPIRED          QUEUED / EXPIRED / FAILED      │
+      └───────────────────────────── collect_completed ◀────────────────────────────────────┘
+
+Every move to FREE bumps the descriptor's generation, so a :class:`Handle` or :class:`Claim`
+from an earlier use is recognisably stale.
+
+A worker's :class:`Result` is written into the descriptor's row of the result table and its
+mask slot (bit-packed) by :func:`write_result`, *before* the state flips to DONE; the main
+process reads it back with :func:`read_result` after it sees DONE.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from scratchd.ipc.shm import ERROR_BYTES, HISTOGRAM_BINS, MAX_BOXES
+
+
+class QueueError(RuntimeError):
+    """Misuse of the queue that the caller must fix (the message says what)."""
+
+
+class StaleHandle(QueueError):
+    """A handle whose descriptor was freed and reused, or is not in the expected state."""
+
+
+class DescState(enum.IntEnum):
+    FREE = 0
+    WRITTEN = 1  # reserved by the acceptor, which is filling the input slot
+    QUEUED = 2  # in the ready lists and the timing wheel
+    CLAIMED = 3  # owned by a worker (worker slot, pid and claim_ns recorded)
+    DONE = 4  # result written; waits for collect_completed
+    EXPIRED = 5  # deadline passed before a worker got it; answered timeout
+    FAILED = 6  # quarantined after killing max_kills workers; answered error
+
+
+class Status(enum.IntEnum):
+    """Reply status codes (the wire protocol names them ok/timeout/overloaded/invalid/error)."""
+
+    OK = 0
+    TIMEOUT = 1
+    OVERLOADED = 2
+    INVALID = 3
+    ERROR = 4
+
+
+class WorkerSlotState(enum.IntEnum):
+    EMPTY = 0  # no worker (never registered, or reclaimed)
+    ACTIVE = 1  # registered; may claim
+
+
+Box = tuple[float, float, float, float, float]  # x0, y0, x1, y1, score
+
+
+@dataclass(frozen=True, slots=True)
+class Handle:
+    """A descriptor as of one use: index plus the generation it had when handed out."""
+
+    index: int
+    generation: int
+
+
+def _empty_histogram() -> np.ndarray:
+    return np.zeros(HISTOGRAM_BINS, np.uint32)
+
+
+@dataclass(slots=True)
+class Result:
+    """What a worker writes back for one request (fixed size in shared memory)."""
+
+    status: Status
+    verdict_defect: bool = False
+    score: float = 0.0
+    boxes: list[Box] = field(default_factory=list)  # at most MAX_BOXES are kept
+    entropy: float = 0.0
+    histogram: np.ndarray = field(default_factory=_empty_histogram)  # uint32[64]
+    compute_ns: int = 0
+    batch_size: int = 0
+    error: str = ""  # at most ERROR_BYTES of UTF-8, cut at a character boundary
+    mask: np.ndarray | None = None  # uint8 (H, W), 0 or 255; stored one bit per pixel
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A request handed to a worker by ``claim_batch``; pass it back to ``complete``."""
+
+    handle: Handle
+    request_id: int
+    priority: int
+    deadline_ns: int
+    height: int
+    width: int
+    want_mask: bool
+    enqueue_ns: int
+    part_class: int
+    claim_ns: int
+
+
+@dataclass(slots=True)
+class Completion:
+    """A finished request as the main process sees it (one per submitted request)."""
+
+    handle: Handle
+    request_id: int
+    conn_id: int
+    part_class: int
+    priority: int
+    status: Status
+    result: Result | None  # None for TIMEOUT and quarantine (ERROR) completions
+    enqueue_ns: int
+    claim_ns: int  # 0 if never claimed
+    done_ns: int
+    worker: int  # worker slot that served it, -1 if none
+    error: str = ""  # why, for TIMEOUT / ERROR completions made by the queue itself
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRow:
+    slot: int
+    pid: int
+    state: WorkerSlotState
+    registered_ns: int
+    heartbeat_ns: int
+    batches: int
+    requests: int
+    claimed: int  # descriptors it holds right now
+
+
+@dataclass(slots=True)
+class ReclaimReport:
+    """What ``reclaim_worker`` did with a dead worker's claims."""
+
+    slot: int
+    pid: int
+    requeued: list[Handle] = field(default_factory=list)
+    expired: list[Handle] = field(default_factory=list)
+    quarantined: list[Handle] = field(default_factory=list)
+    dropped: list[Handle] = field(default_factory=list)  # abandoned by their client: freed
+
+
+def _clip_utf8(text: str, limit: int) -> bytes:
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= limit:
+        return raw
+    return raw[:limit].decode("utf-8", "ignore").encode("utf-8")
+
+
+def write_result(
+    row: np.void,
+    mask_slot: np.ndarray,
+    result: Result,
+    height: int,
+    width: int,
+    between: Callable[[], None] | None = None,
+) -> None:
+    """Store ``result`` for a request of ``height × width``; validates before writing anything.
+
+    ``between`` (fault injection) runs after the fixed fields and before the mask.
+    Raises ValueError (and writes nothing) for a histogram that is not 64 bins, a box that
+    is not 5 numbers, or a mask whose shape is not ``(height, width)``.
+    """
+    hist = np.asarray(result.histogram).ravel()
+    if hist.shape != (HISTOGRAM_BINS,):
+        raise ValueError(f"histogram has {hist.size} bins, expected {HISTOGRAM_BINS}")
+    boxes = (
+        np.asarray(result.boxes[:MAX_BOXES], np.float32).reshape(-1, 5) if result.boxes else None
+    )
+    mask = result.mask
+    if mask is not None and mask.shape != (height, width):
+        raise ValueError(f"mask shape {mask.shape} != request shape {(height, width)}")
+    error = _clip_utf8(result.error, ERROR_BYTES)
+    row["status"] = int(result.status)
+    row["verdict"] = 1 if result.verdict_defect else 0
+    row["score"] = result.score
+    row["entropy"] = result.entropy
+    row["compute_ns"] = result.compute_ns
+    row["batch_size"] = result.batch_size
+    row["histogram"] = hist
+    row["n_boxes"] = 0 if boxes is None else len(boxes)
+    if boxes is not None:
+        row["boxes"][: len(boxes)] = boxes
+    row["error"][: len(error)] = np.frombuffer(error, np.uint8)
+    row["error_len"] = len(error)
+    row["has_mask"] = 0
+    if between is not None:
+        between()
+    if mask is not None:
+        packed = np.packbits(np.asarray(mask).ravel() != 0)
+        mask_slot[: len(packed)] = packed
+        row["has_mask"] = 1
+
+
+def read_result(row: np.void, mask_slot: np.ndarray, height: int, width: int) -> Result:
+    """The :class:`Result` stored by :func:`write_result` (mask unpacked to 0/255 uint8)."""
+    n_boxes = int(row["n_boxes"])
+    boxes: list[Box] = [
+        (float(b[0]), float(b[1]), float(b[2]), float(b[3]), float(b[4]))
+        for b in row["boxes"][:n_boxes].tolist()
+    ]
+    mask = None
+    if row["has_mask"]:
+        n = height * width
+        bits = np.unpackbits(mask_slot[: (n + 7) // 8], count=n)
+        mask = (bits * np.uint8(255)).reshape(height, width)
+    error = bytes(row["error"][: int(row["error_len"])]).decode("utf-8", "replace")
+    return Result(
+        status=Status(int(row["status"])),
+        verdict_defect=bool(row["verdict"]),
+        score=float(row["score"]),
+        boxes=boxes,
+        entropy=float(row["entropy"]),
+        histogram=np.array(row["histogram"], np.uint32),
+        compute_ns=int(row["compute_ns"]),
+        batch_size=int(row["batch_size"]),
+        error=error,
+        mask=mask,
+    )

@@ -1,0 +1,376 @@
+"""The shared-memory segment behind the request queue: geometry, byte layout, lifecycle.
+
+One POSIX shared-memory object ``/scratchd-<instance>`` (mode 0600), created and owned by the
+daemon's main process, mapped by every worker. Every region starts on a 64-byte boundary
+(the payload and mask regions on a 4096-byte page, so a GPU worker can register them)::
+
+    offset 0
+    ┌──────────────────────────────────────────────────────────────────────────┐
+    │ header (HEADER_DTYPE, 512 B)                                             │
+    │   magic "SCRATCHQ", layout version, geometry, region offsets, total size │
+    │   owner pid, clock base, enqueue sequence, waiting-worker bitmask,       │
+    │   wheel cursor, counters · robust pthread mutex at MUTEX_OFFSET (64 B)   │
+    ├──────────────────────────────────────────────────────────────────────────┤
+    │ descriptor table   slots × DESC_DTYPE   state machine + intrusive links  │
+    ├──────────────────────────────────────────────────────────────────────────┤
+    │ result table       slots × RESULT_DTYPE fixed-size results (worker out)  │
+    ├──────────────────────────────────────────────────────────────────────────┤
+    │ worker table       max_workers × WORKER_DTYPE  pid, heartbeat, counters  │
+    ├──────────────────────────────────────────────────────────────────────────┤
+    │ queue index        int32: ready head[8] · ready tail[8] · ready count[8] │
+    │                    · wheel bucket head[wheel_ticks]                      │
+    ├──────────────────────────────────────────────────────────────────────────┤
+    │ input slots        slots × slot_bytes   raw uint8 greyscale, row-major   │
+    ├──────────────────────────────────────────────────────────────────────────┤
+    │ mask slots         slots × ceil(slot_bytes/8)  np.packbits(mask.ravel()) │
+    └──────────────────────────────────────────────────────────────────────────┘
+
+Who writes what (the queue module's docstring gives the order of writes inside the lock):
+
+- header geometry, offsets, magic, owner fields: the creator, once, before anyone attaches;
+  read-only afterwards. The mutex is initialised by the creator, then used by everyone.
+- header sequence, waiting bitmask, wheel cursor, counters; the queue index; descriptor
+  fields ``state``, links and ownership: any process, only while holding the mutex.
+- a descriptor's request fields and its input slot: the main process while the descriptor is
+  WRITTEN (it owns it; no lock needed until ``submit`` publishes it).
+- a descriptor's result row and mask slot: the claiming worker while the descriptor is
+  CLAIMED by it, *before* it flips the state to DONE under the mutex.
+- a worker row's heartbeat and counters: that worker only (single writer, no lock); its
+  ``pid``/``state``: ``register_worker`` and ``reclaim_worker`` under the mutex.
+
+Lifecycle: :meth:`Segment.create` replaces a stale segment (wrong magic or version, or an
+owner that is gone) and refuses one whose owner is alive. Liveness is an exclusive
+``flock`` the owner holds on the segment's file for its whole life: the kernel drops it when
+the owner dies, so no pid-reuse guesswork is involved. :meth:`Segment.attach` maps an
+existing segment after checking magic, version and size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import time
+
+import msgspec
+import numpy as np
+import posix_ipc
+
+from scratchd.ipc.lock import MUTEX_BYTES
+
+MAGIC = b"SCRATCHQ"
+LAYOUT_VERSION = 1
+PRIORITIES = 8  # 0 (normal) .. 7 (most urgent)
+MAX_BOXES = 64
+HISTOGRAM_BINS = 64
+ERROR_BYTES = 200
+NIL = -1  # "no descriptor" in every link and list head
+
+HEADER_BYTES = 512
+MUTEX_OFFSET = 448  # last 64 bytes of the header, 64-byte aligned
+
+HEADER_DTYPE = np.dtype(
+    [
+        ("magic", "S8"),
+        ("version", "<u4"),
+        ("header_bytes", "<u4"),
+        ("slots", "<u4"),
+        ("max_workers", "<u4"),
+        ("slot_bytes", "<u8"),
+        ("tick_ms", "<u4"),
+        ("wheel_ticks", "<u4"),
+        ("total_bytes", "<u8"),
+        ("desc_off", "<u8"),
+        ("result_off", "<u8"),
+        ("worker_off", "<u8"),
+        ("index_off", "<u8"),
+        ("input_off", "<u8"),
+        ("mask_off", "<u8"),
+        ("owner_pid", "<i8"),
+        ("clock_base_ns", "<i8"),
+        ("seq", "<u8"),  # enqueue sequence (FIFO tie-break)
+        ("waiting", "<u8"),  # bit w set: worker slot w sleeps on its work doorbell
+        ("wheel_cursor", "<i8"),  # every tick < cursor has been fully expired
+        ("repairs", "<u8"),  # index rebuilds after a dead lock holder
+        ("expired", "<u8"),  # requests answered timeout
+        ("requeued", "<u8"),  # claims returned to the queue by reclaim_worker
+        ("quarantined", "<u8"),  # requests failed after killing max_kills workers
+        ("abandoned", "<u8"),  # requests dropped because their client left
+    ],
+    align=True,
+)
+assert HEADER_DTYPE.itemsize <= MUTEX_OFFSET
+assert MUTEX_OFFSET + MUTEX_BYTES <= HEADER_BYTES
+
+DESC_DTYPE = np.dtype(
+    [
+        ("state", "u1"),  # DescState
+        ("priority", "u1"),
+        ("want_mask", "u1"),
+        ("abandoned", "u1"),  # client gone: free instead of completing
+        ("kills", "u1"),  # workers that died holding this request
+        ("generation", "<u4"),  # bumped on every reuse (FREE → WRITTEN)
+        ("part_class", "<i4"),
+        ("height", "<u4"),
+        ("width", "<u4"),
+        ("worker", "<i4"),  # claiming worker slot, NIL when not claimed
+        ("worker_pid", "<i4"),
+        ("rnext", "<i4"),  # ready list links (per priority, deadline then seq order)
+        ("rprev", "<i4"),
+        ("wnext", "<i4"),  # timing-wheel bucket links
+        ("wprev", "<i4"),
+        ("wbucket", "<i4"),  # the wheel bucket it is linked into
+        ("request_id", "<u8"),
+        ("conn_id", "<u8"),
+        ("seq", "<u8"),
+        ("enqueue_ns", "<i8"),
+        ("deadline_ns", "<i8"),
+        ("claim_ns", "<i8"),
+        ("done_ns", "<i8"),
+    ],
+    align=True,
+)
+
+RESULT_DTYPE = np.dtype(
+    [
+        ("status", "u1"),  # Status
+        ("verdict", "u1"),
+        ("has_mask", "u1"),
+        ("n_boxes", "<u2"),
+        ("error_len", "<u2"),
+        ("batch_size", "<u4"),
+        ("score", "<f4"),
+        ("entropy", "<f4"),
+        ("compute_ns", "<i8"),
+        ("histogram", "<u4", (HISTOGRAM_BINS,)),
+        ("boxes", "<f4", (MAX_BOXES, 5)),
+        ("error", "u1", (ERROR_BYTES,)),
+    ],
+    align=True,
+)
+
+WORKER_DTYPE = np.dtype(
+    [
+        ("pid", "<i4"),
+        ("state", "u1"),  # WorkerSlotState (queue module)
+        ("registered_ns", "<i8"),
+        ("heartbeat_ns", "<i8"),
+        ("batches", "<u8"),
+        ("requests", "<u8"),
+    ],
+    align=True,
+)
+
+
+class SegmentError(RuntimeError):
+    """The segment is missing, foreign, of another layout version, or owned by a live daemon."""
+
+
+class Geometry(msgspec.Struct, frozen=True):
+    """Sizes of the segment, from the ``[queue]`` config section (immutable once created)."""
+
+    slots: int = 256  # descriptors, input slots and mask slots
+    slot_bytes: int = 4 * 1024 * 1024  # largest raw greyscale image, H*W bytes
+    tick_ms: int = 1  # timing-wheel resolution
+    max_workers: int = 64  # rows of the worker table; ≤ 64 (the waiting bitmask is a u64)
+    wheel_ticks: int = 4096  # buckets; deadlines further out wrap and wait for their round
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field out of range."""
+        limits = {
+            "slots": (1, 1 << 20),
+            "slot_bytes": (1, 1 << 34),
+            "tick_ms": (1, 60_000),
+            "max_workers": (1, 64),
+            "wheel_ticks": (1, 1 << 22),
+        }
+        for field, (low, high) in limits.items():
+            value = getattr(self, field)
+            if not low <= value <= high:
+                raise ValueError(f"queue geometry: {field}={value} outside [{low}, {high}]")
+
+
+def _align(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def mask_bytes(slot_bytes: int) -> int:
+    """Bytes of one mask slot: a bit per input pixel."""
+    return (slot_bytes + 7) // 8
+
+
+def layout(g: Geometry) -> dict[str, int]:
+    """Region offsets and the total size for geometry ``g`` (the header records them)."""
+    off: dict[str, int] = {}
+    at = HEADER_BYTES
+    regions = [
+        ("desc_off", g.slots * DESC_DTYPE.itemsize, 64),
+        ("result_off", g.slots * RESULT_DTYPE.itemsize, 64),
+        ("worker_off", g.max_workers * WORKER_DTYPE.itemsize, 64),
+        ("index_off", (3 * PRIORITIES + g.wheel_ticks) * 4, 64),
+        ("input_off", g.slots * g.slot_bytes, 4096),
+        ("mask_off", g.slots * mask_bytes(g.slot_bytes), 4096),
+    ]
+    for name, size, align in regions:
+        at = _align(at, align)
+        off[name] = at
+        at += size
+    off["total_bytes"] = _align(at, 4096)
+    return off
+
+
+class Segment:
+    """A mapped segment: the mmap, typed numpy views of each region, and the owner's flock."""
+
+    def __init__(self, name: str, mm: mmap.mmap, lock_fd: int | None) -> None:
+        self.name = name
+        self.mm = mm
+        self.owner = lock_fd is not None
+        self._lock_fd = lock_fd
+        self.header = np.ndarray((), HEADER_DTYPE, buffer=mm, offset=0)
+        h = self.header
+        self.geometry = Geometry(
+            slots=int(h["slots"]),
+            slot_bytes=int(h["slot_bytes"]),
+            tick_ms=int(h["tick_ms"]),
+            max_workers=int(h["max_workers"]),
+            wheel_ticks=int(h["wheel_ticks"]),
+        )
+        g = self.geometry
+        self.descs = np.ndarray((g.slots,), DESC_DTYPE, buffer=mm, offset=int(h["desc_off"]))
+        self.results = np.ndarray((g.slots,), RESULT_DTYPE, buffer=mm, offset=int(h["result_off"]))
+        self.workers = np.ndarray(
+            (g.max_workers,), WORKER_DTYPE, buffer=mm, offset=int(h["worker_off"])
+        )
+        index = np.ndarray(
+            (3 * PRIORITIES + g.wheel_ticks,), np.int32, buffer=mm, offset=int(h["index_off"])
+        )
+        self.ready_head = index[0:PRIORITIES]
+        self.ready_tail = index[PRIORITIES : 2 * PRIORITIES]
+        self.ready_count = index[2 * PRIORITIES : 3 * PRIORITIES]
+        self.wheel_head = index[3 * PRIORITIES :]
+        self.inputs = np.ndarray(
+            (g.slots, g.slot_bytes), np.uint8, buffer=mm, offset=int(h["input_off"])
+        )
+        self.masks = np.ndarray(
+            (g.slots, mask_bytes(g.slot_bytes)), np.uint8, buffer=mm, offset=int(h["mask_off"])
+        )
+
+    @classmethod
+    def create(cls, name: str, geometry: Geometry) -> Segment:
+        """Create ``name`` (mode 0600), replacing a stale one; refuse a live owner's."""
+        geometry.validate()
+        offsets = layout(geometry)
+        for _ in range(3):
+            try:
+                shm = posix_ipc.SharedMemory(
+                    name, posix_ipc.O_CREX, mode=0o600, size=offsets["total_bytes"]
+                )
+            except posix_ipc.ExistentialError:
+                _remove_if_stale(name)
+                continue
+            fd = os.dup(shm.fd)  # ours to keep open (and flocked) for the owner's lifetime
+            shm.close_fd()
+            # Liveness first: hold the flock before anything else can look at the segment.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.fchmod(fd, 0o600)  # independent of the umask
+            mm = mmap.mmap(fd, offsets["total_bytes"])
+            _write_header(mm, geometry, offsets)
+            return cls(name, mm, lock_fd=fd)
+        raise SegmentError(f"shared memory {name}: could not create it (raced with another owner)")
+
+    @classmethod
+    def attach(cls, name: str) -> Segment:
+        """Map an existing segment after checking its magic, layout version and size."""
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError as exc:
+            raise SegmentError(f"shared memory {name} does not exist (is the daemon up?)") from exc
+        try:
+            size = os.fstat(shm.fd).st_size
+            problem = _header_problem(shm.fd, size)
+            if problem:
+                raise SegmentError(f"shared memory {name}: {problem}")
+            mm = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        return cls(name, mm, lock_fd=None)
+
+    def header_cell(self, field: str) -> np.ndarray:
+        """A one-element array view of a header field (fast scalar reads and writes)."""
+        fields = HEADER_DTYPE.fields
+        assert fields is not None
+        dtype, offset = fields[field][:2]
+        return np.ndarray((1,), dtype, buffer=self.mm, offset=offset)
+
+    def close(self) -> None:
+        """Unmap (views must be dropped first; the caller owns that) and drop the flock."""
+        for attr in ("header", "descs", "results", "workers", "inputs", "masks"):
+            setattr(self, attr, None)
+        for attr in ("ready_head", "ready_tail", "ready_count", "wheel_head"):
+            setattr(self, attr, None)
+        # A caller may still hold a payload view: then the mapping goes with the last view.
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def unlink(self) -> None:
+        """Remove the name (mapped copies stay valid until unmapped). Idempotent."""
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory(self.name)
+
+
+def _write_header(mm: mmap.mmap, g: Geometry, offsets: dict[str, int]) -> None:
+    # Everything but the magic first: an attacher that sees the magic sees a whole header.
+    h = np.ndarray((), HEADER_DTYPE, buffer=mm, offset=0)
+    h["version"] = LAYOUT_VERSION
+    h["header_bytes"] = HEADER_BYTES
+    for field in ("slots", "slot_bytes", "tick_ms", "max_workers", "wheel_ticks"):
+        h[field] = getattr(g, field)
+    for field, value in offsets.items():
+        h[field] = value
+    h["owner_pid"] = os.getpid()
+    h["clock_base_ns"] = time.monotonic_ns()
+    h["magic"] = MAGIC
+    del h
+
+
+def _header_problem(fd: int, size: int) -> str | None:
+    if size < HEADER_BYTES:
+        return f"only {size} bytes, smaller than a header"
+    raw = os.pread(fd, HEADER_DTYPE.itemsize, 0)
+    h = np.frombuffer(raw, HEADER_DTYPE)[0]
+    if bytes(h["magic"]) != MAGIC:
+        return "not a scratchd queue (bad magic)"
+    if int(h["version"]) != LAYOUT_VERSION:
+        return f"layout version {int(h['version'])}, this build reads {LAYOUT_VERSION}"
+    if int(h["total_bytes"]) > size:
+        return f"truncated: {size} bytes of {int(h['total_bytes'])}"
+    return None
+
+
+def _remove_if_stale(name: str) -> None:
+    """Unlink ``name`` unless a live owner holds its flock (then raise SegmentError)."""
+    try:
+        shm = posix_ipc.SharedMemory(name)
+    except posix_ipc.ExistentialError:
+        return  # vanished meanwhile: just retry the create
+    try:
+        try:
+            fcntl.flock(shm.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raw = os.pread(shm.fd, HEADER_DTYPE.itemsize, 0)
+            pid = "?"
+            if len(raw) == HEADER_DTYPE.itemsize:
+                pid = str(int(np.frombuffer(raw, HEADER_DTYPE)[0]["owner_pid"]))
+            raise SegmentError(
+                f"shared memory {name} is in use by a running daemon (pid {pid})"
+            ) from None
+        # We hold the dead owner's lock now: nobody live uses it. Unlink by name; the inode
+        # goes away when the last stale mapping does.
+        posix_ipc.unlink_shared_memory(name)
+    finally:
+        shm.close_fd()
