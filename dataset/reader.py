@@ -22,6 +22,7 @@ import hashlib
 import mmap
 import operator
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -222,21 +223,25 @@ class ShardSet:
         return len(self._shard_of)
 
     def __getitem__(self, i: SupportsIndex) -> Record:
+        shard, local = self._locate(i)
+        return shard.record(local)
+
+    def __iter__(self) -> Iterator[Record]:
+        return (self[i] for i in range(len(self)))
+
+    def meta(self, i: SupportsIndex) -> RecordMeta:
+        """Record ``i``'s metadata (checked at open), without touching its image bytes."""
+        shard, local = self._locate(i)
+        return shard.metas[local]
+
+    def _locate(self, i: SupportsIndex) -> tuple[ShardFile, int]:
+        """The shard and in-shard index of global record ``i`` (negative counts from the end)."""
         position = operator.index(i)
         if position < 0:
             position += len(self)
         if not 0 <= position < len(self):
-            raise IndexError(f"record {i} out of range for {len(self)} records")
-        shard = self.shards[int(self._shard_of[position])]
-        return shard.record(int(self._local_of[position]))
-
-    def __iter__(self) -> Any:
-        return (self[i] for i in range(len(self)))
-
-    def meta(self, i: SupportsIndex) -> RecordMeta:
-        """Record ``i``'s metadata, without touching (or checking) its image bytes."""
-        position = operator.index(i) % max(len(self), 1)
-        return self.shards[int(self._shard_of[position])].metas[int(self._local_of[position])]
+            raise IndexError(f"record {operator.index(i)} out of range for {len(self)} records")
+        return self.shards[int(self._shard_of[position])], int(self._local_of[position])
 
     def indices(self, split: str | None = None, group_prefix: str | None = None) -> list[int]:
         """Global indices whose split is ``split`` and whose group is ``group_prefix`` or

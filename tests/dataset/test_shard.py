@@ -115,9 +115,12 @@ def test_index_filters_by_split_and_group_by_whole_components(tmp_path: Path) ->
         assert shards.indices(group_prefix="sd900/") == [1, 2, 4, 5, 7, 8, 10, 11]
         assert shards.indices(group_prefix="sd9") == []
         assert shards.indices(split="val", group_prefix="mtile/free") == [0]
-        assert shards[-1].meta == records[-1][0]
-        with pytest.raises(IndexError):
-            shards[len(records)]
+        assert shards[-1].meta == shards.meta(-1) == records[-1][0]
+        for bad in (len(records), -len(records) - 1):
+            with pytest.raises(IndexError):
+                shards[bad]
+            with pytest.raises(IndexError):
+                shards.meta(bad)
 
 
 def test_records_are_views_that_outlive_close(tmp_path: Path) -> None:
