@@ -1,0 +1,304 @@
+"""Train ScratchNet on shards, export the npz model and evaluate it with the numpy forward.
+
+    python scripts/train.py --shards .devdata/shards --out OUT [--minutes 5] [--device cuda]
+
+Reads the ``train`` split only (``val`` is held out and reported). Steps:
+
+1. decode every record once (``decode_image``) into memory; compute the training intensity
+   histogram, mean/std and a SHA-256 over the training records' bytes (the data's identity);
+2. sample batches (fixed seed): a random square crop (192, 224 or 256 px per step; smaller
+   images are edge-padded), half of the crops of defect images centred near a defect pixel;
+   on the device: flips, rot90, gamma/contrast/brightness jitter, Gaussian noise;
+3. BCE + soft Dice on the logits upsampled to the crop (the deployed head), AdamW with a
+   cosine schedule after a warm-up, bf16 autocast on CUDA, an EMA of the weights;
+4. ``--minutes`` bounds training time: after a timed warm-up the step count is fixed so the
+   cosine schedule ends on time (``--steps`` caps it);
+5. the EMA model is folded (``fold_bn``) into numpy weights, evaluated on ``val`` with the
+   numpy forward and post-processing (IoU per group, AUROC tile defects vs free), and saved
+   as ``OUT/scratchnet.npz`` with its metadata; ``OUT/train_log.json`` has the loss curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from scratchd.dataset.shard import open_shards
+from scratchd.ipc.image import decode_image
+from scratchd.kernels.evaluate import Evaluation
+from scratchd.kernels.model import ModelMeta, ScratchNet, save_model
+from scratchd.kernels.net import NetConfig, count_params
+from scratchd.kernels.postprocess import HIST_BINS
+from scratchd.kernels.torchnet import TorchScratchNet, export_weights, full_logits
+
+CROPS = (192, 224, 256)
+VERSION_PREFIX = "scratchnet-1"
+
+
+@dataclass
+class Example:
+    rel: str
+    group: str
+    image: np.ndarray  # [H, W] uint8
+    mask: np.ndarray  # [H, W] uint8 0/1
+    defect_yx: np.ndarray  # [K, 2] defect pixel coordinates (K may be 0)
+
+
+def load_split(shards: Path, split: str) -> tuple[list[Example], str]:
+    """Decoded examples of one split and the SHA-256 of their stored bytes."""
+    digest = hashlib.sha256()
+    out: list[Example] = []
+    with open_shards(shards) as ss:
+        for i in ss.indices(split=split):
+            rec = ss[i]
+            digest.update(rec.meta.rel.encode())
+            digest.update(rec.image)
+            image = decode_image(rec.image)
+            if rec.mask is None:
+                raise ValueError(f"{rec.meta.rel}: training needs a mask")
+            digest.update(rec.mask)
+            mask = (decode_image(rec.mask) > 127).astype(np.uint8)
+            yx = np.argwhere(mask)[:: max(1, int(mask.sum()) // 512)]
+            out.append(Example(rec.meta.rel, rec.meta.group, image, mask, yx))
+    return out, digest.hexdigest()
+
+
+def sample_weights(examples: list[Example]) -> np.ndarray:
+    """Sampling probability per example: tile defects are rarer and harder, so drawn more."""
+    w = np.array(
+        [
+            0.5 if e.group == "mtile/free" else 2.0 if e.group.startswith("mtile/") else 1.0
+            for e in examples
+        ]
+    )
+    return w / w.sum()
+
+
+def crop_batch(
+    examples: list[Example], idx: np.ndarray, size: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """``[B, size, size]`` uint8 images and masks: random crops, edge-padded when small."""
+    imgs = np.empty((len(idx), size, size), np.uint8)
+    masks = np.empty((len(idx), size, size), np.uint8)
+    for j, i in enumerate(idx):
+        e = examples[i]
+        img, mask = e.image, e.mask
+        h, w = img.shape
+        ph, pw = max(size - h, 0), max(size - w, 0)
+        if ph or pw:
+            top, left = rng.integers(0, ph + 1), rng.integers(0, pw + 1)
+            pad = ((top, ph - top), (left, pw - left))
+            img, mask = np.pad(img, pad, mode="edge"), np.pad(mask, pad, mode="edge")
+            yx = e.defect_yx + np.array([top, left])
+        else:
+            yx = e.defect_yx
+        h, w = img.shape
+        if len(yx) and rng.random() < 0.5:
+            cy, cx = yx[rng.integers(len(yx))]
+            y0 = int(np.clip(cy - rng.integers(size // 8, size - size // 8), 0, h - size))
+            x0 = int(np.clip(cx - rng.integers(size // 8, size - size // 8), 0, w - size))
+        else:
+            y0, x0 = int(rng.integers(0, h - size + 1)), int(rng.integers(0, w - size + 1))
+        imgs[j] = img[y0 : y0 + size, x0 : x0 + size]
+        masks[j] = mask[y0 : y0 + size, x0 : x0 + size]
+    return imgs, masks
+
+
+def augment(
+    x: torch.Tensor, y: torch.Tensor, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Geometric and photometric augmentation of ``x`` in [0, 1] and mask ``y`` ``[B, 1, S, S]``."""
+    b, dev = x.shape[0], x.device
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=gen, device=dev)
+
+    for dims, p in (((3,), 0.5), ((2,), 0.5)):
+        flip = (rand(b) < p).view(b, 1, 1, 1)
+        x, y = torch.where(flip, x.flip(dims), x), torch.where(flip, y.flip(dims), y)
+    rot = (rand(b) < 0.5).view(b, 1, 1, 1)
+    x = torch.where(rot, x.transpose(2, 3), x)
+    y = torch.where(rot, y.transpose(2, 3), y)
+    gamma = torch.exp((rand(b, 1, 1, 1) - 0.5) * 0.8)  # 0.67 .. 1.49
+    x = x.clamp(0, 1) ** gamma
+    contrast = 0.7 + 0.6 * rand(b, 1, 1, 1)
+    brightness = (rand(b, 1, 1, 1) - 0.5) * 0.3
+    mean = x.mean(dim=(2, 3), keepdim=True)
+    x = (x - mean) * contrast + mean + brightness
+    sigma = 0.03 * rand(b, 1, 1, 1) * (rand(b, 1, 1, 1) < 0.5)
+    x = x + sigma * torch.randn(x.shape, generator=gen, device=dev)
+    # Quantise like a camera would: the deployed model only ever sees uint8 frames.
+    return (x.clamp(0, 1) * 255).round() / 255, y
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """BCE plus soft Dice over the whole batch (empty-mask crops contribute through BCE)."""
+    bce = F.binary_cross_entropy_with_logits(logits, target)
+    p = torch.sigmoid(logits)
+    inter = (p * target).sum()
+    dice = 1 - (2 * inter + 1) / (p.sum() + target.sum() + 1)
+    return bce + dice
+
+
+def update_ema(ema: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
+    with torch.no_grad():
+        for e, m in zip(ema.state_dict().values(), model.state_dict().values(), strict=True):
+            if e.dtype.is_floating_point:
+                e.lerp_(m, 1 - decay)
+            else:
+                e.copy_(m)
+
+
+def train(
+    args: argparse.Namespace, train_set: list[Example], mean: float, std: float
+) -> tuple[TorchScratchNet, dict[str, Any]]:
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.benchmark = True
+    rng = np.random.default_rng(args.seed)
+    dev = torch.device(args.device)
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    w0, w1, w2, w3 = args.widths
+    cfg = NetConfig(widths=(w0, w1, w2, w3), dec_depth=args.dec_depth)
+    model = TorchScratchNet(cfg).to(dev)
+    for p in model.parameters():
+        if p.ndim == 4:
+            p.data = p.data.contiguous(memory_format=torch.channels_last)
+    ema = copy.deepcopy(model).eval()
+    decay_params = [p for n, p in model.named_parameters() if p.ndim > 1]
+    other = [p for n, p in model.named_parameters() if p.ndim <= 1]
+    opt = torch.optim.AdamW(
+        [{"params": decay_params, "weight_decay": args.wd}, {"params": other, "weight_decay": 0}],
+        lr=args.lr,
+    )
+    probs = sample_weights(train_set)
+    amp = dev.type == "cuda"
+    warmup, total, step = args.warmup, args.steps, 0
+    log: list[dict[str, float]] = []
+    t0 = time.perf_counter()
+    while step < total:
+        lr_scale = (
+            min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step / total, 1)))
+        )
+        for g in opt.param_groups:
+            g["lr"] = args.lr * lr_scale
+        size = CROPS[step % len(CROPS)]
+        idx = rng.choice(len(train_set), size=args.batch, p=probs)
+        imgs, masks = crop_batch(train_set, idx, size, rng)
+        x = torch.from_numpy(imgs).to(dev, non_blocking=True)[:, None].float() / 255
+        y = torch.from_numpy(masks).to(dev, non_blocking=True)[:, None].float()
+        x, y = augment(x, y, gen)
+        x = ((x - mean) / std).contiguous(memory_format=torch.channels_last)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+            logits = full_logits(model, x)
+        loss = loss_fn(logits.float(), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 2.0)
+        opt.step()
+        update_ema(ema, model, min(args.ema, (1 + step) / (10 + step)))
+        step += 1
+        if step == warmup and args.minutes > 0:
+            if amp:
+                torch.cuda.synchronize()
+            per_step = (time.perf_counter() - t0) / step
+            total = min(args.steps, max(warmup + 1, int(args.minutes * 60 / per_step)))
+            print(f"{per_step * 1000:.1f} ms/step → {total} steps", flush=True)
+        if step % 100 == 0 or step == total:
+            entry = {"step": step, "loss": float(loss.detach()), "lr": args.lr * lr_scale,
+                     "seconds": time.perf_counter() - t0}  # fmt: skip
+            log.append(entry)
+            if step % 500 == 0 or step == total:
+                print(json.dumps(entry), flush=True)
+    info = {"steps": total, "seconds": round(time.perf_counter() - t0, 1), "log": log}
+    return ema.cpu().float(), info
+
+
+def evaluate(model: ScratchNet, examples: list[Example]) -> dict[str, Any]:
+    """Numpy forward + post-processing over held-out examples."""
+    ev = Evaluation()
+    for e in examples:
+        t = time.perf_counter()
+        pred = model.predict([e.image])[0]
+        ev.seconds += time.perf_counter() - t
+        ev.add(e.group, pred.mask, e.mask, pred.score, pred.verdict)
+    return ev.summary()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--shards", type=Path, default=Path(".devdata/shards"))
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--minutes", type=float, default=5.0, help="training time budget (0: --steps)")
+    ap.add_argument("--steps", type=int, default=100_000)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=300, help="linear LR warm-up steps (timed)")
+    ap.add_argument("--lr", type=float, default=4e-3)
+    ap.add_argument("--wd", type=float, default=1e-4)
+    ap.add_argument("--ema", type=float, default=0.999)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--widths", type=int, nargs=4, default=[24, 48, 96, 192])
+    ap.add_argument("--dec-depth", type=int, default=1)
+    ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument("--min-area", type=int, default=16)
+    ap.add_argument("--score-window", type=int, default=5)
+    ap.add_argument("--val-limit", type=int, default=0, help="evaluate only this many (smoke)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    train_set, data_hash = load_split(args.shards, "train")
+    val_set, _ = load_split(args.shards, "val")
+    pixels = np.concatenate([e.image.ravel() for e in train_set])
+    mean, std = float(pixels.mean() / 255), float(pixels.std() / 255)
+    hist = np.bincount(pixels >> 2, minlength=HIST_BINS) / len(pixels)
+    print(f"train {len(train_set)} val {len(val_set)} mean {mean:.4f} std {std:.4f}", flush=True)
+
+    torch_model, info = train(args, train_set, mean, std)
+    weights = export_weights(torch_model)
+    cfg = torch_model.cfg
+    meta = ModelMeta(
+        version=f"{VERSION_PREFIX}+{data_hash[:12]}.s{args.seed}",
+        architecture=cfg.to_json(),
+        mean=mean,
+        std=std,
+        threshold=args.threshold,
+        min_area=args.min_area,
+        score_window=args.score_window,
+        histogram=[round(float(v), 6) for v in hist],
+        val_metrics={},
+        train_data_sha256=data_hash,
+        params=count_params(cfg),
+        training={k: v for k, v in info.items() if k != "log"}
+        | {
+            "seed": args.seed,
+            "batch": args.batch,
+            "lr": args.lr,
+            "crops": list(CROPS),
+            "train_images": len(train_set),
+            "device": args.device,
+        },
+    )
+    val = val_set[: args.val_limit] if args.val_limit else val_set
+    metrics = evaluate(ScratchNet(weights, meta), val)
+    print(json.dumps(metrics), flush=True)
+    meta = dataclasses.replace(meta, val_metrics=metrics)
+    save_model(args.out / "scratchnet.npz", weights, meta)
+    (args.out / "train_log.json").write_text(json.dumps({"info": info, "val": metrics}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
