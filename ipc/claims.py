@@ -25,6 +25,7 @@ check and the ``poll``.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from time import monotonic_ns as time_ns
 
@@ -58,7 +59,6 @@ class WorkerOps:
     geometry: Geometry
     _seg: Segment
     _mutex: RobustMutex
-    _pid: int
     _fault: FaultPoint
     _completion: Doorbell | None
     _work: list[Doorbell]
@@ -134,12 +134,12 @@ class WorkerOps:
         Raises QueueError if this process is not the worker registered in ``slot`` (e.g. it
         was reclaimed): such a worker must exit, not claim.
         """
-        d, expired = self._seg.descs, 0
+        d, expired, pid = self._seg.descs, 0, os.getpid()
         claims: list[Claim] = []
         with self._mutex.held():
             row = self._seg.workers[slot]
-            if row["state"] != WorkerSlotState.ACTIVE or int(row["pid"]) != self._pid:
-                raise QueueError(f"pid {self._pid} is not the worker registered in slot {slot}")
+            if row["state"] != WorkerSlotState.ACTIVE or int(row["pid"]) != pid:
+                raise QueueError(f"pid {pid} is not the worker registered in slot {slot}")
             while len(claims) < max_n:
                 i = self._ready.best()
                 if i == NIL:
@@ -152,7 +152,8 @@ class WorkerOps:
                     self._state[i] = _EXPIRED
                     expired += 1
                     continue
-                d["worker"][i], d["worker_pid"][i], d["claim_ns"][i] = slot, self._pid, now_ns
+                d["worker"][i], d["worker_pid"][i], d["claim_ns"][i] = slot, pid, now_ns
+                d["attempt"][i] += 1
                 self._state[i] = _CLAIMED
                 self._fault.reach("claim.marked")
                 claims.append(self._claim_of(i))
@@ -261,8 +262,8 @@ class WorkerOps:
             self._gen[i] == c.handle.generation
             and self._state[i] == _CLAIMED
             and self._owner[i] == slot
-            and d["worker_pid"][i] == self._pid
-            and d["claim_ns"][i] == c.claim_ns
+            and d["worker_pid"][i] == os.getpid()
+            and d["attempt"][i] == c.attempt
         )
 
     def _claim_of(self, i: int) -> Claim:
@@ -273,6 +274,7 @@ class WorkerOps:
             height=int(row["height"]), width=int(row["width"]),
             want_mask=bool(row["want_mask"]), enqueue_ns=int(row["enqueue_ns"]),
             part_class=int(row["part_class"]), claim_ns=int(row["claim_ns"]),
+            attempt=int(row["attempt"]),
         )  # fmt: skip
 
     def _return_claim(self, i: int, now_ns: int, max_kills: int, report: ReclaimReport) -> None:

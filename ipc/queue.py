@@ -45,7 +45,6 @@ eventfd per worker slot; hand ``completion_fd`` and ``work_fd(slot)`` to the wor
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from time import monotonic_ns as time_ns
 
@@ -104,7 +103,6 @@ class RequestQueue(WorkerOps):
     def __init__(self, seg: Segment, completion: Doorbell | None, work: list[Doorbell]) -> None:
         self._seg = seg
         self.geometry = seg.geometry
-        self._pid = os.getpid()
         self._fault = FaultPoint.from_env()
         self._completion = completion
         self._work = work  # creator: one per slot; a worker: [its own] or []
@@ -220,6 +218,7 @@ class RequestQueue(WorkerOps):
         row["request_id"], row["conn_id"], row["part_class"] = request_id, conn_id, part_class
         row["priority"], row["height"], row["width"] = priority, height, width
         row["want_mask"], row["abandoned"], row["kills"] = bool(want_mask), 0, 0
+        row["attempt"] = 0
         row["enqueue_ns"], row["deadline_ns"] = time_ns(), deadline_ns
         row["claim_ns"] = row["done_ns"] = 0
         self._mutex.acquire()

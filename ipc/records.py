@@ -105,6 +105,7 @@ class Claim:
     enqueue_ns: int
     part_class: int
     claim_ns: int
+    attempt: int  # 1 on the first claim; > 1 after its earlier workers died
 
 
 @dataclass(slots=True)

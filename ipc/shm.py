@@ -27,10 +27,14 @@ daemon's main process, mapped by every worker. Every region starts on a 64-byte 
 
 Who writes what (the queue module's docstring gives the order of writes inside the lock):
 
+- a descriptor's ``state`` FREE ↔ WRITTEN and its ``generation``: the main process only
+  (the only process that reserves and frees), without the lock; workers never look at
+  FREE or WRITTEN descriptors.
 - header geometry, offsets, magic, owner fields: the creator, once, before anyone attaches;
   read-only afterwards. The mutex is initialised by the creator, then used by everyone.
 - header sequence, waiting bitmask, wheel cursor, counters; the queue index; descriptor
-  fields ``state``, links and ownership: any process, only while holding the mutex.
+  fields ``state`` (every other transition), links and ownership: any process, only while
+  holding the mutex.
 - a descriptor's request fields and its input slot: the main process while the descriptor is
   WRITTEN (it owns it; no lock needed until ``submit`` publishes it).
 - a descriptor's result row and mask slot: the claiming worker while the descriptor is
@@ -110,7 +114,8 @@ DESC_DTYPE = np.dtype(
         ("want_mask", "u1"),
         ("abandoned", "u1"),  # client gone: free instead of completing
         ("kills", "u1"),  # workers that died holding this request
-        ("generation", "<u4"),  # bumped on every reuse (FREE → WRITTEN)
+        ("generation", "<u4"),  # bumped on every move to FREE (so on every reuse)
+        ("attempt", "<u4"),  # claims of this request so far; binds a Claim to one claim
         ("part_class", "<i4"),
         ("height", "<u4"),
         ("width", "<u4"),
