@@ -219,7 +219,7 @@ def train(
             entry = {"step": step, "loss": float(loss.detach()), "lr": args.lr * lr_scale,
                      "seconds": time.perf_counter() - t0}  # fmt: skip
             log.append(entry)
-            if step % 500 == 0 or step == total:
+            if step % 2000 == 0 or step == total:
                 print(json.dumps(entry), flush=True)
     info = {"steps": total, "seconds": round(time.perf_counter() - t0, 1), "log": log}
     return ema.cpu().float(), info
