@@ -31,6 +31,7 @@ import socket
 import stat
 import time
 from collections.abc import Callable, Mapping, MutableMapping
+from math import inf
 
 LISTEN_FDS_START = 3
 
@@ -135,48 +136,80 @@ def watchdog_interval(environ: Mapping[str, str] | None = None) -> float | None:
 
 
 class Watchdog:
-    """Pings the service manager at a fixed interval while ``healthy()`` holds.
+    """Pings the service manager every ``interval`` seconds while ``healthy()`` holds.
 
     ``healthy`` is the daemon's own judgement (at least one worker ready, the event loop
     turning — which it is, if this coroutine runs at all). It must be cheap and not block.
+    With ``summary``, the one-line summary is checked every ``STATUS_INTERVAL`` (or each
+    ping, if that is more often) and sent as ``STATUS=`` when it changed, so
+    ``systemctl status`` follows the pool without a message per event. ``interval=None``
+    keeps only the status updates (no watchdog was asked for).
     """
 
-    def __init__(self, notifier: Notifier, interval: float, healthy: Callable[[], bool]) -> None:
-        if interval <= 0:
+    def __init__(
+        self,
+        notifier: Notifier,
+        interval: float | None,
+        healthy: Callable[[], bool],
+        summary: Callable[[], str] | None = None,
+    ) -> None:
+        if interval is not None and interval <= 0:
             raise ValueError(f"watchdog interval must be positive, not {interval}")
         self._notifier = notifier
-        self._interval = interval
+        self.interval = interval
+        self.period = min(interval or STATUS_INTERVAL, STATUS_INTERVAL if summary else inf)
         self._healthy = healthy
+        self._summary = summary
+        self._last_summary = ""
+        self._last_ping = -inf
         self.pings = 0
         self.skipped = 0
 
-    def beat(self) -> bool:
-        """One tick: ping if healthy. True when a ping was sent."""
-        if self._healthy() and self._notifier.watchdog():
+    def beat(self, now: float | None = None) -> bool:
+        """One tick: ping if one is due and the pool is healthy; send a changed STATUS.
+        True when a ping was sent."""
+        now = time.monotonic() if now is None else now
+        fields: dict[str, str | int] = {}
+        if self._summary is not None:
+            text = self._summary()
+            if text != self._last_summary:
+                fields["STATUS"] = self._last_summary = text
+        due = self.interval is not None and now - self._last_ping >= self.interval * 0.95
+        ping = due and self._healthy()
+        if ping:
+            fields["WATCHDOG"] = 1
+        sent = self._notifier.send(**fields) if fields else False
+        if due and not (ping and sent):
+            self.skipped += 1
+        if ping and sent:
+            self._last_ping = now
             self.pings += 1
-            return True
-        self.skipped += 1
-        return False
+        return ping and sent
 
     async def run(self) -> None:
-        """Beat until cancelled; the first ping goes out at once."""
+        """Beat until cancelled; the first beat is at once."""
         while True:
             self.beat()
-            await asyncio.sleep(self._interval)
+            await asyncio.sleep(self.period)
+
+
+STATUS_INTERVAL = 1.0
+"""Seconds between checks of the STATUS= summary."""
 
 
 def start_watchdog(
     notifier: Notifier,
     healthy: Callable[[], bool],
     environ: Mapping[str, str] | None = None,
+    summary: Callable[[], str] | None = None,
 ) -> asyncio.Task[None] | None:
-    """Start the pinging task on the running loop when systemd asked for a watchdog."""
+    """Start the pinging (and STATUS) task on the running loop; None when there is nothing
+    to send (not under systemd, or neither a watchdog nor a summary)."""
     interval = watchdog_interval(environ)
-    if interval is None or not notifier.enabled:
+    if not notifier.enabled or (interval is None and summary is None):
         return None
-    return asyncio.get_running_loop().create_task(
-        Watchdog(notifier, interval, healthy).run(), name="sd-watchdog"
-    )
+    dog = Watchdog(notifier, interval, healthy, summary)
+    return asyncio.get_running_loop().create_task(dog.run(), name="sd-watchdog")
 
 
 def inherited_listener(

@@ -134,6 +134,37 @@ def test_watchdog_counts_skipped_beats() -> None:
         Watchdog(notifier, 0, lambda: True)
 
 
+def test_status_is_sent_when_it_changes_and_pings_keep_their_interval(tmp_path: Path) -> None:
+    path = str(tmp_path / "notify")
+    summary = ["1/2 workers ready"]
+    with _bind_notify_socket(path) as listener:
+        dog = Watchdog(Notifier(path), 10.0, lambda: True, lambda: summary[0])
+        assert dog.period == 1.0, "STATUS is checked every second even with a slow watchdog"
+        assert dog.beat(now=100.0)
+        assert _fields(listener) == {"STATUS": "1/2 workers ready", "WATCHDOG": "1"}
+        assert not dog.beat(now=101.0)  # nothing changed, no ping due: nothing sent
+        summary[0] = "2/2 workers ready"
+        assert not dog.beat(now=102.0)
+        assert _fields(listener) == {"STATUS": "2/2 workers ready"}
+        assert dog.beat(now=110.0)
+        assert _fields(listener) == {"WATCHDOG": "1"}
+
+
+def test_status_only_without_a_watchdog(tmp_path: Path) -> None:
+    path = str(tmp_path / "notify")
+
+    async def scenario() -> asyncio.Task[None] | None:
+        task = start_watchdog(Notifier(path), lambda: True, {}, summary=lambda: "serving")
+        await asyncio.sleep(0.05)
+        if task is not None:
+            task.cancel()
+        return task
+
+    with _bind_notify_socket(path) as listener:
+        assert asyncio.run(scenario()) is not None
+        assert _fields(listener) == {"STATUS": "serving"}
+
+
 def test_no_watchdog_task_without_watchdog_usec(tmp_path: Path) -> None:
     async def scenario() -> object:
         return start_watchdog(Notifier(str(tmp_path / "n")), lambda: True, {})
