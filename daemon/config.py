@@ -61,8 +61,10 @@ class WorkersConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     backend: Literal["auto", "cuda", "cpu"] = "auto"
     cpu_workers: Positive = 2
     gpus: Literal["all"] | list[NonNegative] = "all"
-    cpu_max_batch: Positive = 8
-    """The CPU backend's own batch limit (the GPU's comes from free memory)."""
+    cpu_max_batch: Positive = 2
+    """The CPU backend's own batch limit (the GPU's comes from free memory). Small: numpy's
+    time per image does not drop with the batch size, and small batches spread a burst
+    over all CPU workers instead of queueing it behind one."""
     heartbeat_ms: Positive = 250
     hang_timeout_ms: Positive = 30_000
     """A worker whose heartbeat is older than this is SIGTERMed (a batch on CPU can be slow)."""

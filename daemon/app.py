@@ -1,0 +1,279 @@
+"""The daemon: wires queue, supervisor, dispatcher and acceptor together and runs them.
+
+Lifecycle (one enum, transitions only through :meth:`Daemon.transition`)::
+
+    STARTING ──workers READY, socket open──▶ SERVING ──SIGTERM/SIGINT──▶ DRAINING ──▶ STOPPED
+        │                                      │                            │
+        └──────── a worker cannot boot ────────┴──────────▶ HALTED ◀────────┘
+
+Start: create the shared-memory queue ``/scratchd-<instance>`` (instance: a hash of the
+socket path, so two daemons on different sockets never collide, and a crashed previous run
+on the same socket is found and replaced), start the dispatcher (completion doorbell), spawn
+the workers and wait for all READY, then open the socket.
+
+Shutdown, top to bottom (:meth:`Daemon.drain`): stop accepting (socket closed and
+unlinked); new frames on open connections get ``overloaded``; wait for image decodes in
+progress, then for every accepted request to be answered, up to ``server.drain_timeout_ms``
+(the rest are answered ``error``); stop the workers (SIGTERM, SIGKILL after
+``workers.kill_grace_ms``); close connections; unlink the shared memory; exit 0. A second
+SIGTERM/SIGINT kills the workers, unlinks the shared memory and exits at once (status 1).
+
+Signal handlers only record and wake (``loop.add_signal_handler``: they set an event the
+main coroutine waits on); the work happens in :meth:`Daemon.run`.
+
+Seams for the observability and operations work: :meth:`Daemon.account` sees every reply
+with its in-flight record and completion; :meth:`Daemon.snapshot` builds ``status``;
+``self.supervisor.rolling_restart()`` replaces workers one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import enum
+import hashlib
+import logging
+import os
+import signal
+import time
+from typing import Final
+
+from scratchd.daemon.acceptor import Acceptor
+from scratchd.daemon.config import Config, ConfigError
+from scratchd.daemon.dispatch import Dispatcher, InFlight
+from scratchd.daemon.log import log_event
+from scratchd.daemon.supervisor import PoolHalted, Supervisor
+from scratchd.ipc import wire
+from scratchd.ipc.queue import Completion, DescState, Geometry, ReclaimReport, RequestQueue
+
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+
+
+class Lifecycle(enum.Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    HALTED = "halted"
+
+
+TRANSITIONS: Final[dict[Lifecycle, frozenset[Lifecycle]]] = {
+    Lifecycle.STARTING: frozenset({Lifecycle.SERVING, Lifecycle.DRAINING, Lifecycle.HALTED}),
+    Lifecycle.SERVING: frozenset({Lifecycle.DRAINING, Lifecycle.HALTED}),
+    Lifecycle.DRAINING: frozenset({Lifecycle.STOPPED, Lifecycle.HALTED}),
+    Lifecycle.HALTED: frozenset(),
+    Lifecycle.STOPPED: frozenset(),
+}
+
+
+def queue_name(socket_path: str) -> str:
+    """The shared-memory name for the daemon serving ``socket_path``."""
+    digest = hashlib.sha1(os.path.abspath(socket_path).encode()).hexdigest()[:12]
+    return f"/scratchd-{os.getuid()}-{digest}"
+
+
+def resolve_backend(config: Config) -> str:
+    """``cpu``, or an error for a backend this build cannot run (``auto`` falls back to CPU)."""
+    backend = config.workers.backend
+    if backend == "cuda":
+        raise ConfigError("workers.backend = 'cuda': the CUDA worker is not part of this build")
+    return "cpu"
+
+
+class Daemon:
+    """One daemon instance; ``await Daemon(config).run()`` serves until told to stop."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.state = Lifecycle.STARTING
+        self.backend = resolve_backend(config)
+        self.queue_name = queue_name(config.server.socket)
+        self.started = time.time()
+        self.replies: collections.Counter[str] = collections.Counter()
+        self.halt_reason = ""
+        self._signals = 0
+        self._stop = asyncio.Event()
+
+    def transition(self, new: Lifecycle) -> None:
+        if new not in TRANSITIONS[self.state]:
+            raise RuntimeError(f"lifecycle: {self.state.name} → {new.name} is not allowed")
+        log_event("lifecycle", state=new.value, was=self.state.value)
+        self.state = new
+
+    async def run(self) -> int:
+        """Serve until SIGTERM/SIGINT; the process exit status."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_stop_signal)
+        q = self.config.queue
+        geometry = Geometry(slots=q.slots, slot_bytes=q.slot_bytes, tick_ms=q.tick_ms)
+        self.queue = RequestQueue.create(self.queue_name, geometry)
+        try:
+            return await self._serve()
+        finally:
+            self.queue.close()  # the creator unlinks the segment
+
+    async def _serve(self) -> int:
+        config = self.config
+        self.dispatcher = Dispatcher(
+            self.queue, config.queue.tick_ms * 1_000_000, self.account, self._worker_name
+        )
+        self.dispatcher.start()
+        self.supervisor = Supervisor(
+            config,
+            self.queue,
+            self.queue_name,
+            self.backend,
+            config.workers.cpu_workers,
+            self._on_reclaimed,
+        )
+        self.acceptor = Acceptor(config, self.queue, self.dispatcher, self.snapshot)
+        log_event("start", backend=self.backend, workers=config.workers.cpu_workers)
+        try:
+            await self._first_of(self.supervisor.start(), self._stop.wait())
+        except PoolHalted as exc:
+            return await self._halt(str(exc))
+        if not self._stop.is_set():
+            await self.acceptor.listen(config.server.socket)
+            self.transition(Lifecycle.SERVING)
+            log_event("ready", socket=config.server.socket, queue=self.queue_name)
+            await self._first_of(self._stop.wait(), self.supervisor.halted.wait())
+        if self.supervisor.halt_reason:
+            return await self._halt(self.supervisor.halt_reason)
+        await self.drain()
+        return EXIT_OK
+
+    @staticmethod
+    async def _first_of(*aws: object) -> None:
+        tasks = [asyncio.ensure_future(a) for a in aws]  # type: ignore[call-overload]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def drain(self) -> None:
+        """Stop accepting, answer everything accepted, stop workers (see module docstring)."""
+        self.transition(Lifecycle.DRAINING)
+        self.acceptor.draining = True
+        self.acceptor.stop_listening()
+        log_event("drain", in_flight=len(self.dispatcher.pending))
+        bound = self.config.server.drain_timeout_ms / 1000.0
+        try:
+            await asyncio.wait_for(self._settle(), bound)
+        except TimeoutError:
+            self.dispatcher.fail_pending("daemon stopped before this request completed")
+        await self._stop_everything()
+        self.transition(Lifecycle.STOPPED)
+
+    async def _settle(self) -> None:
+        await self.acceptor.wait_for_decodes()
+        await self.dispatcher.idle.wait()
+
+    async def _halt(self, reason: str) -> int:
+        self.halt_reason = reason
+        self.transition(Lifecycle.HALTED)
+        log_event("halted", logging.ERROR, reason=reason)
+        self.acceptor.draining = True
+        self.acceptor.stop_listening()
+        await self.acceptor.wait_for_decodes()
+        self.dispatcher.fail_pending(f"no workers: {reason}")
+        await self._stop_everything()
+        return EXIT_FAILED
+
+    async def _stop_everything(self) -> None:
+        await self.supervisor.stop_all(self.config.workers.kill_grace_ms / 1000.0)
+        self.dispatcher.collect()
+        self.dispatcher.stop()
+        await self.acceptor.close_connections()
+
+    def _on_stop_signal(self) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            self._stop.set()
+        else:
+            self._force_exit()
+
+    def _force_exit(self) -> None:
+        """Second signal: leave now, but leave nothing behind in /dev/shm."""
+        supervisor: Supervisor | None = getattr(self, "supervisor", None)
+        for worker in list(supervisor.workers.values()) if supervisor else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.proc.pid, signal.SIGKILL)
+        self.queue.unlink()
+        if hasattr(self, "acceptor"):
+            self.acceptor.stop_listening()
+        os._exit(EXIT_FAILED)
+
+    # ---- seams ------------------------------------------------------------------------
+
+    def account(self, flight: InFlight, reply: wire.Reply, completion: Completion | None) -> None:
+        """Every reply passes here exactly once (metrics hook in here)."""
+        self.replies[reply.status] += 1
+
+    def _on_reclaimed(self, report: ReclaimReport) -> None:
+        """A dead worker's claims were reclaimed: answer the ones that timed out or failed."""
+        self.dispatcher.collect()
+
+    def _worker_name(self, slot: int) -> str | None:
+        return self.supervisor.worker_name(slot)
+
+    def snapshot(self, request_id: int = 0) -> wire.StatusReply:
+        """The status reply: lifecycle, workers, queue occupancy, reply counts."""
+        rows = {row.slot: row for row in self.queue.worker_rows()}
+        now = time.monotonic_ns()
+        workers = []
+        live = {w.id: w for w in self.supervisor.workers.values() if not w.retiring}
+        for wid, lineage in enumerate(self.supervisor.lineage):
+            w = live.get(wid)
+            name = f"{self.backend}{wid}"
+            if w is None:
+                workers.append(
+                    wire.WorkerStatus(wid, name, 0, "restarting", self.backend, lineage.restarts)
+                )
+                continue
+            row = rows.get(w.slot)
+            workers.append(
+                wire.WorkerStatus(
+                    id=wid,
+                    name=name,
+                    pid=w.proc.pid,
+                    state=w.state.value,
+                    device=w.device,
+                    restarts=lineage.restarts,
+                    slot=w.slot,
+                    heartbeat_age_ms=(now - row.heartbeat_ns) / 1e6 if row else 0.0,
+                    batches=row.batches if row else 0,
+                    requests=row.requests if row else 0,
+                )
+            )
+        counts = self.queue.counts_by_state()
+        queue = wire.QueueStatus(
+            depth=self.queue.depth_by_priority(),
+            slots=self.config.queue.slots,
+            in_use=self.config.queue.slots - counts[DescState.FREE],
+            in_flight=len(self.dispatcher.pending),
+        )
+        return wire.StatusReply(
+            id=request_id,
+            state=self.state.value,
+            pid=os.getpid(),
+            uptime_s=time.time() - self.started,
+            backend=self.backend,
+            workers=workers,
+            queue=queue,
+            requests=dict(self.replies),
+            classes={n: (c.priority, c.deadline_ms) for n, c in self.config.classes.items()},
+        )
+
+
+def serve(config: Config) -> int:
+    """Run a daemon on uvloop in the foreground; returns the exit status."""
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(Daemon(config).run())

@@ -1,0 +1,428 @@
+"""The supervisor: spawns worker processes, learns of each death at once, reclaims, restarts.
+
+Each worker has a stable logical id (``cpu0``, ``cpu1``, …) and, while it runs, a row
+("slot") of the queue's worker table. A worker's life, driven only from the event loop::
+
+    spawn ──▶ STARTING ──READY line──▶ READY ──SIGTERM (stop/retire/hang)──▶ STOPPING
+                 │                        │                                     │
+                 └────────── process exits (pidfd readable) ◀───────────────────┘
+                                          │
+                               reclaim_worker(slot): its claims go back to the queue
+                               (or time out, or fail after max_kills), row cleared
+                                          │
+                      BOOT_ERROR before READY → the pool HALTS (no crash loop)
+                      retired / pool stopping → gone
+                      otherwise               → respawn after backoff (first one at once)
+
+Deaths are seen through a pidfd (``os.pidfd_open``) registered with ``loop.add_reader``:
+readable the instant the process exits, whatever killed it; no SIGCHLD handler, no polling
+``waitpid``. The only timer is the watchdog (once per heartbeat interval): it SIGTERMs a READY
+worker whose shared-memory heartbeat is older than ``hang_timeout``, SIGKILLs one that has not
+exited ``kill_grace`` after its SIGTERM, and kills a worker stuck in boot.
+
+Workers learn of *our* death through the death pipe (they hold its read end, only we hold
+the write end: EOF when we die) and PR_SET_PDEATHSIG (see ``scratchd.workers.protocol``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+from scratchd.daemon.config import Config
+from scratchd.daemon.log import log_event
+from scratchd.ipc.faults import ENV as FAULT_ENV
+from scratchd.ipc.queue import ReclaimReport, RequestQueue
+from scratchd.workers.protocol import ExitCode, WorkerSpec, parse_ready
+
+NS: Final = 1_000_000_000
+MAX_CONSECUTIVE_BOOT_FAILURES: Final = 5
+STABLE_AFTER_S: Final = 30.0
+"""A worker READY this long has its restart backoff reset."""
+MAX_BACKOFF_S: Final = 10.0
+WORKER_FAULT_ENV: Final = "SCRATCHD_WORKER_FAULT"
+
+
+class WorkerState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+    EXITED = "exited"
+
+
+class PoolState(enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    HALTED = "halted"
+
+
+class PoolHalted(RuntimeError):
+    """A worker failed to boot: serving cannot start or continue. The message says why."""
+
+
+@dataclass
+class Worker:
+    """One worker process as the supervisor tracks it."""
+
+    id: int
+    device: str
+    slot: int
+    proc: subprocess.Popen[bytes]
+    pidfd: int
+    ready_fd: int
+    state: WorkerState = WorkerState.STARTING
+    started_ns: int = field(default_factory=time.monotonic_ns)
+    ready_ns: int = 0
+    term_ns: int = 0
+    version: str = ""
+    retiring: bool = False
+    boot_message: bytes = b""
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def name(self) -> str:
+        return f"{self.device}{self.id}"
+
+
+@dataclass
+class Lineage:
+    """What survives a worker's replacement: restarts and the backoff state of logical id."""
+
+    restarts: int = 0
+    spawned: int = 0
+    failures: int = 0
+    boot_failures: int = 0
+    last_restart_s: float = 0.0
+    pending: asyncio.TimerHandle | None = None
+
+
+class Supervisor:
+    """Keeps ``count`` workers of ``device`` alive on ``queue``.
+
+    ``on_reclaimed`` is called after every reclaim (the dispatcher collects the completions
+    a reclaim produces: timeouts and quarantined failures).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        queue: RequestQueue,
+        queue_name: str,
+        device: str,
+        count: int,
+        on_reclaimed: Callable[[ReclaimReport], None],
+    ) -> None:
+        self.config = config
+        self.queue = queue
+        self.queue_name = queue_name
+        self.device = device
+        self.count = count
+        self.on_reclaimed = on_reclaimed
+        self.state = PoolState.STARTING
+        self.halt_reason = ""
+        self.halted = asyncio.Event()
+        self.workers: dict[int, Worker] = {}  # by slot
+        self.lineage = [Lineage() for _ in range(count)]
+        self.names_by_slot: dict[int, str] = {}
+        self._loop = asyncio.get_running_loop()
+        self._death_r, self._death_w = os.pipe()  # workers get the read end; we keep the write
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._changed = asyncio.Event()  # set whenever a worker becomes READY or exits
+
+    # ---- starting ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Spawn the pool and wait until every worker is READY (raises PoolHalted)."""
+        for wid in range(self.count):
+            self.spawn_worker(wid)
+        self._schedule_watchdog()
+        while self.ready_count() < self.count and self.state is not PoolState.HALTED:
+            self._changed.clear()
+            await self._changed.wait()
+        if self.state is PoolState.HALTED:
+            raise PoolHalted(self.halt_reason)
+        self.state = PoolState.RUNNING
+
+    def spawn_worker(self, wid: int) -> Worker:
+        """Start the process for logical worker ``wid`` in a free worker-table slot."""
+        slot = self._free_slot()
+        spec = WorkerSpec(
+            queue=self.queue_name,
+            slot=slot,
+            backend=self.device,
+            model_path=self.config.model.path,
+            max_batch=min(self.config.queue.max_batch, self.config.workers.cpu_max_batch),
+            max_delay_ms=self.config.queue.max_queue_delay_ms,
+            heartbeat_ms=self.config.workers.heartbeat_ms,
+            parent_pid=os.getpid(),
+        )
+        ready_r, ready_w = os.pipe()
+        work_fd, done_fd = self.queue.work_fd(slot), self.queue.completion_fd
+        argv = spec.argv(ready_fd=ready_w, death_fd=self._death_r, work_fd=work_fd, done_fd=done_fd)
+        try:
+            proc = subprocess.Popen(
+                argv,
+                pass_fds=(ready_w, self._death_r, work_fd, done_fd),
+                env=self._worker_env(wid),
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            os.close(ready_w)
+        worker = Worker(
+            id=wid,
+            device=self.device,
+            slot=slot,
+            proc=proc,
+            pidfd=os.pidfd_open(proc.pid),
+            ready_fd=ready_r,
+        )
+        self.workers[slot] = worker
+        self.names_by_slot[slot] = worker.name
+        self.lineage[wid].spawned += 1
+        os.set_blocking(ready_r, False)
+        self._loop.add_reader(ready_r, self._on_ready_pipe, worker)
+        self._loop.add_reader(worker.pidfd, self._on_exit, worker)
+        return worker
+
+    def _free_slot(self) -> int:
+        used = set(self.workers)
+        for slot in range(self.queue.geometry.max_workers):
+            if slot not in used:
+                return slot
+        raise RuntimeError("no free worker-table slot (more workers than queue max_workers)")
+
+    def _worker_env(self, wid: int) -> dict[str, str]:
+        threads = str(max(1, (os.cpu_count() or 1) // max(1, self.count)))
+        env = dict(os.environ)
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            env.setdefault(var, threads)
+        # Test-only fault injection: SCRATCHD_WORKER_FAULT="<name>=<point>" arms the queue's
+        # fault point (scratchd.ipc.faults) in the *first* process of that worker only, so
+        # its replacement serves normally.
+        env.pop(FAULT_ENV, None)
+        name, _, point = os.environ.get(WORKER_FAULT_ENV, "").partition("=")
+        if point and name == f"{self.device}{wid}" and self.lineage[wid].spawned == 0:
+            env[FAULT_ENV] = point
+        return env
+
+    def _on_ready_pipe(self, worker: Worker) -> None:
+        try:
+            chunk = os.read(worker.ready_fd, 4096)
+        except BlockingIOError:
+            return
+        worker.boot_message += chunk
+        if not chunk:
+            self._close_ready_pipe(worker)
+            return
+        parsed = parse_ready(worker.boot_message.split(b"\n", 1)[0])
+        if parsed and b"\n" in worker.boot_message and worker.state is WorkerState.STARTING:
+            _device, worker.version = parsed
+            worker.state = WorkerState.READY
+            worker.ready_ns = time.monotonic_ns()
+            worker.ready.set()
+            self._changed.set()
+            self._close_ready_pipe(worker)
+
+    def _close_ready_pipe(self, worker: Worker) -> None:
+        if worker.ready_fd >= 0:
+            self._loop.remove_reader(worker.ready_fd)
+            os.close(worker.ready_fd)
+            worker.ready_fd = -1
+
+    # ---- deaths -----------------------------------------------------------------------
+
+    def _on_exit(self, worker: Worker) -> None:
+        self._loop.remove_reader(worker.pidfd)
+        os.close(worker.pidfd)
+        if worker.ready_fd >= 0:  # read what a failing boot said before it died
+            self._on_ready_pipe(worker)
+            self._close_ready_pipe(worker)
+        code = worker.proc.wait()
+        was_ready = worker.ready_ns > 0
+        worker.state = WorkerState.EXITED
+        report = self.queue.reclaim_worker(
+            worker.slot, time.monotonic_ns(), max_kills=self.config.workers.max_kills
+        )
+        del self.workers[worker.slot]
+        worker.exited.set()
+        self._changed.set()
+        planned = worker.retiring or self.state is not PoolState.RUNNING
+        log_event(
+            "worker_exited" if planned else "worker_died",
+            logging.INFO if planned else logging.WARNING,
+            worker=worker.name,
+            pid=worker.proc.pid,
+            cause=_describe_exit(code),
+            requeued=len(report.requeued),
+            expired=len(report.expired),
+            quarantined=len(report.quarantined),
+        )
+        self.on_reclaimed(report)
+        self._decide_after_exit(worker, code, was_ready)
+
+    def _decide_after_exit(self, worker: Worker, code: int, was_ready: bool) -> None:
+        if worker.retiring or self.state in (PoolState.STOPPING, PoolState.STOPPED):
+            return
+        if self.state is PoolState.HALTED:
+            return
+        lineage = self.lineage[worker.id]
+        if not was_ready:
+            lineage.boot_failures += 1
+            if code == ExitCode.BOOT_ERROR:
+                self.halt(f"worker {worker.name} failed to boot: {self._boot_reason(worker)}")
+                return
+            if lineage.boot_failures >= MAX_CONSECUTIVE_BOOT_FAILURES:
+                self.halt(
+                    f"worker {worker.name} died {lineage.boot_failures} times during boot "
+                    f"(last exit {_describe_exit(code)}): {self._boot_reason(worker)}"
+                )
+                return
+        else:
+            lineage.boot_failures = 0
+            if (time.monotonic_ns() - worker.ready_ns) / NS >= STABLE_AFTER_S:
+                lineage.failures = 0
+        lineage.failures += 1
+        delay = (
+            0.0 if lineage.failures <= 1 else min(0.1 * 2 ** (lineage.failures - 2), MAX_BACKOFF_S)
+        )
+        lineage.pending = self._loop.call_later(delay, self._respawn, worker.id)
+
+    def _respawn(self, wid: int) -> None:
+        lineage = self.lineage[wid]
+        lineage.pending = None
+        if self.state in (PoolState.RUNNING, PoolState.STARTING):
+            lineage.restarts += 1
+            lineage.last_restart_s = time.time()
+            worker = self.spawn_worker(wid)
+            log_event("worker_restart", worker=worker.name, pid=worker.proc.pid, slot=worker.slot)
+
+    @staticmethod
+    def _boot_reason(worker: Worker) -> str:
+        text = worker.boot_message.decode("utf-8", "replace").strip()
+        return text.removeprefix("BOOT_ERROR").strip() or "no reason given (see its stderr)"
+
+    def halt(self, reason: str) -> None:
+        """Stop the pool for good: the daemon cannot serve (reported, exits non-zero)."""
+        if self.state is PoolState.HALTED:
+            return
+        self.state = PoolState.HALTED
+        self.halt_reason = reason
+        self.halted.set()
+        self._changed.set()
+
+    # ---- watchdog ---------------------------------------------------------------------
+
+    def _schedule_watchdog(self) -> None:
+        self._watchdog = self._loop.call_later(
+            self.config.workers.heartbeat_ms / 1000.0, self._check_workers
+        )
+
+    def _check_workers(self) -> None:
+        now = time.monotonic_ns()
+        cfg = self.config.workers
+        beats = {row.slot: row.heartbeat_ns for row in self.queue.worker_rows()}
+        for worker in list(self.workers.values()):
+            if worker.state is WorkerState.STOPPING:
+                if now - worker.term_ns > cfg.kill_grace_ms * 1_000_000:
+                    self._signal(worker, signal.SIGKILL)
+            elif worker.state is WorkerState.STARTING:
+                if now - worker.started_ns > cfg.boot_timeout_ms * 1_000_000:
+                    self._signal(worker, signal.SIGKILL)
+            elif now - max(beats.get(worker.slot, 0), worker.ready_ns) > (
+                cfg.hang_timeout_ms * 1_000_000
+            ):
+                self.terminate(worker)
+        if self.state not in (PoolState.STOPPED, PoolState.HALTED):
+            self._schedule_watchdog()
+
+    def terminate(self, worker: Worker) -> None:
+        """SIGTERM now; the watchdog SIGKILLs if it is still there after ``kill_grace``."""
+        if worker.state in (WorkerState.STOPPING, WorkerState.EXITED):
+            return
+        worker.state = WorkerState.STOPPING
+        worker.term_ns = time.monotonic_ns()
+        self._signal(worker, signal.SIGTERM)
+
+    @staticmethod
+    def _signal(worker: Worker, sig: signal.Signals) -> None:
+        if worker.state is WorkerState.EXITED:
+            return
+        with contextlib.suppress(OSError):  # already gone: its pidfd reports the exit
+            signal.pidfd_send_signal(worker.pidfd, sig)
+
+    # ---- planned changes --------------------------------------------------------------
+
+    async def rolling_restart(self) -> None:
+        """Replace every worker, one at a time, while the queue keeps flowing: start the new
+        one in a spare slot, wait for its READY, then retire the old one (SIGTERM: it
+        finishes its batch; anything it still holds is reclaimed). Raises PoolHalted if a
+        replacement cannot boot (the old worker is then kept)."""
+        for old in sorted(self.workers.values(), key=lambda w: w.id):
+            if old.retiring or old.state is not WorkerState.READY:
+                continue
+            new = self.spawn_worker(old.id)
+            done = asyncio.ensure_future(new.exited.wait())
+            ready = asyncio.ensure_future(new.ready.wait())
+            await asyncio.wait([done, ready], return_when="FIRST_COMPLETED")
+            done.cancel()
+            ready.cancel()
+            if new.state is not WorkerState.READY:
+                raise PoolHalted(f"replacement {new.name} did not boot: {self._boot_reason(new)}")
+            old.retiring = True
+            self.terminate(old)
+            await old.exited.wait()
+
+    async def stop_all(self, grace_s: float) -> None:
+        """SIGTERM every worker, wait up to ``grace_s``, SIGKILL the rest, wait for them."""
+        if self.state is not PoolState.HALTED:
+            self.state = PoolState.STOPPING
+        for lineage in self.lineage:
+            if lineage.pending is not None:
+                lineage.pending.cancel()
+        workers = list(self.workers.values())
+        for worker in workers:
+            self.terminate(worker)
+        waits = [w.exited.wait() for w in workers]
+        if waits:
+            _, pending = await asyncio.wait(
+                [asyncio.ensure_future(w) for w in waits], timeout=grace_s
+            )
+            for worker in list(self.workers.values()):
+                self._signal(worker, signal.SIGKILL)
+            if pending:
+                await asyncio.wait(pending)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self.state is not PoolState.HALTED:
+            self.state = PoolState.STOPPED
+        os.close(self._death_w)
+        os.close(self._death_r)
+
+    # ---- views ------------------------------------------------------------------------
+
+    def worker_name(self, slot: int) -> str | None:
+        return self.names_by_slot.get(slot)
+
+    def ready_count(self) -> int:
+        return sum(w.state is WorkerState.READY for w in self.workers.values())
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        return f"signal {signal.Signals(-code).name}"
+    try:
+        return f"code {code} ({ExitCode(code).name})"
+    except ValueError:
+        return f"code {code}"

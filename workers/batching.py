@@ -1,0 +1,77 @@
+"""When a worker claims, and how many: the batching policy.
+
+A worker that finds requests ready decides between claiming now and waiting a little for the
+batch to fill (a batch of 8 costs far less than 8 batches of 1 on any backend). The rule:
+
+- batch size = min(ready, ``max_batch`` from config, the backend's own limit);
+- claim at once when that many are ready already;
+- otherwise wait for more, but at most ``max_queue_delay`` after the best ready request was
+  enqueued, and never past the moment when that request's deadline, less the estimated
+  compute time of the batch, would be missed (its *slack*).
+
+The policy is pure arithmetic on numbers the queue reports (`oldest_ready`, the ready count):
+the worker loop asks :meth:`BatchPolicy.plan` and then either claims or sleeps on its
+doorbell until the returned time, waking early when a new request arrives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Final
+
+EWMA_WEIGHT: Final = 0.2
+"""Weight of the newest sample in the per-image compute-time estimate."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a worker should do now: claim ``claim`` requests (0: none), else sleep until
+    ``wake_ns`` (None: until the doorbell rings)."""
+
+    claim: int
+    wake_ns: int | None
+
+
+@dataclass
+class BatchPolicy:
+    """The batching rule for one worker.
+
+    ``per_image_ns`` is a running estimate of compute time per image (EWMA of observed
+    batches), used to keep a waiting batch inside its oldest member's deadline.
+    """
+
+    max_batch: int
+    max_delay_ns: int
+    per_image_ns: float = field(default=0.0)
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+        if self.max_delay_ns < 0:
+            raise ValueError(f"max_delay_ns must be >= 0, got {self.max_delay_ns}")
+
+    def plan(self, now_ns: int, ready: int, oldest: tuple[int, int] | None) -> Plan:
+        """Decide for ``ready`` queued requests whose best one has
+        ``oldest = (enqueue_ns, deadline_ns)``."""
+        if ready <= 0 or oldest is None:
+            return Plan(claim=0, wake_ns=None)
+        target = min(ready, self.max_batch)
+        if target >= self.max_batch:
+            return Plan(claim=target, wake_ns=None)
+        enqueue_ns, deadline_ns = oldest
+        fill_by = enqueue_ns + self.max_delay_ns
+        slack_by = deadline_ns - int(self.per_image_ns * self.max_batch)
+        wake_ns = min(fill_by, slack_by)
+        if wake_ns <= now_ns:
+            return Plan(claim=target, wake_ns=None)
+        return Plan(claim=0, wake_ns=wake_ns)
+
+    def observe(self, batch_size: int, compute_ns: int) -> None:
+        """Fold a finished batch's compute time into the per-image estimate."""
+        if batch_size <= 0 or compute_ns <= 0:
+            return
+        sample = compute_ns / batch_size
+        if self.per_image_ns == 0.0:
+            self.per_image_ns = sample
+        else:
+            self.per_image_ns += EWMA_WEIGHT * (sample - self.per_image_ns)

@@ -1,0 +1,93 @@
+"""The CPU backend: ScratchNet's numpy forward (``scratchd.kernels.model``) on uint8 frames.
+
+The worker hands it the zero-copy input views of a claimed batch; it returns one queue
+``Result`` per image, in order. One bad image must not fail its batch neighbours: if the
+batched ``predict`` raises, each image is run alone and only the ones that still raise are
+answered ``error`` with the exception's message.
+
+Threads: numpy's BLAS runs with the thread count the supervisor put in the worker's
+environment (``OMP_NUM_THREADS`` etc.: the cores divided among the CPU workers), so two
+workers do not fight over the same cores.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Final
+
+import numpy as np
+
+from scratchd.ipc.queue import Result, Status
+from scratchd.kernels.model import Prediction, ScratchNet, load_model
+
+MAX_BOXES: Final = 64
+WARM_UP_SHAPE: Final = (64, 64)
+
+
+class CpuBackend:
+    """ScratchNet on numpy. ``max_batch`` is fixed (config ``workers.cpu_max_batch``)."""
+
+    device: str = "cpu"
+
+    def __init__(self, model_path: str | None, max_batch: int) -> None:
+        self.model: ScratchNet = load_model(model_path or None)
+        self.max_batch = max_batch
+        self.version: str = self.model.version
+
+    def warm_up(self) -> None:
+        """Run one forward pass so the first real request does not pay for lazy setup."""
+        self.model.predict([np.zeros(WARM_UP_SHAPE, dtype=np.uint8)])
+
+    def infer(self, images: Sequence[np.ndarray], want_mask: Sequence[bool]) -> list[Result]:
+        start = time.monotonic_ns()
+        try:
+            outcomes: list[Prediction | Exception] = list(self.model.predict(images))
+        except Exception:
+            outcomes = [self._predict_one(image) for image in images]
+        compute_ns = time.monotonic_ns() - start
+        return [
+            _to_result(outcome, want, compute_ns, len(images))
+            for outcome, want in zip(outcomes, want_mask, strict=True)
+        ]
+
+    def _predict_one(self, image: np.ndarray) -> Prediction | Exception:
+        try:
+            return self.model.predict([image])[0]
+        except Exception as exc:
+            return exc
+
+
+def _to_result(
+    outcome: Prediction | Exception, want_mask: bool, compute_ns: int, batch_size: int
+) -> Result:
+    if isinstance(outcome, Exception):
+        return error_result(f"model failed: {type(outcome).__name__}: {outcome}", batch_size)
+    return Result(
+        status=Status.OK,
+        verdict_defect=outcome.verdict == "defect",
+        score=float(outcome.score),
+        boxes=[tuple(float(v) for v in box) for box in outcome.boxes[:MAX_BOXES]],  # type: ignore[misc]
+        entropy=float(outcome.entropy),
+        histogram=np.asarray(outcome.histogram, dtype=np.uint32),
+        compute_ns=compute_ns,
+        batch_size=batch_size,
+        error="",
+        mask=outcome.mask if want_mask else None,
+    )
+
+
+def error_result(reason: str, batch_size: int = 0, status: Status = Status.ERROR) -> Result:
+    """A result carrying only a status and its reason."""
+    return Result(
+        status=status,
+        verdict_defect=False,
+        score=0.0,
+        boxes=[],
+        entropy=0.0,
+        histogram=np.zeros(64, dtype=np.uint32),
+        compute_ns=0,
+        batch_size=batch_size,
+        error=reason,
+        mask=None,
+    )

@@ -1,0 +1,210 @@
+"""A worker process: ``python -m scratchd.workers.main --queue … --slot …`` (see protocol.py).
+
+Boot, in order: ask for SIGKILL on parent death (``prctl(PR_SET_PDEATHSIG)``) and check the
+parent is still the one that started us (it may have died before the prctl); attach the
+queue; register in the worker table; build the backend and run one forward pass (warm-up);
+then write READY. Any failure up to there writes ``BOOT_ERROR <reason>`` on the READY pipe
+and exits ``ExitCode.BOOT_ERROR``: the supervisor halts the pool with that reason.
+
+The loop (all waiting is on the work doorbell, with the heartbeat interval as timeout)::
+
+    heartbeat ─▶ plan (workers/batching.py) ─┬─ claim n ─▶ compute ─▶ complete each ─┐
+        ▲                                    └─ wait for work / a fuller batch ──────┤
+        └────────────────────────────────────────────────────────────────────────────┘
+
+Signals only record and wake: SIGTERM sets the stop flag and rings our own work doorbell,
+so a sleeping worker wakes at once; the batch in hand is finished and completed before the
+loop exits with ``ExitCode.OK``. SIGINT is ignored (a terminal's Ctrl-C reaches the whole
+process group; the main process decides about shutdown). The death pipe is checked every
+turn: at EOF the main process is gone and the worker leaves without touching the queue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import select
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Final, Protocol
+
+import numpy as np
+
+from scratchd.ipc.queue import Claim, QueueError, RequestQueue, Result
+from scratchd.workers.batching import BatchPolicy
+from scratchd.workers.protocol import ExitCode, ready_line
+
+PR_SET_PDEATHSIG: Final = 1
+
+
+class Backend(Protocol):
+    device: str
+    max_batch: int
+    version: str
+
+    def warm_up(self) -> None: ...
+
+    def infer(self, images: Sequence[np.ndarray], want_mask: Sequence[bool]) -> list[Result]: ...
+
+
+class StopFlag:
+    """Set by SIGTERM; the handler also rings the worker's own doorbell to end a wait."""
+
+    def __init__(self, wake_fd: int) -> None:
+        self.requested = False
+        self._wake_fd = wake_fd
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.requested = True
+        with contextlib.suppress(OSError):
+            os.eventfd_write(self._wake_fd, 1)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="scratchd-worker", description="scratchd worker process")
+    p.add_argument("--queue", required=True)
+    p.add_argument("--slot", type=int, required=True)
+    p.add_argument("--backend", default="cpu", choices=["cpu"])
+    p.add_argument("--model", default="")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--max-delay-ms", type=int, default=10)
+    p.add_argument("--heartbeat-ms", type=int, default=250)
+    p.add_argument("--parent-pid", type=int, required=True)
+    for fd in ("ready", "death", "work", "done"):
+        p.add_argument(f"--{fd}-fd", type=int, required=True)
+    return p.parse_args(argv)
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """Ask for SIGKILL when the parent dies; False if it is already gone."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    return os.getppid() == parent_pid
+
+
+def make_backend(args: argparse.Namespace) -> Backend:
+    from scratchd.workers.cpu import CpuBackend  # the model's imports, only in workers
+
+    return CpuBackend(args.model or None, args.max_batch)
+
+
+def boot(args: argparse.Namespace) -> tuple[RequestQueue, Backend]:
+    queue = RequestQueue.attach(args.queue, completion_fd=args.done_fd, work_fd=args.work_fd)
+    queue.register_worker(args.slot, os.getpid())
+    backend = make_backend(args)
+    backend.warm_up()
+    return queue, backend
+
+
+class WorkerLoop:
+    """Claim, compute, complete until told to stop or orphaned."""
+
+    def __init__(
+        self,
+        queue: RequestQueue,
+        slot: int,
+        backend: Backend,
+        stop: StopFlag,
+        death_fd: int,
+        max_delay_ms: int,
+        heartbeat_ms: int,
+    ) -> None:
+        self.queue = queue
+        self.slot = slot
+        self.backend = backend
+        self.stop = stop
+        self.death_fd = death_fd
+        self.policy = BatchPolicy(max(1, backend.max_batch), max_delay_ms * 1_000_000)
+        self.heartbeat_s = heartbeat_ms / 1000.0
+
+    def run(self) -> ExitCode:
+        while not self.stop.requested:
+            if self.parent_gone():
+                return ExitCode.PARENT_GONE
+            now = time.monotonic_ns()
+            self.queue.heartbeat(self.slot, now)
+            ready = self.queue.ready_count()
+            plan = self.policy.plan(now, ready, self.queue.oldest_ready() if ready else None)
+            if plan.claim:
+                claims = self.queue.claim_batch(self.slot, plan.claim, now)
+                if claims:
+                    self.serve(claims)
+            elif plan.wake_ns is None:
+                self.queue.wait_for_work(self.slot, self.heartbeat_s)
+            else:
+                timeout = min(self.heartbeat_s, max(0.0, (plan.wake_ns - now) / 1e9))
+                self.queue.wait_for_work(self.slot, timeout, min_ready=self.policy.max_batch)
+        return ExitCode.OK
+
+    def parent_gone(self) -> bool:
+        readable, _, _ = select.select([self.death_fd], [], [], 0)
+        return bool(readable)
+
+    def serve(self, claims: list[Claim]) -> None:
+        images = [self.queue.input_view(c) for c in claims]
+        start = time.monotonic_ns()
+        try:
+            results = self.backend.infer(images, [c.want_mask for c in claims])
+        except Exception as exc:  # the backend isolates per-image errors; this is a bug
+            from scratchd.workers.cpu import error_result
+
+            results = [error_result(f"backend failed: {exc}", len(claims)) for _ in claims]
+        self.policy.observe(len(claims), time.monotonic_ns() - start)
+        for claim, result in zip(claims, results, strict=True):
+            self.complete(claim, result)
+
+    def complete(self, claim: Claim, result: Result) -> None:
+        try:
+            self.queue.complete(self.slot, claim, result)
+        except ValueError as exc:  # a malformed result: answer error, never a half write
+            from scratchd.workers.cpu import error_result
+
+            self.queue.complete(self.slot, claim, error_result(f"malformed result: {exc}"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not die_with_parent(args.parent_pid):
+        return ExitCode.PARENT_GONE
+    stop = StopFlag(args.work_fd)
+    stop.install()
+    try:
+        queue, backend = boot(args)
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+        print(f"scratchd worker slot {args.slot}: boot failed: {reason}", file=sys.stderr)
+        _write_all(args.ready_fd, f"BOOT_ERROR {reason}\n".encode())
+        return ExitCode.BOOT_ERROR
+    _write_all(args.ready_fd, ready_line(backend.device, backend.version))
+    os.close(args.ready_fd)
+    loop = WorkerLoop(
+        queue, args.slot, backend, stop, args.death_fd, args.max_delay_ms, args.heartbeat_ms
+    )
+    try:
+        code = loop.run()
+    except QueueError as exc:  # e.g. our slot was reclaimed: we must not claim any more
+        print(f"scratchd worker slot {args.slot}: {exc}", file=sys.stderr)
+        return ExitCode.CRASH
+    if code is ExitCode.OK:
+        queue.close()
+    return code
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    except OSError:
+        pass  # the supervisor is gone or stopped listening; our exit code still tells
+
+
+if __name__ == "__main__":
+    sys.exit(main())

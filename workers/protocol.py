@@ -1,0 +1,83 @@
+"""What the supervisor and a worker process agree on: argv, the READY line, exit codes.
+
+A worker is started by exec (``python -m scratchd.workers.main``), never by fork, so nothing
+the main process holds (the asyncio loop, sockets, a CUDA context) leaks into it. It receives:
+
+- ``--queue NAME --slot N``: the shared-memory queue to attach and its worker-table row;
+- ``--ready-fd``: the write end of a pipe; after warm-up (model loaded, one forward pass run)
+  the worker writes one line ``READY <device> <model version>\\n`` and closes it. A worker
+  that exits before READY failed to boot;
+- ``--death-fd``: the read end of a pipe whose write end only the main process holds. It
+  becomes readable (EOF) when the main process dies, however it died; the worker also asks
+  the kernel for SIGKILL on parent death (``PR_SET_PDEATHSIG``) as a second line of defence;
+- ``--work-fd`` / ``--done-fd``: the eventfd doorbells (see ``scratchd.ipc.doorbell``).
+
+Exit codes are named here and mapped to a decision by the supervisor: ``BOOT_ERROR`` halts
+the pool with the worker's stderr as the reason (a broken model file must not be respawned
+forever); anything else after READY is a crash that is restarted with backoff.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from dataclasses import dataclass
+from typing import Final
+
+READY_WORD: Final = "READY"
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    """Asked to stop (SIGTERM) and finished the batch in hand."""
+    CRASH = 1
+    """An unexpected exception after READY (Python's own exit status for one)."""
+    BOOT_ERROR = 3
+    """Could not attach the queue, load the model or run the warm-up forward."""
+    PARENT_GONE = 4
+    """The main process died; the worker left without touching the queue further."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process needs to know, passed as command-line flags."""
+
+    queue: str
+    slot: int
+    backend: str
+    model_path: str
+    max_batch: int
+    max_delay_ms: int
+    heartbeat_ms: int
+    parent_pid: int
+
+    def argv(self, *, ready_fd: int, death_fd: int, work_fd: int, done_fd: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "scratchd.workers.main",
+            f"--queue={self.queue}",
+            f"--slot={self.slot}",
+            f"--backend={self.backend}",
+            f"--model={self.model_path}",
+            f"--max-batch={self.max_batch}",
+            f"--max-delay-ms={self.max_delay_ms}",
+            f"--heartbeat-ms={self.heartbeat_ms}",
+            f"--parent-pid={self.parent_pid}",
+            f"--ready-fd={ready_fd}",
+            f"--death-fd={death_fd}",
+            f"--work-fd={work_fd}",
+            f"--done-fd={done_fd}",
+        ]
+
+
+def ready_line(device: str, version: str) -> bytes:
+    return f"{READY_WORD} {device} {version}\n".encode()
+
+
+def parse_ready(line: bytes) -> tuple[str, str] | None:
+    """``(device, version)`` from a READY line, or None if it is not one."""
+    parts = line.decode("utf-8", "replace").strip().split(" ", 2)
+    if len(parts) != 3 or parts[0] != READY_WORD:
+        return None
+    return parts[1], parts[2]
