@@ -61,6 +61,9 @@ STATUSES = ("ok", "timeout", "overloaded", "invalid", "error")
 QUEUED_STATUSES = frozenset({"ok", "timeout", "error"})
 PRIORITIES = tuple(range(8))
 OTHER_CLASS = "other"
+# The supervisor's WorkerState values; each is exported (at 0 when empty), so that
+# `scratchd_workers{state="ready"} == 0` can fire rather than the series going missing.
+WORKER_STATES = ("starting", "ready", "stopping", "exited")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # Millisecond resolution where the deadlines live (1 ms .. 3 s), coarser beyond.
@@ -227,7 +230,8 @@ class _LiveCollector:
                 depth.add_metric([str(priority)], depths[priority] if priority < len(depths) else 0)
             entropy.add_metric([], src.output_entropy())
             drift.add_metric([], src.drift_score())
-            for state, count in sorted(src.worker_states().items()):
+            counts = {**dict.fromkeys(m.worker_states, 0), **src.worker_states()}
+            for state, count in counts.items():
                 workers.add_metric([state], count)
             for device, ratio in sorted(src.fragmentation().items()):
                 frag.add_metric([device], ratio)
@@ -242,11 +246,13 @@ class Metrics:
         part_classes: Iterable[str],
         devices: Iterable[str] = (),
         *,
+        worker_states: Iterable[str] = WORKER_STATES,
         window_s: float = 60.0,
         window_cap: int = 20_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.part_classes = tuple(dict.fromkeys([*part_classes, OTHER_CLASS]))
+        self.worker_states = tuple(worker_states)
         self.window_s = window_s
         self.sources = LiveSources()
         self.registry: CollectorRegistry = _TableRegistry()

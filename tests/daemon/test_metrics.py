@@ -179,6 +179,8 @@ def test_live_gauges_read_their_sources_at_scrape_time() -> None:
     assert {s[1]["state"]: s[2] for s in fam["scratchd_workers"][1]} == {
         "ready": 1,
         "starting": 1,
+        "stopping": 0,  # known states are exported at 0, so "no ready worker" is a value
+        "exited": 0,
     }
     assert fam["scratchd_data_drift_score"][1][0][2] == 0.02
     assert fam["scratchd_model_output_entropy"][1][0][2] == 0.11
