@@ -28,11 +28,14 @@ every peer outside it reads as the overflow uid 65534 and the allow-list would b
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
+
+from scratchd.daemon.log import Throttle
 
 # Linux <asm-generic/socket.h>; the socket module does not export SO_PEERGROUPS.
 SO_PEERGROUPS = 59
@@ -133,3 +136,37 @@ class AccessPolicy:
         except OSError as exc:
             return Decision(False, f"peer credentials unreadable: {exc.strerror or exc}"), None
         return self.decide(peer), peer
+
+
+class AccessGate:
+    """The acceptor's door: decides each new connection, logs and counts refusals.
+
+    ``admit`` returns None for a peer that may talk, else the one ``error`` reason the
+    refused peer is told. The peer learns its own ids and nothing of the allow-list; the
+    log line (throttled: a misconfigured gateway reconnecting in a loop must not flood the
+    journal) carries the full reason.
+    """
+
+    def __init__(self, policy: AccessPolicy) -> None:
+        self.policy = policy
+        self.refused = 0
+        self._log = Throttle("access_refused", burst=20, window=60.0)
+
+    @classmethod
+    def from_config(cls, uids: Iterable[int], gids: Iterable[int]) -> AccessGate:
+        return cls(AccessPolicy.from_lists(uids, gids))
+
+    def admit(self, sock: SupportsGetsockopt | None) -> str | None:
+        if self.policy.open:
+            return None
+        if sock is None:
+            decision, peer = Decision(False, "no socket to read credentials from"), None
+        else:
+            decision, peer = self.policy.check(sock)
+        if decision.allowed:
+            return None
+        self.refused += 1
+        ids = {"uid": peer.uid, "gid": peer.gid, "pid": peer.pid} if peer else {}
+        self._log.log(logging.WARNING, **ids, reason=decision.reason)
+        who = f" for uid={peer.uid} gid={peer.gid}" if peer else ""
+        return f"access denied{who}: not on this daemon's allow-list"

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import os
 import socket
+import sys
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scratchd.daemon.access import AccessPolicy, PeerCredentials, peer_credentials
+from scratchd.daemon.access import AccessGate, AccessPolicy, PeerCredentials, peer_credentials
+from scratchd.daemon.log import configure, parse_line
 
 
 def test_peer_credentials_of_a_connected_unix_socket() -> None:
@@ -102,3 +105,30 @@ def test_decision_matches_the_rule(
     assert decision.allowed == expected
     if not decision.allowed:
         assert f"uid={uid}" in decision.reason
+
+
+def test_gate_counts_logs_and_tells_the_peer_only_its_own_ids() -> None:
+    out = io.StringIO()
+    configure(stream=out, journald=False)
+    gate = AccessGate.from_config(uids=[os.getuid() + 1], gids=[])
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with a, b:
+            refusal = gate.admit(a)
+    finally:
+        configure(stream=sys.stderr)
+    assert refusal is not None and f"uid={os.getuid()}" in refusal
+    assert str(os.getuid() + 1) not in refusal, "the allow-list is not the peer's business"
+    assert gate.refused == 1
+    (line,) = out.getvalue().splitlines()
+    fields = parse_line(line)
+    assert fields["event"] == "access_refused" and fields["pid"] == str(os.getpid())
+    assert AccessGate.from_config(uids=[], gids=[]).admit(None) is None
+
+
+def test_gate_lets_listed_peers_in() -> None:
+    gate = AccessGate.from_config(uids=[], gids=[os.getgid()])
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        assert gate.admit(a) is None
+    assert gate.refused == 0
