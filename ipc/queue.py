@@ -303,6 +303,13 @@ class RequestQueue(WorkerOps):
         with self._mutex.held():
             return [int(n) for n in self._seg.ready_count]
 
+    def counters(self) -> dict[str, int]:
+        """Totals since creation: repairs (after a dead lock holder), expired, requeued,
+        quarantined and abandoned requests."""
+        h = self._seg.header
+        names = ("repairs", "expired", "requeued", "quarantined", "abandoned")
+        return {n: int(h[n]) for n in names}
+
     def counts_by_state(self) -> dict[DescState, int]:
         counts = np.bincount(self._state, minlength=len(DescState))
         return {s: int(counts[s]) for s in DescState}
