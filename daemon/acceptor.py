@@ -38,6 +38,7 @@ from typing import Final
 
 import numpy as np
 
+from scratchd.daemon.access import AccessGate
 from scratchd.daemon.config import Config
 from scratchd.daemon.dispatch import Dispatcher, InFlight
 from scratchd.ipc import wire
@@ -70,6 +71,14 @@ class Connection:
         self.writer = writer
         self.closed = False
         self.in_queue: set[Handle] = set()
+        self.converting = 0  # images of this connection in the decode pool, not yet queued
+
+    def converted(self, _task: asyncio.Task[None]) -> None:
+        self.converting -= 1
+
+    def in_flight(self) -> int:
+        """Accepted and not yet answered (the per-connection limit counts these)."""
+        return len(self.in_queue) + self.converting
 
     def send(self, message: wire.DaemonMessage) -> None:
         if not self.closed:
@@ -98,6 +107,7 @@ class Acceptor:
         self.max_frame = 3 * config.queue.slot_bytes + wire.MAX_FRAME_OVERHEAD
         self.connections: dict[int, Connection] = {}
         self._class_index = {name: i for i, name in enumerate(config.class_names())}
+        self.gate = AccessGate.from_config(config.server.allowed_uids, config.server.allowed_gids)
         self._ids = itertools.count(1)
         self._decoding: set[asyncio.Task[None]] = set()
         self._pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="scratchd-decode")
@@ -147,6 +157,10 @@ class Acceptor:
         conn = Connection(next(self._ids), writer)
         self.connections[conn.id] = conn
         try:
+            refusal = self.gate.admit(writer.get_extra_info("socket"))
+            if refusal is not None:  # SO_PEERCRED not on the allow-list: one reply, closed
+                conn.send(wire.Reply(id=0, status="error", error=refusal))
+                return
             while True:
                 prefix = await reader.readexactly(wire.PREFIX_BYTES)
                 length = wire.frame_length(prefix)
@@ -193,6 +207,11 @@ class Acceptor:
         if self.draining:
             self.dispatcher.reject(flight, "overloaded", "daemon is shutting down")
             return
+        limit = self.config.server.max_in_flight_per_connection
+        if conn.in_flight() >= limit:
+            reason = f"{limit} requests already in flight on this connection (limit per connection)"
+            self.dispatcher.reject(flight, "overloaded", reason)
+            return
         handle = self.queue.reserve()
         if handle is None:
             slots = self.config.queue.slots
@@ -213,6 +232,8 @@ class Acceptor:
             )
             self._decoding.add(task)
             task.add_done_callback(self._decoding.discard)
+            conn.converting += 1
+            task.add_done_callback(conn.converted)
 
     async def _convert_and_submit(
         self, flight: InFlight, admission: Admission, request: wire.InferRequest
@@ -248,6 +269,15 @@ class Acceptor:
             want_mask=flight.want_mask,
         )
         self.dispatcher.enqueued(flight)
+
+    def reconfigure(self, config: Config) -> None:
+        """Take a reloaded configuration (classes, allow-list, in-flight limit); the socket
+        and the queue geometry do not change while running."""
+        self.config = config
+        self._class_index = {name: i for i, name in enumerate(config.class_names())}
+        self.gate.policy = AccessGate.from_config(
+            config.server.allowed_uids, config.server.allowed_gids
+        ).policy
 
     def classify(self, request: wire.InferRequest) -> Admission:
         """The request's class, priority and deadline (its own values override the class's)."""

@@ -37,12 +37,14 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Final
 
 from scratchd.daemon.acceptor import Acceptor
 from scratchd.daemon.config import Config, ConfigError
 from scratchd.daemon.dispatch import Dispatcher, InFlight
 from scratchd.daemon.log import log_event
+from scratchd.daemon.service import ServiceManager
 from scratchd.daemon.supervisor import PoolHalted, Supervisor
 from scratchd.ipc import wire
 from scratchd.ipc.queue import Completion, DescState, Geometry, ReclaimReport, RequestQueue
@@ -85,7 +87,7 @@ def resolve_backend(config: Config) -> str:
 class Daemon:
     """One daemon instance; ``await Daemon(config).run()`` serves until told to stop."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, read_config: Callable[[], Config] | None = None) -> None:
         self.config = config
         self.state = Lifecycle.STARTING
         self.backend = resolve_backend(config)
@@ -95,6 +97,9 @@ class Daemon:
         self.halt_reason = ""
         self._signals = 0
         self._stop = asyncio.Event()
+        # systemd (NOTIFY_SOCKET, LISTEN_FDS) and SIGHUP reloads; ``read_config`` re-reads
+        # the configuration the way ``serve`` first read it.
+        self.service = ServiceManager(self, read_config)
 
     def transition(self, new: Lifecycle) -> None:
         if new not in TRANSITIONS[self.state]:
@@ -107,6 +112,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_stop_signal)
+        loop.add_signal_handler(signal.SIGHUP, self.service.request_reload)
         q = self.config.queue
         geometry = Geometry(slots=q.slots, slot_bytes=q.slot_bytes, tick_ms=q.tick_ms)
         self.queue = RequestQueue.create(self.queue_name, geometry)
@@ -136,9 +142,10 @@ class Daemon:
         except PoolHalted as exc:
             return await self._halt(str(exc))
         if not self._stop.is_set():
-            await self.acceptor.listen(config.server.socket)
+            await self.acceptor.listen(config.server.socket, self.service.listener)
             self.transition(Lifecycle.SERVING)
             log_event("ready", socket=config.server.socket, queue=self.queue_name)
+            self.service.serving()
             await self._first_of(self._stop.wait(), self.supervisor.halted.wait())
         if self.supervisor.halt_reason:
             return await self._halt(self.supervisor.halt_reason)
@@ -159,6 +166,7 @@ class Daemon:
     async def drain(self) -> None:
         """Stop accepting, answer everything accepted, stop workers (see module docstring)."""
         self.transition(Lifecycle.DRAINING)
+        self.service.stopping()
         self.acceptor.draining = True
         self.acceptor.stop_listening()
         log_event("drain", in_flight=len(self.dispatcher.pending))
@@ -178,6 +186,7 @@ class Daemon:
         self.halt_reason = reason
         self.transition(Lifecycle.HALTED)
         log_event("halted", logging.ERROR, reason=reason)
+        self.service.halted(reason)
         self.acceptor.draining = True
         self.acceptor.stop_listening()
         await self.acceptor.wait_for_decodes()
@@ -186,6 +195,7 @@ class Daemon:
         return EXIT_FAILED
 
     async def _stop_everything(self) -> None:
+        await self.service.close()
         await self.supervisor.stop_all(self.config.workers.kill_grace_ms / 1000.0)
         self.dispatcher.collect()
         self.dispatcher.stop()
@@ -214,6 +224,13 @@ class Daemon:
     def account(self, flight: InFlight, reply: wire.Reply, completion: Completion | None) -> None:
         """Every reply passes here exactly once (metrics hook in here)."""
         self.replies[reply.status] += 1
+
+    def apply_config(self, config: Config) -> None:
+        """A reload's configuration (only keys that may change live differ): workers spawned
+        from now on, the acceptor's classes and allow-list use it."""
+        self.config = config
+        self.supervisor.config = config
+        self.acceptor.reconfigure(config)
 
     def _on_reclaimed(self, report: ReclaimReport) -> None:
         """A dead worker's claims were reclaimed: answer the ones that timed out or failed."""
@@ -249,6 +266,7 @@ class Daemon:
                     heartbeat_age_ms=(now - row.heartbeat_ns) / 1e6 if row else 0.0,
                     batches=row.batches if row else 0,
                     requests=row.requests if row else 0,
+                    model_version=w.version,
                 )
             )
         counts = self.queue.counts_by_state()
@@ -268,12 +286,16 @@ class Daemon:
             queue=queue,
             requests=dict(self.replies),
             classes={n: (c.priority, c.deadline_ms) for n, c in self.config.classes.items()},
+            reloads=self.service.reloader.count,
+            reload_error=self.service.reloader.last_error,
+            refused_connections=self.acceptor.gate.refused,
         )
 
 
-def serve(config: Config) -> int:
-    """Run a daemon on uvloop in the foreground; returns the exit status."""
+def serve(config: Config, read_config: Callable[[], Config] | None = None) -> int:
+    """Run a daemon on uvloop in the foreground; returns the exit status. ``read_config``
+    reads the configuration again for a reload (SIGHUP)."""
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(Daemon(config).run())
+        return runner.run(Daemon(config, read_config).run())

@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("scratchd.daemon.commands", "serve"),
     "infer": ("scratchd.daemon.commands", "infer"),
     "status": ("scratchd.daemon.commands", "status"),
+    "reload": ("scratchd.daemon.reload", "reload"),
     "shard": ("scratchd.dataset.cli", "shard"),
     "eval": ("scratchd.kernels.cli", "eval_cmd"),
     "model": ("scratchd.kernels.cli", "model"),

@@ -23,6 +23,9 @@ import click
 
 from scratchd.daemon.config import ConfigError, load_config, socket_path
 
+EXIT_CONFIG = 2
+"""``serve`` exit status for an unusable configuration (restarting cannot help)."""
+
 _socket_option = click.option(
     "--socket",
     "socket_opt",
@@ -54,8 +57,10 @@ def serve(
         config = load_config(config_path, overrides)
         app.resolve_backend(config)
     except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
-    sys.exit(app.serve(config))
+        error = click.ClickException(str(exc))
+        error.exit_code = EXIT_CONFIG  # systemd: RestartPreventExitStatus, no restart loop
+        raise error from None
+    sys.exit(app.serve(config, lambda: load_config(config_path, overrides)))
 
 
 @click.command()

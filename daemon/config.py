@@ -47,6 +47,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     allowed_gids: list[NonNegative] = []
     drain_timeout_ms: Positive = 10_000
     """SIGTERM: how long accepted requests may take to be answered before workers stop."""
+    max_in_flight_per_connection: Positive = 128
+    """Requests one connection may have accepted and unanswered; more get ``overloaded``.
+    Half the default queue, so one gateway cannot take every slot from the others."""
 
 
 class QueueConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -117,6 +117,12 @@ class WorkerStatus(msgspec.Struct, frozen=True):
     heartbeat_age_ms: float = 0.0
     batches: int = 0
     requests: int = 0
+    model_version: str = ""
+    """The model version this worker loaded (changes as a reload replaces workers)."""
+    batch_size_mean: float | None = None
+    """Mean size of this worker's recent batches (None before its first)."""
+    compute_ms_p50: float | None = None
+    """Median compute time of its recent batches (wall time on CPU, CUDA events on GPU)."""
 
 
 class QueueStatus(msgspec.Struct, frozen=True):
@@ -126,6 +132,41 @@ class QueueStatus(msgspec.Struct, frozen=True):
     slots: int
     in_use: int
     in_flight: int
+
+
+class ClassLatency(msgspec.Struct, frozen=True):
+    """One part class's latency over the daemon's sliding window (60 s)."""
+
+    p50_ms: float
+    p99_ms: float
+    count: int
+    deadline_ms: int = 0
+
+
+class Throughput(msgspec.Struct, frozen=True):
+    """Replies per second over the sliding window, in all and per status."""
+
+    rps: float = 0.0
+    by_status: dict[str, float] = {}
+
+
+class DriftStatus(msgspec.Struct, frozen=True):
+    """Input drift: KL divergence (nats) of the last ``window`` requests' intensities from
+    the training histogram (``samples``: how many the estimate covers)."""
+
+    score: float = 0.0
+    threshold: float = 0.15
+    over_threshold: bool = False
+    window: int = 0
+    samples: int = 0
+
+
+class EntropyStatus(msgspec.Struct, frozen=True):
+    """Mean binary entropy of the probability maps (bits) over the last ``window`` answers."""
+
+    bits: float = 0.0
+    window: int = 0
+    samples: int = 0
 
 
 class StatusReply(msgspec.Struct, frozen=True, tag="status_reply", tag_field="type"):
@@ -142,6 +183,23 @@ class StatusReply(msgspec.Struct, frozen=True, tag="status_reply", tag_field="ty
     """Replies sent since start, by status."""
     classes: dict[str, tuple[int, int]] = {}
     """Configured part classes: name -> (priority, deadline_ms)."""
+    reloads: int = 0
+    """Reloads (SIGHUP / ``scratchd reload``) finished since start, failed ones included."""
+    reload_error: str = ""
+    """Why the last reload failed; empty when it succeeded (or none happened)."""
+    refused_connections: int = 0
+    """Connections refused by the ``allowed_uids`` / ``allowed_gids`` allow-list."""
+    model_version: str = ""
+    """The version of the model the daemon was started with (its metadata)."""
+    latency: dict[str, ClassLatency] = {}
+    """Per part class with requests in the sliding window."""
+    throughput: Throughput = Throughput()
+    drift: DriftStatus = DriftStatus()
+    entropy: EntropyStatus = EntropyStatus()
+    health_port: int = 0
+    """The bound /livez /readyz port (the kernel's choice when configured as 0)."""
+    metrics_port: int = 0
+    """The bound /metrics port."""
 
 
 ClientMessage = InferRequest | StatusRequest
