@@ -44,8 +44,9 @@ from scratchd.daemon.acceptor import Acceptor
 from scratchd.daemon.config import Config, ConfigError
 from scratchd.daemon.dispatch import Dispatcher, InFlight
 from scratchd.daemon.log import log_event
+from scratchd.daemon.observability import Observability, read_model_reference
 from scratchd.daemon.service import ServiceManager
-from scratchd.daemon.supervisor import PoolHalted, Supervisor
+from scratchd.daemon.supervisor import PoolHalted, Supervisor, WorkerState
 from scratchd.ipc import wire
 from scratchd.ipc.queue import Completion, DescState, Geometry, ReclaimReport, RequestQueue
 
@@ -97,6 +98,13 @@ class Daemon:
         self.halt_reason = ""
         self._signals = 0
         self._stop = asyncio.Event()
+        # Metrics, drift, entropy, /livez /readyz /metrics (daemon/observability.py).
+        self.obs = Observability(
+            config,
+            read_model_reference(config.model.path),
+            devices=[self.backend],
+            worker_states=[s.value for s in WorkerState],
+        )
         # systemd (NOTIFY_SOCKET, LISTEN_FDS) and SIGHUP reloads; ``read_config`` re-reads
         # the configuration the way ``serve`` first read it.
         self.service = ServiceManager(self, read_config)
@@ -136,6 +144,12 @@ class Daemon:
             self._on_reclaimed,
         )
         self.acceptor = Acceptor(config, self.queue, self.dispatcher, self.snapshot)
+        # Health and metrics listen before the workers boot: /readyz says why it is not ready.
+        self.obs.bind(self.queue, self.supervisor, self.dispatcher, lambda: self.state.value)
+        try:
+            await self.obs.start()
+        except OSError as exc:
+            return await self._halt(f"health/metrics listener on {config.server.bind}: {exc}")
         log_event("start", backend=self.backend, workers=config.workers.cpu_workers)
         try:
             await self._first_of(self.supervisor.start(), self._stop.wait())
@@ -200,6 +214,7 @@ class Daemon:
         self.dispatcher.collect()
         self.dispatcher.stop()
         await self.acceptor.close_connections()
+        await self.obs.close()
 
     def _on_stop_signal(self) -> None:
         self._signals += 1
@@ -224,6 +239,7 @@ class Daemon:
     def account(self, flight: InFlight, reply: wire.Reply, completion: Completion | None) -> None:
         """Every reply passes here exactly once (metrics hook in here)."""
         self.replies[reply.status] += 1
+        self.obs.account(flight, reply, completion, self._worker_name)
 
     def apply_config(self, config: Config) -> None:
         """A reload's configuration (only keys that may change live differ): workers spawned
@@ -231,6 +247,7 @@ class Daemon:
         self.config = config
         self.supervisor.config = config
         self.acceptor.reconfigure(config)
+        self.obs.apply_config(config)
 
     def _on_reclaimed(self, report: ReclaimReport) -> None:
         """A dead worker's claims were reclaimed: answer the ones that timed out or failed."""
@@ -267,6 +284,7 @@ class Daemon:
                     batches=row.batches if row else 0,
                     requests=row.requests if row else 0,
                     model_version=w.version,
+                    **self.obs.worker_fields(name),
                 )
             )
         counts = self.queue.counts_by_state()
@@ -289,6 +307,7 @@ class Daemon:
             reloads=self.service.reloader.count,
             reload_error=self.service.reloader.last_error,
             refused_connections=self.acceptor.gate.refused,
+            **self.obs.status_fields(),
         )
 
 

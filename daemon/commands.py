@@ -196,34 +196,37 @@ class _InferRun:
 
 @click.command()
 @_socket_option
-@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
-def status(socket_opt: str | None, as_json: bool) -> None:
-    """Show the daemon's workers, queue depth per priority and reply counts."""
+@click.option("--json", "as_json", is_flag=True, help="Print the status as one JSON line.")
+@click.option("--watch", is_flag=True, help="Refresh every --interval seconds until Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True)
+def status(socket_opt: str | None, as_json: bool, watch: bool, interval: float) -> None:
+    """Show workers, queue depth per priority, latency per part class, drift and entropy."""
     import msgspec
 
     from scratchd.client import Client
+    from scratchd.daemon import status_view
 
     path = socket_path(socket_opt)
-    try:
+
+    def fetch() -> dict[str, Any]:
         with Client(path, timeout=10.0) as client:
-            snapshot = client.status()
-    except OSError as exc:
-        raise click.ClickException(f"scratchd at {path}: {exc}") from None
-    if as_json:
-        click.echo(msgspec.json.encode(snapshot).decode())
+            doc: dict[str, Any] = msgspec.to_builtins(client.status())
+            return doc
+
+    if watch and not as_json:
+        status_view.watch_status(fetch, interval_s=interval)
         return
-    click.echo(
-        f"scratchd {snapshot.state}  pid {snapshot.pid}  backend {snapshot.backend}  "
-        f"up {snapshot.uptime_s:.0f} s"
-    )
-    click.echo("workers:")
-    for w in snapshot.workers:
-        click.echo(
-            f"  {w.name:<6} pid {w.pid:<8} {w.state:<10} restarts {w.restarts:<3} "
-            f"requests {w.requests:<8} heartbeat {w.heartbeat_age_ms:.0f} ms ago"
-        )
-    q = snapshot.queue
-    depth = "  ".join(f"p{p}={n}" for p, n in enumerate(q.depth) if n) or "empty"
-    click.echo(f"queue: {depth}  ({q.in_use}/{q.slots} slots in use, {q.in_flight} in flight)")
-    counts = "  ".join(f"{k}={v}" for k, v in sorted(snapshot.requests.items())) or "none yet"
-    click.echo(f"replies: {counts}")
+    while True:
+        try:
+            doc = fetch()
+        except OSError as exc:
+            raise click.ClickException(f"scratchd at {path}: {exc}") from None
+        if as_json:
+            click.echo(status_view.to_json(doc))
+        else:
+            from rich.console import Console
+
+            Console().print(status_view.render_status(doc))
+        if not watch:
+            return
+        time.sleep(interval)  # --watch --json: one line per interval, for scripts

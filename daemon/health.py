@@ -7,9 +7,9 @@ so a firewall or a scraper can reach one without the other:
                           GET /readyz   200 "ready: ..." or 503 "<reason>"
     metrics_port (9108)   GET /metrics  Prometheus text format 0.0.4
 
-/readyz is 503 when the daemon drains, when no worker is READY, or when the queue is not
-moving: requests are pending (queued or claimed) and no worker has finished one for
-`stall_after_s`. A liveness failure means "restart me"; a readiness failure means "do not
+/readyz is 503 while the daemon is not serving (starting, draining, halted), when no worker
+is READY, or when the queue is not moving: requests are pending (queued or claimed) and no
+worker has finished one for `stall_after_s`. A liveness failure means "restart me"; a readiness failure means "do not
 send me parts now" — so a stalled queue is a readiness failure, and the supervisor (not
 the orchestrator) is the one that replaces stuck workers.
 
@@ -65,7 +65,7 @@ class ReadinessInput:
     total_workers: int
     pending: int  # accepted and not yet answered by a worker (queued + claimed)
     completed: int  # monotonic count of requests workers have finished
-    draining: bool = False
+    lifecycle: str = "serving"  # the daemon's state; anything else is not ready
 
 
 class Readiness:
@@ -90,8 +90,8 @@ class Readiness:
         # was nothing to do; only then does the stall clock restart.
         if s.completed != self._last_completed or s.pending == 0:
             self._last_completed, self._last_moved = s.completed, now
-        if s.draining:
-            return False, "draining: not accepting requests"
+        if s.lifecycle != "serving":
+            return False, f"daemon is {s.lifecycle}: not accepting requests"
         if s.ready_workers == 0:
             return False, f"no worker is ready (0 of {s.total_workers})"
         stalled_s = now - self._last_moved

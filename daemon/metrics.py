@@ -6,9 +6,9 @@ main process with the result:
     worker ──Result(compute_ns, batch_size, entropy, histogram)──▶ shm ──Completion──▶ main
     main:  observe_reply()  once per reply (every request gets exactly one)
            observe_batch()  once per batch (the first completion of a batch; see below)
-           observe_restart() from the supervisor
-    scrape: the live gauges (queue depth, workers, drift, entropy, p99, fragmentation) are
-           read at collect time from `LiveSources` callables, so they are never stale.
+    scrape: the live values (queue depth, workers, restarts, drift, entropy, p99,
+           fragmentation) are read at collect time from `LiveSources` callables, so they are
+           never stale and have one source of truth (the queue, the supervisor).
 
 | name                                  | type      | labels              | source            |
 |---------------------------------------|-----------|---------------------|-------------------|
@@ -22,7 +22,7 @@ main process with the result:
 | scratchd_model_output_entropy         | gauge     |                     | LiveSources       |
 | scratchd_data_drift_score             | gauge     |                     | LiveSources       |
 | scratchd_workers                      | gauge     | state               | LiveSources       |
-| scratchd_worker_restarts_total        | counter   | device              | observe_restart   |
+| scratchd_worker_restarts_total        | counter   | device              | LiveSources       |
 | scratchd_vram_fragmentation_ratio     | gauge     | device              | LiveSources (5)   |
 
 (1) Only replies that went through the queue (`ok`, `timeout`, `error`): `overloaded` and
@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 STATUSES = ("ok", "timeout", "overloaded", "invalid", "error")
@@ -100,6 +100,10 @@ def _no_devices() -> Mapping[str, float]:
     return {}
 
 
+def _no_restarts() -> Mapping[str, int]:
+    return {}
+
+
 @dataclass
 class LiveSources:
     """Read at scrape time; each callable must be cheap and safe on the event loop."""
@@ -108,6 +112,7 @@ class LiveSources:
     worker_states: Callable[[], Mapping[str, int]] = _no_workers  # state name -> count
     drift_score: Callable[[], float] = _zero
     output_entropy: Callable[[], float] = _zero
+    restarts: Callable[[], Mapping[str, int]] = _no_restarts  # device -> since start
     fragmentation: Callable[[], Mapping[str, float]] = _no_devices  # GPU device -> ratio
 
 
@@ -132,6 +137,12 @@ class SlidingWindow:
     def quantile(self, q: float, now: float) -> float | None:
         values = self.values(now)
         return float(np.quantile(values, q)) if values.size else None
+
+
+@dataclass(frozen=True)
+class Rates:
+    rps: float
+    by_status: dict[str, float]
 
 
 class _RateBins:
@@ -217,6 +228,9 @@ class _LiveCollector:
         workers = GaugeMetricFamily(
             "scratchd_workers", "Worker processes by state.", labels=["state"]
         )
+        restarts = CounterMetricFamily(
+            "scratchd_worker_restarts", "Worker processes replaced after dying.", labels=["device"]
+        )
         frag = GaugeMetricFamily(
             "scratchd_vram_fragmentation_ratio",
             "(free - largest free block) / total of the device arena; absent on CPU.",
@@ -233,9 +247,11 @@ class _LiveCollector:
             counts = {**dict.fromkeys(m.worker_states, 0), **src.worker_states()}
             for state, count in counts.items():
                 workers.add_metric([state], count)
+            for device, count in sorted({**m.devices, **src.restarts()}.items()):
+                restarts.add_metric([device], count)
             for device, ratio in sorted(src.fragmentation().items()):
                 frag.add_metric([device], ratio)
-        yield from (p99, depth, entropy, drift, workers, frag)
+        yield from (p99, depth, entropy, drift, workers, restarts, frag)
 
 
 class Metrics:
@@ -261,7 +277,8 @@ class Metrics:
         self._latency = {c: SlidingWindow(window_s, window_cap) for c in self.part_classes}
         self._replies = _RateBins(int(window_s))
         self._seen_batches: OrderedDict[Hashable, None] = OrderedDict()
-        self.workers: dict[int, WorkerStats] = {}
+        self.workers: dict[str, WorkerStats] = {}  # by worker name (stable across restarts)
+        self.devices: dict[str, int] = {}  # restart counts shown at 0 before the source has any
         self._define(devices)
 
     def _define(self, devices: Iterable[str]) -> None:
@@ -288,10 +305,6 @@ class Metrics:
             "Compute time per batch: CUDA events on GPU workers, wall time on CPU workers.",
             ["device"], buckets=COMPUTE_BUCKETS, registry=r,
         )  # fmt: skip
-        self.restarts = Counter(
-            "scratchd_worker_restarts_total", "Worker processes replaced after dying.",
-            ["device"], registry=r,
-        )  # fmt: skip
         r.register(_LiveCollector(self))
         # Every series a dashboard or alert divides by exists from the first scrape, at 0.
         for part_class in self.part_classes:
@@ -307,7 +320,7 @@ class Metrics:
         """Create the per-device series (at 0) for a device that workers run on."""
         self.batch_size.labels(device)
         self.compute.labels(device)
-        self.restarts.labels(device)
+        self.devices.setdefault(device, 0)
 
     def class_label(self, part_class: str) -> str:
         return part_class if part_class in self._latency else OTHER_CLASS
@@ -335,7 +348,7 @@ class Metrics:
             self.queue_wait.labels(str(priority)).observe(max(queue_wait_s, 0.0))
 
     def observe_batch(
-        self, *, worker: int, device: str, batch_key: Hashable, batch_size: int, compute_s: float
+        self, *, worker: str, device: str, batch_key: Hashable, batch_size: int, compute_s: float
     ) -> bool:
         """Account one batch; later completions of the same `batch_key` are ignored."""
         if batch_key in self._seen_batches:
@@ -350,9 +363,6 @@ class Metrics:
         stats.batches += 1
         stats.recent.append((batch_size, compute_s))
         return True
-
-    def observe_restart(self, device: str) -> None:
-        self.restarts.labels(device).inc()
 
     def p99_by_class(self) -> dict[str, float]:
         """Classes with requests in the window only: an idle class has no p99 to report."""
@@ -379,13 +389,13 @@ class Metrics:
                 }
         return out
 
-    def throughput(self) -> dict[str, float | dict[str, float]]:
+    def throughput(self) -> Rates:
         """Replies per second over the window (or since start when younger), per status."""
         now = self._clock()
         span = max(min(self.window_s, now - self._started), 1.0)
         counts = self._replies.totals(now)
         rates = {s: round(n / span, 3) for s, n in zip(STATUSES, counts, strict=True)}
-        return {"rps": round(sum(counts) / span, 3), "by_status": rates}
+        return Rates(round(sum(counts) / span, 3), rates)
 
     def exposition(self) -> bytes:
         """The text format Prometheus scrapes (version 0.0.4)."""

@@ -1,23 +1,26 @@
 """`scratchd status`: the operator's view of a running daemon (rich), and its JSON shape.
 
-The daemon answers a status request with one JSON-compatible document; `--json` prints it
-as is (one line), the default renders it with rich, `--watch` re-fetches and re-renders.
-The document (keys marked * are guaranteed; the rest are shown when present):
+The daemon answers a status request with one `StatusReply` (scratchd.ipc.wire); `--json`
+prints it as one JSON line, the default renders it with rich, `--watch` re-fetches and
+re-renders. The keys this view reads (* = guaranteed by the daemon, the rest shown when
+present):
 
     {
-      "version": "0.1.0", "model_version": "...", "backend": "cpu", "uptime_s": 12.5,
-      "workers"*:  [{"id", "pid", "state", "device", "restarts",
-                     "batches", "batch_size_mean", "compute_ms_p50"}, ...],
-      "queue"*:    {"depth": {"0": n, ..., "7": n}, "pending": n, "slots": n},
+      "state": "serving", "pid": 7335, "backend": "cpu", "uptime_s": 12.5,
+      "model_version": "...",
+      "workers"*:  [{"id", "name", "pid", "state", "device", "restarts", "requests",
+                     "batches", "batch_size_mean", "compute_ms_p50", "model_version"}, ...],
+      "queue"*:    {"depth": [n0, ..., n7], "slots", "in_use", "in_flight"},
       "latency"*:  {"<part class>": {"p50_ms", "p99_ms", "count", "deadline_ms"}, ...},
-      "throughput": {"rps": x, "by_status": {"ok": x, "timeout": x, ...}},
+      "throughput": {"rps", "by_status": {"ok": x, "timeout": x, ...}},
       "drift"*:    {"score", "threshold", "over_threshold", "window", "samples"},
-      "entropy"*:  {"bits", "window", "samples"}
+      "entropy"*:  {"bits", "window", "samples"},
+      "requests": {"ok": n, ...}          replies since start, by status
     }
 
-Latency is over the daemon's sliding window (metrics `window_s`, 60 s by default), drift and
-entropy over the last `drift.window` requests. This module only reads the document: it
-never imports the daemon, so `scratchd status` stays quick to start.
+Latency and throughput are over the daemon's sliding window (60 s), drift and entropy over
+the last `drift.window` requests. This module only reads the document: it never imports
+the daemon, so `scratchd status` stays quick to start.
 """
 
 from __future__ import annotations
@@ -75,7 +78,9 @@ def render_header(doc: StatusDoc) -> Text:
     tp = doc.get("throughput", {})
     line = Text()
     line.append("scratchd ", style="bold")
-    line.append(f"{doc.get('version', '?')}  model {doc.get('model_version', '?')}  ")
+    state = str(doc.get("state", "?"))
+    line.append(state, style="green" if state == "serving" else "bold red")
+    line.append(f"  pid {doc.get('pid', '?')}  model {doc.get('model_version') or '?'}  ")
     line.append(f"backend {doc.get('backend', '?')}  up {_uptime(doc.get('uptime_s'))}  ")
     line.append(f"{_fmt(tp.get('rps'), ' req/s')}", style="bold")
     by_status = tp.get("by_status", {})
@@ -87,22 +92,24 @@ def render_header(doc: StatusDoc) -> Text:
 
 def render_workers(workers: list[Mapping[str, Any]]) -> Table:
     table = Table(title="workers", title_justify="left", expand=False)
-    for col in ("id", "device", "state", "pid", "restarts", "batches", "batch", "compute"):
-        table.add_column(col, justify="left" if col in ("device", "state") else "right")
+    for col in ("worker", "device", "state", "pid", "restarts", "requests", "batches", "batch",
+                "compute"):  # fmt: skip
+        table.add_column(col, justify="left" if col in ("worker", "device", "state") else "right")
     for w in workers:
         state = str(w.get("state", "?"))
         table.add_row(
-            str(w.get("id", "?")),
+            str(w.get("name", w.get("id", "?"))),
             str(w.get("device", "?")),
             Text(state, style="green" if state == "ready" else "yellow"),
             str(w.get("pid") or "-"),
             Text(str(w.get("restarts", 0)), style="red" if w.get("restarts") else ""),
+            _fmt(w.get("requests")),
             _fmt(w.get("batches")),
             _fmt(w.get("batch_size_mean")),
             _fmt(w.get("compute_ms_p50"), " ms"),
         )
     if not workers:
-        table.add_row("-", "-", Text("none", style="red"), "-", "-", "-", "-", "-")
+        table.add_row("-", "-", Text("none", style="red"), *["-"] * 6)
     return table
 
 
@@ -111,9 +118,11 @@ def render_queue(queue: Any) -> Table:
     table = Table(title="queue depth by priority (7 = most urgent)", title_justify="left")
     for priority in PRIORITIES:
         table.add_column(str(priority), justify="right")
-    table.add_column("pending", justify="right")
-    pending = queue.get("pending") if isinstance(queue, Mapping) else None
-    table.add_row(*(str(depths.get(p, 0)) for p in PRIORITIES), _fmt(pending))
+    extra = ("in_flight", "in_use", "slots")
+    for col in extra:
+        table.add_column(col.replace("_", " "), justify="right")
+    info = queue if isinstance(queue, Mapping) else {}
+    table.add_row(*(str(depths.get(p, 0)) for p in PRIORITIES), *(_fmt(info.get(c)) for c in extra))
     return table
 
 

@@ -19,7 +19,7 @@ class Daemon:
         self.input = ReadinessInput(ready_workers=2, total_workers=2, pending=0, completed=0)
         self.now = 0.0
 
-    def set(self, **changes: int | bool) -> None:
+    def set(self, **changes: int | str) -> None:
         self.input = ReadinessInput(**{**self.input.__dict__, **changes})
 
 
@@ -126,9 +126,9 @@ def test_readyz_is_503_when_the_queue_stops_moving(readiness: Readiness, daemon:
 
 def test_readyz_is_503_while_draining(readiness: Readiness, daemon: Daemon) -> None:
     async def scenario(server: HealthServer) -> None:
-        daemon.set(draining=True)
+        daemon.set(lifecycle="draining")
         status, _, body = await http(server.bound["health"], get("/readyz"))
-        assert (status, body) == (503, b"draining: not accepting requests\n")
+        assert (status, body) == (503, b"daemon is draining: not accepting requests\n")
 
     with_server(scenario, readiness.check)
 

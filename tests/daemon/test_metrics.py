@@ -52,8 +52,8 @@ def _busy_metrics() -> Metrics:
     m.observe_reply("safety", "ok", total_s=0.012, priority=7, queue_wait_s=0.001)
     m.observe_reply("normal", "timeout", total_s=3.0, priority=0, queue_wait_s=3.0)
     m.observe_reply("nonsense", "invalid", total_s=0.0001)
-    m.observe_batch(worker=0, device="cpu", batch_key=(0, 1), batch_size=2, compute_s=0.02)
-    m.observe_restart("cpu")
+    m.observe_batch(worker="cpu0", device="cpu", batch_key=(0, 1), batch_size=2, compute_s=0.02)
+    m.sources.restarts = lambda: {"cpu": 1}
     m.sources.queue_depth = lambda: [4, 0, 0, 0, 0, 0, 0, 1]
     m.sources.worker_states = lambda: {"ready": 1, "starting": 1}
     m.sources.drift_score = lambda: 0.02
@@ -153,14 +153,20 @@ def test_p99_is_over_a_sliding_window_per_class() -> None:
 def test_batches_are_counted_once_per_batch_not_per_request() -> None:
     m = Metrics(["normal"], ["cpu"])
     for _ in range(3):  # three completions of one batch of three
-        m.observe_batch(worker=1, device="cpu", batch_key=(1, 42), batch_size=3, compute_s=0.03)
-    m.observe_batch(worker=1, device="cpu", batch_key=(1, 43), batch_size=1, compute_s=0.01)
+        m.observe_batch(
+            worker="cpu1", device="cpu", batch_key=(1, 42), batch_size=3, compute_s=0.03
+        )
+    m.observe_batch(worker="cpu1", device="cpu", batch_key=(1, 43), batch_size=1, compute_s=0.01)
     _, samples = _families(m)["scratchd_batch_size"]
     assert {n: v for n, _, v in samples if not n.endswith("_bucket")} == {
         "scratchd_batch_size_count": 2.0,
         "scratchd_batch_size_sum": 4.0,
     }
-    assert m.workers[1].summary() == {"batches": 2, "batch_size_mean": 2.0, "compute_ms_p50": 20.0}
+    assert m.workers["cpu1"].summary() == {
+        "batches": 2,
+        "batch_size_mean": 2.0,
+        "compute_ms_p50": 20.0,
+    }
 
 
 def test_fragmentation_is_absent_on_cpu_and_present_per_gpu() -> None:
@@ -196,7 +202,7 @@ def test_throughput_per_status_over_the_window() -> None:
     for i in range(20):
         m.observe_reply("normal", "ok" if i % 4 else "overloaded", total_s=0.01)
     tp = m.throughput()
-    assert tp["rps"] == 2.0
-    assert tp["by_status"] == {"ok": 1.5, "timeout": 0, "overloaded": 0.5, "invalid": 0, "error": 0}
+    assert tp.rps == 2.0
+    assert tp.by_status == {"ok": 1.5, "timeout": 0, "overloaded": 0.5, "invalid": 0, "error": 0}
     clock.now += 11
-    assert m.throughput()["rps"] == 0.0
+    assert m.throughput().rps == 0.0

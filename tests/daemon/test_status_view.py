@@ -19,16 +19,19 @@ from scratchd.daemon.status_view import (
 )
 
 DOC: dict[str, Any] = {
-    "version": "0.1.0",
+    "state": "serving",
+    "pid": 4100,
     "model_version": "scratchnet-7",
     "backend": "cpu",
     "uptime_s": 3725.2,
     "workers": [
-        {"id": 0, "pid": 4242, "state": "ready", "device": "cpu", "restarts": 2,
-         "batches": 40, "batch_size_mean": 2.5, "compute_ms_p50": 21.3},
-        {"id": 1, "pid": None, "state": "starting", "device": "cpu", "restarts": 0},
+        {"id": 0, "name": "cpu0", "pid": 4242, "state": "ready", "device": "cpu",
+         "restarts": 2, "requests": 100, "batches": 40, "batch_size_mean": 2.5,
+         "compute_ms_p50": 21.3},
+        {"id": 1, "name": "cpu1", "pid": 0, "state": "restarting", "device": "cpu",
+         "restarts": 0},
     ],
-    "queue": {"depth": {"0": 3, "7": 1}, "pending": 5, "slots": 256},
+    "queue": {"depth": [3, 0, 0, 0, 0, 0, 0, 1], "slots": 256, "in_use": 9, "in_flight": 5},
     "latency": {
         "safety": {"p50_ms": 12.0, "p99_ms": 1200.0, "count": 40, "deadline_ms": 1000},
         "normal": {"p50_ms": 15.5, "p99_ms": 40.0, "count": 100, "deadline_ms": 3000},
@@ -48,16 +51,17 @@ def _text(doc: dict[str, Any]) -> str:
 
 def test_table_shows_what_an_operator_needs() -> None:
     text = _text(DOC)
-    assert "scratchnet-7" in text and "0d 01:02:05" in text and "12.5 req/s" in text
+    assert "serving  pid 4100  model scratchnet-7" in text
+    assert "0d 01:02:05" in text and "12.5 req/s" in text
     # workers: device, state, pid, restarts, batch size, compute time
     row = next(line for line in text.splitlines() if "4242" in line)
-    for cell in ("cpu", "ready", "4242", "2", "40", "2.5", "21.3 ms"):
-        assert cell in row
-    assert "starting" in text
-    # queue depth per priority: 3 at priority 0, 1 at priority 7, 5 pending
+    cells = [c.strip() for c in row.strip("│ ").split("│")]
+    assert cells == ["cpu0", "cpu", "ready", "4242", "2", "100", "40", "2.5", "21.3 ms"]
+    assert "restarting" in text
+    # queue depth per priority: 3 at priority 0, 1 at priority 7; 5 in flight, 9 of 256 slots
     queue_row = next(line for line in text.splitlines() if line.strip().startswith("│ 3"))
     assert [c.strip() for c in queue_row.strip("│ ").split("│")] == [
-        "3", "0", "0", "0", "0", "0", "0", "1", "5",
+        "3", "0", "0", "0", "0", "0", "0", "1", "5", "9", "256",
     ]  # fmt: skip
     # latency per class with the deadline beside it
     safety = next(line for line in text.splitlines() if "safety" in line)
