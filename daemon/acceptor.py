@@ -42,7 +42,7 @@ from scratchd.daemon.access import AccessGate
 from scratchd.daemon.config import Config
 from scratchd.daemon.dispatch import Dispatcher, InFlight
 from scratchd.ipc import wire
-from scratchd.ipc.image import ImageError, decode_image
+from scratchd.ipc.image import ImageError, decode_image, sniff_format
 from scratchd.ipc.queue import Handle, RequestQueue
 
 MS: Final = 1_000_000
@@ -300,8 +300,8 @@ def check_image(request: wire.InferRequest, slot_bytes: int) -> None:
     if (request.pixels is None) == (request.encoded is None):
         raise Invalid("exactly one of 'pixels' (raw) or 'encoded' (PNG/BMP/JPEG) must be set")
     if request.encoded is not None:
-        if not request.encoded:
-            raise Invalid("'encoded' is empty")
+        if sniff_format(request.encoded) is None:
+            raise Invalid("'encoded' is not a PNG, BMP or JPEG image")
         return
     assert request.pixels is not None
     h, w, c = request.height, request.width, request.channels
