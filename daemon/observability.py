@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
 from scratchd.daemon.config import Config
@@ -225,10 +226,10 @@ class Observability:
             "model_version": self.model.version,
             "latency": latency,
             "throughput": wire.Throughput(throughput.rps, throughput.by_status),
-            "drift": wire.DriftStatus(**self.drift.snapshot())
+            "drift": msgspec.convert(self.drift.snapshot(), wire.DriftStatus)
             if self.drift
             else wire.DriftStatus(threshold=drift.threshold, window=drift.window),
-            "entropy": wire.EntropyStatus(**self.entropy.snapshot()),
+            "entropy": msgspec.convert(self.entropy.snapshot(), wire.EntropyStatus),
             "health_port": bound.get("health", 0),
             "metrics_port": bound.get("metrics", 0),
         }
