@@ -1,0 +1,177 @@
+"""A worker process on its own: READY after warm-up, serving the queue, leaving on SIGTERM or
+when its parent is gone, and BOOT_ERROR with a reason when it cannot start."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from scratchd.ipc.image import decode_image
+from scratchd.ipc.queue import Completion, Geometry, RequestQueue, Status
+from scratchd.kernels.model import load_model
+from scratchd.workers.protocol import ExitCode, WorkerSpec, parse_ready
+
+MODEL = os.environ.get("SCRATCHD_TEST_MODEL", "")
+
+
+@pytest.fixture
+def queue() -> Iterator[RequestQueue]:
+    q = RequestQueue.create(
+        f"/scratchd-test-worker-{os.getpid()}", Geometry(slots=8, slot_bytes=1 << 18, max_workers=4)
+    )
+    yield q
+    q.close()
+
+
+@dataclass
+class WorkerProc:
+    proc: subprocess.Popen[bytes]
+    ready_r: int
+    death_w: int
+
+    def read_ready(self, timeout: float = 60.0) -> bytes:
+        data = b""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in data and time.monotonic() < deadline:
+            readable, _, _ = select.select([self.ready_r], [], [], 0.5)
+            if readable:
+                chunk = os.read(self.ready_r, 4096)
+                if not chunk:
+                    break
+                data += chunk
+        return data
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for fd in (self.ready_r, self.death_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def spawn(queue: RequestQueue, *, model: str = MODEL, parent_pid: int | None = None) -> WorkerProc:
+    spec = WorkerSpec(
+        queue=queue.name,
+        slot=1,
+        backend="cpu",
+        model_path=model,
+        max_batch=2,
+        max_delay_ms=1,
+        heartbeat_ms=100,
+        parent_pid=os.getpid() if parent_pid is None else parent_pid,
+    )
+    ready_r, ready_w = os.pipe()
+    death_r, death_w = os.pipe()
+    fds = (ready_w, death_r, queue.work_fd(1), queue.completion_fd)
+    argv = spec.argv(ready_fd=ready_w, death_fd=death_r, work_fd=fds[2], done_fd=fds[3])
+    proc = subprocess.Popen(argv, pass_fds=fds)
+    os.close(ready_w)
+    os.close(death_r)
+    return WorkerProc(proc, ready_r, death_w)
+
+
+def submit(queue: RequestQueue, image: np.ndarray, request_id: int) -> None:
+    h = queue.reserve()
+    assert h is not None
+    np.frombuffer(queue.payload(h), np.uint8, count=image.size)[:] = image.ravel()
+    queue.submit(
+        h, request_id=request_id, conn_id=1, priority=0, part_class=0,
+        deadline_ns=time.monotonic_ns() + 60 * 10**9, height=image.shape[0],
+        width=image.shape[1], want_mask=True,
+    )  # fmt: skip
+
+
+def wait_completions(queue: RequestQueue, n: int, timeout: float = 60.0) -> list[Completion]:
+    done: list[Completion] = []
+    deadline = time.monotonic() + timeout
+    while len(done) < n and time.monotonic() < deadline:
+        select.select([queue.completion_fd], [], [], 0.5)
+        done.extend(queue.collect_completed())
+    return done
+
+
+def test_ready_after_warm_up_then_serves_the_queue(queue: RequestQueue, data_dir: Path) -> None:
+    worker = spawn(queue)
+    try:
+        parsed = parse_ready(worker.read_ready())
+        assert parsed is not None
+        device, version = parsed
+        assert device == "cpu" and version == load_model(MODEL or None).version
+        (row,) = queue.worker_rows()
+        assert (row.slot, row.pid) == (1, worker.proc.pid)
+        images = [
+            decode_image((data_dir / "sd900" / "images" / f"Sc_{i}.png").read_bytes())
+            for i in (3, 4, 5)
+        ]
+        for i, image in enumerate(images):
+            submit(queue, image, 10 + i)
+        done = sorted(wait_completions(queue, 3), key=lambda c: c.request_id)
+        expected = load_model(MODEL or None).predict(images)
+        assert [c.request_id for c in done] == [10, 11, 12]
+        for completion, pred in zip(done, expected, strict=True):
+            assert completion.status is Status.OK and completion.worker == 1
+            assert completion.result is not None
+            assert completion.result.score == pytest.approx(pred.score, abs=1e-6)
+            assert completion.result.mask is not None
+            np.testing.assert_array_equal(completion.result.mask, pred.mask)
+        worker.proc.send_signal(signal.SIGTERM)
+        assert worker.proc.wait(30) == ExitCode.OK
+    finally:
+        worker.close()
+
+
+def test_sigterm_wakes_a_sleeping_worker_at_once(queue: RequestQueue) -> None:
+    worker = spawn(queue)
+    try:
+        assert parse_ready(worker.read_ready()) is not None
+        time.sleep(0.3)  # asleep on its doorbell
+        start = time.monotonic()
+        worker.proc.send_signal(signal.SIGTERM)
+        assert worker.proc.wait(30) == ExitCode.OK
+        assert time.monotonic() - start < 5.0  # not a wall-clock bound: a hang would be 30 s
+    finally:
+        worker.close()
+
+
+def test_a_worker_leaves_when_the_main_process_is_gone(queue: RequestQueue) -> None:
+    worker = spawn(queue)
+    try:
+        assert parse_ready(worker.read_ready()) is not None
+        os.close(worker.death_w)  # what the kernel does when the main process dies
+        worker.death_w = -1
+        assert worker.proc.wait(30) == ExitCode.PARENT_GONE
+    finally:
+        worker.close()
+
+
+def test_a_worker_started_for_another_parent_leaves_at_once(queue: RequestQueue) -> None:
+    worker = spawn(queue, parent_pid=1)
+    try:
+        assert worker.proc.wait(30) == ExitCode.PARENT_GONE
+        assert worker.read_ready(1.0) == b""
+    finally:
+        worker.close()
+
+
+def test_a_worker_that_cannot_load_its_model_reports_boot_error(
+    queue: RequestQueue, tmp_path: Path
+) -> None:
+    missing = tmp_path / "missing.npz"
+    worker = spawn(queue, model=str(missing))
+    try:
+        line = worker.read_ready()
+        assert line.startswith(b"BOOT_ERROR ") and str(missing).encode() in line
+        assert worker.proc.wait(30) == ExitCode.BOOT_ERROR
+    finally:
+        worker.close()
