@@ -22,7 +22,7 @@ bounded by ln(64 / LAMBDA) ~ 11.1 nats.
 What the numbers mean on the real data (`/work/shared/data`, train histogram vs held-out
 `val` images): val ~ 0.005; val inverted ~ 0.55; val brightened (1.8x + 60) ~ 2.0. The
 score is that of the *mixture* in the window, so it crosses `drift.threshold` (0.15) when
-enough of the window has shifted: for inverted frames that is about half of it. Choose
+enough of the window has shifted: for inverted frames about 55 % of it (30 % gives ~0.05). Choose
 `drift.window` as the number of recent parts that must look different before you want to
 know. With few requests in the window the estimate is noisy and biased upwards (one
 picture's histogram is peakier than a population's); `samples` says how full it is.
