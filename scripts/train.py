@@ -11,8 +11,9 @@ Reads the ``train`` split only (``val`` is held out and reported). Steps:
    on the device: flips, rot90, gamma/contrast/brightness jitter, Gaussian noise;
 3. BCE + soft Dice on the logits upsampled to the crop (the deployed head), AdamW with a
    cosine schedule after a warm-up, bf16 autocast on CUDA, an EMA of the weights;
-4. ``--minutes`` bounds training time: after a timed warm-up the step count is fixed so the
-   cosine schedule ends on time (``--steps`` caps it);
+4. ``--minutes`` bounds training time: the cosine schedule runs on elapsed time, not steps,
+   so it ends on time whatever the device's speed (``--steps`` caps the count; with
+   ``--minutes 0`` the schedule runs on steps and the run is reproducible step for step);
 5. the EMA model is folded (``fold_bn``) into numpy weights, evaluated on ``val`` with the
    numpy forward and post-processing (IoU per group, AUROC tile defects vs free), and saved
    as ``OUT/scratchnet.npz`` with its metadata; ``OUT/train_log.json`` has the loss curve.
@@ -27,6 +28,7 @@ import hashlib
 import json
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,13 +154,19 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return bce + dice
 
 
-def update_ema(ema: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
-    with torch.no_grad():
-        for e, m in zip(ema.state_dict().values(), model.state_dict().values(), strict=True):
-            if e.dtype.is_floating_point:
-                e.lerp_(m, 1 - decay)
-            else:
-                e.copy_(m)
+def ema_pairs(
+    ema: torch.nn.Module, model: torch.nn.Module
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Matching state tensors of the EMA and the model: floating (averaged), others (copied)."""
+    pairs = list(zip(ema.state_dict().values(), model.state_dict().values(), strict=True))
+    floats = [(e, m) for e, m in pairs if e.dtype.is_floating_point]
+    ints = [(e, m) for e, m in pairs if not e.dtype.is_floating_point]
+    return (
+        [e for e, _ in floats],
+        [m for _, m in floats],
+        [e for e, _ in ints],
+        [m for _, m in ints],
+    )
 
 
 def train(
@@ -184,43 +192,55 @@ def train(
     )
     probs = sample_weights(train_set)
     amp = dev.type == "cuda"
-    warmup, total, step = args.warmup, args.steps, 0
-    log: list[dict[str, float]] = []
-    t0 = time.perf_counter()
-    while step < total:
-        lr_scale = (
-            min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step / total, 1)))
-        )
-        for g in opt.param_groups:
-            g["lr"] = args.lr * lr_scale
-        size = CROPS[step % len(CROPS)]
+    budget = args.minutes * 60
+
+    def next_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = rng.choice(len(train_set), size=args.batch, p=probs)
-        imgs, masks = crop_batch(train_set, idx, size, rng)
-        x = torch.from_numpy(imgs).to(dev, non_blocking=True)[:, None].float() / 255
-        y = torch.from_numpy(masks).to(dev, non_blocking=True)[:, None].float()
-        x, y = augment(x, y, gen)
-        x = ((x - mean) / std).contiguous(memory_format=torch.channels_last)
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
-            logits = full_logits(model, x)
-        loss = loss_fn(logits.float(), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 2.0)
-        opt.step()
-        update_ema(ema, model, min(args.ema, (1 + step) / (10 + step)))
-        step += 1
-        if step == warmup and args.minutes > 0:
-            if amp:
-                torch.cuda.synchronize()
-            per_step = (time.perf_counter() - t0) / step
-            total = min(args.steps, max(warmup + 1, int(args.minutes * 60 / per_step)))
-            print(f"{per_step * 1000:.1f} ms/step → {total} steps", flush=True)
-        if step % 100 == 0 or step == total:
-            entry = {"step": step, "loss": float(loss.detach()), "lr": args.lr * lr_scale,
-                     "seconds": time.perf_counter() - t0}  # fmt: skip
-            log.append(entry)
-            if step % 2000 == 0 or step == total:
-                print(json.dumps(entry), flush=True)
+        imgs, masks = crop_batch(train_set, idx, CROPS[step % len(CROPS)], rng)
+        x, y = torch.from_numpy(imgs), torch.from_numpy(masks)
+        return (x.pin_memory(), y.pin_memory()) if amp else (x, y)
+
+    ema_float, model_float, ema_int, model_int = ema_pairs(ema, model)
+    log: list[dict[str, float]] = []
+    step, progress = 0, 0.0
+    t0 = time.perf_counter()
+    # One worker thread crops the next batch while the device runs this one (sequential
+    # submission keeps the rng draws in a fixed order).
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(next_batch, 0)
+        while progress < 1.0 and step < args.steps:
+            elapsed = time.perf_counter() - t0
+            progress = elapsed / budget if budget > 0 else step / args.steps
+            cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+            lr_scale = min(1.0, (step + 1) / args.warmup) * cosine
+            for g in opt.param_groups:
+                g["lr"] = args.lr * lr_scale
+            imgs, masks = pending.result()
+            pending = pool.submit(next_batch, step + 1)
+            x = imgs.to(dev, non_blocking=True)[:, None].float() / 255
+            y = masks.to(dev, non_blocking=True)[:, None].float()
+            x, y = augment(x, y, gen)
+            x = ((x - mean) / std).contiguous(memory_format=torch.channels_last)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+                logits = full_logits(model, x)
+            loss = loss_fn(logits.float(), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 2.0)
+            opt.step()
+            decay = min(args.ema, (1 + step) / (10 + step))
+            with torch.no_grad():
+                torch._foreach_lerp_(ema_float, model_float, 1 - decay)
+                for e, m in zip(ema_int, model_int, strict=True):
+                    e.copy_(m)
+            step += 1
+            if step % 200 == 0:
+                entry = {"step": step, "loss": float(loss.detach()), "lr": args.lr * lr_scale,
+                         "seconds": time.perf_counter() - t0}  # fmt: skip
+                log.append(entry)
+                if step % 2000 == 0:
+                    print(json.dumps(entry), flush=True)
+    total = step
     info = {"steps": total, "seconds": round(time.perf_counter() - t0, 1), "log": log}
     return ema.cpu().float(), info
 
@@ -243,9 +263,11 @@ def main() -> None:
     ap.add_argument("--shards", type=Path, default=Path(".devdata/shards"))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--minutes", type=float, default=5.0, help="training time budget (0: --steps)")
+    ap.add_argument(
+        "--minutes", type=float, default=5.0, help="time budget; the cosine follows it (0: --steps)"
+    )
     ap.add_argument("--steps", type=int, default=100_000)
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=300, help="linear LR warm-up steps (timed)")
     ap.add_argument("--lr", type=float, default=4e-3)
     ap.add_argument("--wd", type=float, default=1e-4)
