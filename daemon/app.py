@@ -229,7 +229,8 @@ class Daemon:
         for worker in list(supervisor.workers.values()) if supervisor else []:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker.proc.pid, signal.SIGKILL)
-        self.queue.unlink()
+        if hasattr(self, "queue"):
+            self.queue.unlink()
         if hasattr(self, "acceptor"):
             self.acceptor.stop_listening()
         os._exit(EXIT_FAILED)

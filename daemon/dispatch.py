@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from scratchd.ipc import wire
@@ -55,7 +55,6 @@ class InFlight:
     want_mask: bool = False
     handle: Handle | None = None
     deadline_ns: int = 0
-    tags: dict[str, str] = field(default_factory=dict)
 
 
 Accountant = Callable[[InFlight, wire.Reply, Completion | None], None]
@@ -167,7 +166,9 @@ class Dispatcher:
             compute_ms=(result.compute_ns / MS) if result is not None else 0.0,
             total_ms=(now - flight.received_ns) / MS,
         )
-        worker = self.worker_name(c.worker) if c.worker >= 0 else None
+        # Only a worker that produced the result is named (a reclaimed claim that then timed
+        # out still records its dead owner's slot).
+        worker = self.worker_name(c.worker) if result is not None and c.worker >= 0 else None
         status = STATUS_NAMES.get(c.status, "error")
         if status != "ok" or result is None:
             reason = (result.error if result is not None else "") or c.error or _REASONS[status]

@@ -294,3 +294,18 @@ def test_a_second_sigterm_exits_at_once(data_dir: Path) -> None:
         conn.close()
     finally:
         d.__exit__(None, None, None)
+
+
+def test_a_safety_part_overtakes_queued_normal_ones_and_deadlines_order_a_class() -> None:
+    frame = np.random.default_rng(6).integers(0, 256, (200, 200), dtype=np.uint8)
+    with DaemonProcess(workers=1, slots=32, workers_extra="cpu_max_batch = 1\n") as d:
+        conn = RawConnection(d.socket)
+        for i in range(12):
+            conn.send(build_request(i, frame))  # normal: priority 0, deadline 3 s
+        conn.send(build_request(50, frame, deadline_ms=2500))  # normal, earlier deadline
+        conn.send(build_request(99, frame, part_class="safety"))  # priority 7
+        order = [conn.receive().id for _ in range(14)]
+        assert order.index(99) <= 3, order  # at most the requests already in hand before it
+        assert order.index(50) <= 4, order  # next after the safety part: earliest deadline
+        assert [i for i in order if i < 12] == sorted(i for i in order if i < 12)  # FIFO
+        conn.close()
