@@ -197,3 +197,36 @@ def test_three_clients_all_ok_while_both_workers_are_killed_in_turn(
         assert [w.restarts for w in status.workers] == [1, 1]
         assert all(w.state == "ready" for w in status.workers)
         print(f"worker replacement after SIGKILL: {', '.join(f'{s:.3f} s' for s in replaced_in)}")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in "ZX"  # exited (a zombie only waits for its new parent to reap it)
+
+
+def test_workers_leave_with_a_killed_daemon_and_the_next_one_replaces_its_leftovers() -> None:
+    d = DaemonProcess(workers=2, slots=16)
+    try:
+        d.start()
+        pids = list(d.worker_pids().values())
+        assert d.proc is not None
+        d.proc.kill()  # kill -9 the main process: no cleanup at all
+        d.proc.wait()
+        deadline = time.monotonic() + 30
+        while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(_gone(pid) for pid in pids)
+        assert d.shm_path.exists() and Path(d.socket).exists()  # what a crash leaves behind
+        d.start()  # same socket, same segment name: both are found stale and replaced
+        conn = RawConnection(d.socket)
+        conn.send(build_request(1, _frames(1)[0]))
+        reply = conn.receive()
+        assert isinstance(reply, wire.Reply) and reply.status == "ok"
+        conn.close()
+        assert d.stop() == 0
+        assert not d.shm_path.exists()
+    finally:
+        d.__exit__(None, None, None)
