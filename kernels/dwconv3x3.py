@@ -12,6 +12,8 @@ per thread group and reads the 3x3 neighbourhood from shared memory.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from scratchd.kernels._checks import Act, apply_act_, check_act, check_array, check_shape
@@ -54,3 +56,39 @@ def dwconv3x3_ref(
             np.multiply(tap, w[ky, kx], out=tmp)
             out += tmp
     return apply_act_(out, act)
+
+
+def dwconv3x3_cuda(
+    x: Any,  # [N, H, W, C] float16 (CuPy)
+    w: Any,  # [3, 3, C] float16
+    b: Any,  # [C] float32
+    stride: int = 1,
+    dilation: int = 1,
+    act: Act = "relu",
+    *,
+    out: Any | None = None,  # [N, Ho, Wo, C] float16: written in place when given
+) -> Any:  # [N, Ho, Wo, C] float16
+    """CUDA twin of :func:`dwconv3x3_ref` (``dwconv3x3.cu``): fp32 arithmetic, fp16 out."""
+    from scratchd.kernels import _cuda as cu
+
+    cu.check_device_array("dwconv3x3", "x", x, ndim=4, dtype=np.float16)
+    cu.check_device_array("dwconv3x3", "w", w, ndim=3, dtype=np.float16)
+    cu.check_device_array("dwconv3x3", "b", b, ndim=1, dtype=np.float32)
+    check_act("dwconv3x3", act)
+    n, h, wd, c = x.shape
+    cu.check_shape("dwconv3x3", "w", w, (3, 3, c))
+    cu.check_shape("dwconv3x3", "b", b, (c,))
+    if stride not in (1, 2):
+        raise ValueError(f"dwconv3x3: stride must be 1 or 2, got {stride}")
+    if dilation < 1:
+        raise ValueError(f"dwconv3x3: dilation must be >= 1, got {dilation}")
+    ho, wo = (h - 1) // stride + 1, (wd - 1) // stride + 1
+    out = cu.output("dwconv3x3", out, (n, ho, wo, c), np.float16)
+    func = cu.kernel(
+        "dwconv3x3.cu", cu.template_name("dwconv3x3", c, stride, dilation, act == "relu")
+    )
+    items = n * ho * wo * (c // 8 if c % 8 == 0 else c)
+    grid = cu.grid_size(items, 256)
+    args = (x, w, b, out, *map(cu.i32, (n, h, wd, ho, wo)))
+    cu.launch(func, (grid,), (256,), args)
+    return out

@@ -9,6 +9,8 @@ bias, residual and ReLU into one epilogue. Channels last makes this one BLAS mat
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from scratchd.kernels._checks import Act, apply_act_, check_act, check_array, check_shape
@@ -37,3 +39,36 @@ def pwconv_ref(
         check_shape("pwconv", "residual", residual, (n, h, wd, cout))
         out += residual
     return apply_act_(out, act)
+
+
+def pwconv_cuda(
+    x: Any,  # [N, H, W, Cin] float16 (CuPy)
+    w: Any,  # [Cin, Cout] float16
+    b: Any,  # [Cout] float32
+    act: Act = "relu",
+    residual: Any | None = None,  # [N, H, W, Cout] float16
+    *,
+    out: Any | None = None,  # [N, H, W, Cout] float16: written in place when given
+) -> Any:  # [N, H, W, Cout] float16
+    """CUDA twin of :func:`pwconv_ref` (``pwconv.cu``): a tensor-core GEMM over the pixels,
+    fp32 accumulation, bias + residual + act in the epilogue, fp16 out."""
+    from scratchd.kernels import _cuda as cu
+
+    cu.check_device_array("pwconv", "x", x, ndim=4, dtype=np.float16)
+    cu.check_device_array("pwconv", "w", w, ndim=2, dtype=np.float16)
+    cu.check_device_array("pwconv", "b", b, ndim=1, dtype=np.float32)
+    check_act("pwconv", act)
+    n, h, wd, cin = x.shape
+    cout = w.shape[1]
+    cu.check_shape("pwconv", "w", w, (cin, cout))
+    cu.check_shape("pwconv", "b", b, (cout,))
+    if residual is not None:
+        cu.check_device_array("pwconv", "residual", residual, ndim=4, dtype=np.float16)
+        cu.check_shape("pwconv", "residual", residual, (n, h, wd, cout))
+    out = cu.output("pwconv", out, (n, h, wd, cout), np.float16)
+    func = cu.kernel(
+        "pwconv.cu", cu.template_name("pwconv", cin, cout, residual is not None, act == "relu")
+    )
+    res = x if residual is None else residual
+    cu.launch_pw(func, cin, cout, n * h * wd, (x, w, b, res, out, cu.i32(n * h * wd)))
+    return out

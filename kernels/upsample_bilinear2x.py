@@ -12,6 +12,8 @@ float32 rounding).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from scratchd.kernels._checks import check_array
@@ -38,3 +40,24 @@ def upsample_bilinear2x_ref(
     if x.shape[1] == 0 or x.shape[2] == 0:
         raise ValueError(f"upsample_bilinear2x: empty spatial shape {x.shape}")
     return np.ascontiguousarray(_upsample_axis(_upsample_axis(x, 1), 2))
+
+
+def upsample_bilinear2x_cuda(
+    x: Any,  # [N, h, w, C] float16 or float32 (CuPy)
+    *,
+    out: Any | None = None,  # [N, 2h, 2w, C], x's dtype: written in place when given
+) -> Any:  # [N, 2h, 2w, C], x's dtype
+    """CUDA twin of :func:`upsample_bilinear2x_ref` (``upsample_bilinear2x.cu``), fp32 weights."""
+    from scratchd.kernels import _cuda as cu
+
+    dtype = np.float16 if getattr(x, "dtype", None) == np.float16 else np.float32
+    cu.check_device_array("upsample_bilinear2x", "x", x, ndim=4, dtype=dtype)
+    n, h, w, c = x.shape
+    if h == 0 or w == 0:
+        raise ValueError(f"upsample_bilinear2x: empty spatial shape {x.shape}")
+    out = cu.output("upsample_bilinear2x", out, (n, 2 * h, 2 * w, c), dtype)
+    ctype = "__half" if dtype == np.float16 else "float"
+    func = cu.kernel("upsample_bilinear2x.cu", cu.template_name("upsample_bilinear2x", ctype))
+    grid = cu.grid_size(out.size, 256)
+    cu.launch(func, (grid,), (256,), (x, out, *map(cu.i32, (n, h, w, c))))
+    return out

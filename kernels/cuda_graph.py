@@ -1,0 +1,160 @@
+"""CUDA graphs of the ScratchNet forward, one per (batch bucket, frame size), and the
+GPU model API the CUDA worker calls (:class:`CudaScratchNet`, the twin of ``ScratchNet``).
+
+Lifecycle of one :class:`ForwardGraph` (``GraphState``)::
+
+    NEW ──warm_up()──▶ CAPTURED ──replay()* ──▶ (lives as long as its CudaScratchNet)
+         1. allocate every buffer (cuda_net.Buffers), held by the graph for its lifetime
+         2. run the forward once eagerly while recording its launches: every module is
+            compiled (or loaded from CuPy's disk cache) and every kernel has run once
+         3. capture the recorded launches on a private stream: no allocation, no
+            compilation and no Python-side checks happen inside the capture
+
+Batches are served from the smallest bucket (1, 2, 4, 8, 16) that holds them; the unused
+slots of a bucket compute on stale frames and their results are ignored. Copies in and out
+go through pinned host buffers on the graph's stream, ordered around the replay.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from scratchd.kernels.cuda_net import Buffers, CudaForward
+from scratchd.kernels.model import Prediction, ScratchNet
+from scratchd.kernels.postprocess import postprocess
+
+BUCKETS = (1, 2, 4, 8, 16)
+
+
+class GraphState(enum.Enum):
+    NEW = "new"
+    CAPTURED = "captured"
+
+
+def bucket_for(n: int) -> int:
+    """The smallest batch bucket holding ``n`` frames."""
+    for b in BUCKETS:
+        if n <= b:
+            return b
+    raise ValueError(f"batch of {n} exceeds the largest bucket {BUCKETS[-1]}")
+
+
+class ForwardGraph:
+    """One captured forward of ``batch`` frames of ``height x width`` and its buffers."""
+
+    def __init__(self, fwd: CudaForward, batch: int, height: int, width: int) -> None:
+        from scratchd.kernels import _cuda as cu
+
+        cp = cu.cupy()
+        self.fwd = fwd
+        self.state = GraphState.NEW
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.buf: Buffers = fwd.buffers(batch, height, width)
+        self.graph: Any = None
+
+    def warm_up(self) -> None:
+        """Run once eagerly (recording), then capture the recorded launches into a graph."""
+        from scratchd.kernels import _cuda as cu
+
+        if self.state is GraphState.CAPTURED:
+            return
+        with self.stream, cu.recording() as steps:
+            self.fwd.run(self.buf)
+        self.stream.synchronize()
+        with self.stream:
+            self.stream.begin_capture()
+            try:
+                for step in steps:
+                    step()
+            finally:
+                self.graph = self.stream.end_capture()
+        self.graph.upload(self.stream)
+        self.stream.synchronize()
+        self.state = GraphState.CAPTURED
+
+    def replay(self) -> None:
+        """Launch the captured forward on the graph's stream (asynchronous)."""
+        if self.state is not GraphState.CAPTURED:
+            raise RuntimeError("ForwardGraph.replay before warm_up")
+        self.graph.launch(self.stream)
+
+
+class CudaScratchNet:
+    """A loaded model on one GPU: graphs per (bucket, size), the ``predict`` API."""
+
+    def __init__(self, model: ScratchNet) -> None:
+        m = model.meta
+        self.model = model
+        self.fwd = CudaForward(
+            model.weights, model.config, m.mean, m.std, m.threshold, m.score_window
+        )
+        self.graphs: dict[tuple[int, int, int], ForwardGraph] = {}
+
+    def graph(self, batch: int, height: int, width: int) -> ForwardGraph:
+        """The warmed-up graph of ``(bucket_for(batch), height, width)``, built on first use."""
+        key = (bucket_for(batch), height, width)
+        g = self.graphs.get(key)
+        if g is None:
+            g = ForwardGraph(self.fwd, *key)
+            g.warm_up()
+            self.graphs[key] = g
+        return g
+
+    def warm_up(self, sizes: Sequence[tuple[int, int]], buckets: Sequence[int] = BUCKETS) -> None:
+        """Capture every (bucket, size) graph ahead of serving (the worker does this first)."""
+        for height, width in sizes:
+            for b in buckets:
+                self.graph(b, height, width)
+
+    def run(self, images: np.ndarray) -> dict[str, np.ndarray]:
+        """uint8 ``[n, H, W]`` (n ≤ 16) → host arrays ``prob, mask, score, entropy, hist``."""
+        if images.dtype != np.uint8 or images.ndim != 3 or images.size == 0:
+            raise ValueError(
+                f"images must be a non-empty uint8 [n, H, W], got {images.dtype} {images.shape}"
+            )
+        n, height, width = images.shape
+        g = self.graph(n, height, width)
+        g.buf.images[:n].set(np.ascontiguousarray(images), stream=g.stream)
+        g.replay()
+        out = {name: arr[:n].get(stream=g.stream) for name, arr in g.buf.out._asdict().items()}
+        g.stream.synchronize()
+        return out
+
+    def predict(self, images: Sequence[np.ndarray]) -> list[Prediction]:
+        """One :class:`Prediction` per uint8 ``(H, W)`` image, in order (``ScratchNet.predict``)."""
+        by_size: dict[tuple[int, int], list[int]] = {}
+        for i, img in enumerate(images):
+            if (
+                not isinstance(img, np.ndarray)
+                or img.dtype != np.uint8
+                or img.ndim != 2
+                or img.size == 0
+            ):
+                raise ValueError(f"image {i}: expected a non-empty uint8 (H, W) array")
+            by_size.setdefault(img.shape, []).append(i)
+        results: list[Prediction | None] = [None] * len(images)
+        for idx in by_size.values():
+            for lo in range(0, len(idx), BUCKETS[-1]):
+                part = idx[lo : lo + BUCKETS[-1]]
+                out = self.run(np.stack([images[i] for i in part]))
+                for j, i in enumerate(part):
+                    results[i] = self._finish(out, j)
+        return [r for r in results if r is not None]
+
+    def _finish(self, out: dict[str, np.ndarray], j: int) -> Prediction:
+        m = self.model.meta
+        prob = out["prob"][j]
+        post = postprocess(prob, m.threshold, m.min_area, m.score_window)
+        return Prediction(
+            prob=prob,
+            mask=post.mask,
+            score=float(out["score"][j]),
+            verdict=post.verdict,
+            boxes=post.boxes,
+            entropy=float(out["entropy"][j]),
+            histogram=out["hist"][j],
+        )

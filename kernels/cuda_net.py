@@ -1,0 +1,150 @@
+"""ScratchNet's forward on the GPU: fp16 weights and activations, fp32 accumulation, NHWC.
+
+The numpy forward (``net.py``) runs ~30 ops; this one runs 17 launches and 2 memsets for the
+default architecture, every one a ``<op>_cuda`` of this package, fused where it pays::
+
+    images uint8 [N, H, W]
+      normalize_pad            uint8 → fp16, edge pad to [Hp, Wp]            1 kernel
+      conv3x3 (stem)           s2 1→24 + bias + ReLU                          1 kernel
+      ds_block × 11            dw3x3 + bias + ReLU → pw GEMM (tensor cores)   1 kernel each
+                               + bias (+ residual) + ReLU; the decoder's
+                               upsample+concat read inside the dw stage;
+                               the last block also does the 1x1 head → logits fp32
+      output_path              prob, raw mask, entropy, input histogram,      2 kernels
+                               window score (+ 2 memsets of its accumulators)
+
+Buffers (:class:`Buffers`) are allocated once per (batch, height, width) and every launch
+writes into them (``out=``), so the same launch sequence can be recorded and captured into a
+CUDA graph (``cuda_graph.py``). Each block's output has its own buffer: the skips must live
+until the decoder reads them, and the whole set is ≈ 60 MB per 1024² image.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from scratchd.kernels.conv3x3 import conv3x3_cuda
+from scratchd.kernels.ds_block import ds_block_cuda
+from scratchd.kernels.net import BlockSpec, NetConfig, Weights, block_plan, check_weights
+from scratchd.kernels.normalize_pad import normalize_pad_cuda, padded_size
+from scratchd.kernels.output_path import OutputPath, output_path_buffers, output_path_cuda
+
+PAD_MULTIPLE = 16
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """Every device array one forward of ``batch`` frames of ``height x width`` touches."""
+
+    batch: int
+    height: int
+    width: int
+    images: Any  # [B, H, W] uint8: the caller copies frames in here
+    x: Any  # [B, Hp, Wp, 1] float16
+    acts: dict[str, Any]  # block (or "stem") name → its output, fp16 NHWC
+    logits: Any  # [B, Hp/2, Wp/2, 1] float32
+    out: OutputPath  # prob, mask, score, entropy, hist
+    scratch: Any  # [3B] uint32 accumulators of output_path
+
+
+class CudaForward:
+    """Device weights and the fused launch sequence of one ScratchNet model (one device)."""
+
+    def __init__(
+        self, weights: Weights, cfg: NetConfig, mean: float, std: float, threshold: float,
+        score_window: int,
+    ) -> None:  # fmt: skip
+        from scratchd.kernels import _cuda as cu
+
+        check_weights(weights, cfg)
+        cp = cu.cupy()
+        self.cfg, self.plan = cfg, block_plan(cfg)
+        self.mean, self.std = mean, std
+        self.threshold, self.score_window = threshold, score_window
+        self.device = cp.cuda.runtime.getDevice()
+        self.w: dict[str, Any] = {}
+        for name, arr in weights.items():
+            # Weights fp16, biases fp32; the head (fused into the last block's epilogue) fp32.
+            fp16 = name.endswith(".w") and not name.startswith("head.")
+            self.w[name] = cp.asarray(arr.astype(np.float16 if fp16 else np.float32))
+        self.head_block = self.plan[-1].name
+
+    def buffers(self, batch: int, height: int, width: int) -> Buffers:
+        """Allocate the device arrays of one (batch, height, width) forward."""
+        from scratchd.kernels import _cuda as cu
+
+        cp = cu.cupy()
+        hp, wp = padded_size(height, PAD_MULTIPLE), padded_size(width, PAD_MULTIPLE)
+        acts: dict[str, Any] = {}
+        h, w = hp // 2, wp // 2
+        acts["stem"] = cp.empty((batch, h, w, self.cfg.widths[0]), np.float16)
+        for b in self.plan:
+            if b.join is not None:
+                h, w = 2 * h, 2 * w
+            h, w = (h - 1) // b.stride + 1, (w - 1) // b.stride + 1
+            if b.name != self.head_block:
+                acts[b.name] = cp.empty((batch, h, w, b.cout), np.float16)
+        return Buffers(
+            batch=batch,
+            height=height,
+            width=width,
+            images=cp.zeros((batch, height, width), np.uint8),
+            x=cp.empty((batch, hp, wp, 1), np.float16),
+            acts=acts,
+            logits=cp.empty((batch, hp // 2, wp // 2, 1), np.float32),
+            out=output_path_buffers(batch, height, width),
+            scratch=cp.empty((3 * batch,), np.uint32),
+        )
+
+    def run(self, buf: Buffers) -> None:
+        """Launch the forward on the current stream: ``buf.images`` → ``buf.out``."""
+        w = self.w
+        normalize_pad_cuda(buf.images, self.mean, self.std, PAD_MULTIPLE, out=buf.x)
+        h = conv3x3_cuda(buf.x, w["stem.w"], w["stem.b"], 2, "relu", out=buf.acts["stem"])
+        skips = {"skip0": h}
+        for b in self.plan:
+            h = self._block(b, h, skips, buf)
+            if b.saves is not None:
+                skips[b.saves] = h
+        output_path_cuda(
+            buf.logits, buf.images, self.threshold, self.score_window, out=buf.out,
+            scratch=buf.scratch,
+        )  # fmt: skip
+
+    def _block(self, b: BlockSpec, h: Any, skips: dict[str, Any], buf: Buffers) -> Any:
+        w, p = self.w, b.name
+        head = p == self.head_block
+        return ds_block_cuda(
+            h, w[f"{p}.dw.w"], w[f"{p}.dw.b"], w[f"{p}.pw.w"], w[f"{p}.pw.b"],
+            stride=b.stride, dilation=b.dilation,
+            skip=None if b.join is None else skips[b.join],
+            residual=b.residual,
+            head_w=w["head.w"] if head else None,
+            head_b=w["head.b"] if head else None,
+            out=buf.logits if head else buf.acts[p],
+        )  # fmt: skip
+
+
+def fused_logits_ref(weights: Weights, cfg: NetConfig, x: np.ndarray) -> np.ndarray:
+    """The launch sequence of :meth:`CudaForward.run` in numpy (its ``_ref`` twins), from the
+    normalised input ``[N, Hp, Wp, 1]`` to the logits: a CPU check of the fusion plan."""
+    from scratchd.kernels.conv3x3 import conv3x3_ref
+    from scratchd.kernels.ds_block import ds_block_ref
+
+    plan = block_plan(cfg)
+    h = conv3x3_ref(x, weights["stem.w"], weights["stem.b"], 2, "relu")
+    skips = {"skip0": h}
+    for b in plan:
+        head = b is plan[-1]
+        h = ds_block_ref(
+            h, weights[f"{b.name}.dw.w"], weights[f"{b.name}.dw.b"],
+            weights[f"{b.name}.pw.w"], weights[f"{b.name}.pw.b"], b.stride, b.dilation,
+            None if b.join is None else skips[b.join], b.residual,
+            weights["head.w"] if head else None, weights["head.b"] if head else None,
+        )  # fmt: skip
+        if b.saves is not None:
+            skips[b.saves] = h
+    return h

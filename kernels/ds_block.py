@@ -1,0 +1,123 @@
+"""``ds_block``: one whole depthwise-separable block as one op (the CUDA forward's fusion).
+
+``ds_block_ref`` is defined by the ops it fuses, in the numpy forward's order::
+
+    h   = upsample_concat(x, skip)              if skip is given (the decoder join)
+    y   = dwconv3x3(h, dw_w, dw_b, stride, dilation, "relu")
+    out = pwconv(y, pw_w, pw_b, "relu", h if residual else None)
+    out = pwconv(out, head_w, head_b, "none")   if head_w is given (ScratchNet's 1x1 head)
+
+Fusing them means the joined tensor, the depthwise output and (with the head) the block's own
+output never reach device memory: ``ds_block.cu`` computes the depthwise result for a tile of
+64 pixels straight into shared memory, multiplies it by the pointwise weight on the tensor
+cores and applies bias, residual and ReLU (and the head's dot product) in the epilogue.
+Per ScratchNet block that removes one write and one read of the widest tensor in it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from scratchd.kernels.dwconv3x3 import dwconv3x3_ref
+from scratchd.kernels.pwconv import pwconv_ref
+from scratchd.kernels.upsample_concat import upsample_concat_ref
+
+
+def ds_block_ref(
+    x: np.ndarray,  # [N, H, W, CA] float32; with skip: [N, H/2, W/2, CA]
+    dw_w: np.ndarray,  # [3, 3, CA + CB] float32
+    dw_b: np.ndarray,  # [CA + CB] float32
+    pw_w: np.ndarray,  # [CA + CB, Cout] float32
+    pw_b: np.ndarray,  # [Cout] float32
+    stride: int = 1,
+    dilation: int = 1,
+    skip: np.ndarray | None = None,  # [N, H, W, CB] float32
+    residual: bool = False,
+    head_w: np.ndarray | None = None,  # [Cout, 1] float32
+    head_b: np.ndarray | None = None,  # [1] float32
+) -> np.ndarray:  # [N, Ho, Wo, Cout] float32, or [N, Ho, Wo, 1] with the head
+    """A DS block (optionally opening with the decoder join, optionally ending in the head)."""
+    h = x if skip is None else upsample_concat_ref(x, skip)
+    _check_fusable("ds_block", stride, skip is not None, residual, head_w, head_b)
+    y = dwconv3x3_ref(h, dw_w, dw_b, stride, dilation, "relu")
+    out = pwconv_ref(y, pw_w, pw_b, "relu", h if residual else None)
+    if head_w is not None and head_b is not None:
+        out = pwconv_ref(out, head_w, head_b, "none")
+    return out
+
+
+def _check_fusable(
+    op: str, stride: int, joined: bool, residual: bool, head_w: Any, head_b: Any
+) -> None:
+    if stride not in (1, 2):
+        raise ValueError(f"{op}: stride must be 1 or 2, got {stride}")
+    if joined and stride != 1:
+        raise ValueError(f"{op}: the decoder join (skip) needs stride 1")
+    if residual and (stride != 1 or joined):
+        raise ValueError(f"{op}: a residual needs stride 1 and no skip")
+    if (head_w is None) != (head_b is None):
+        raise ValueError(f"{op}: head_w and head_b come together")
+
+
+def ds_block_cuda(
+    x: Any,  # [N, H, W, CA] float16 (CuPy); with skip: [N, H/2, W/2, CA]
+    dw_w: Any,  # [3, 3, CA + CB] float16
+    dw_b: Any,  # [CA + CB] float32
+    pw_w: Any,  # [CA + CB, Cout] float16
+    pw_b: Any,  # [Cout] float32
+    stride: int = 1,
+    dilation: int = 1,
+    skip: Any | None = None,  # [N, H, W, CB] float16
+    residual: bool = False,
+    head_w: Any | None = None,  # [Cout, 1] float32
+    head_b: Any | None = None,  # [1] float32
+    *,
+    out: Any | None = None,  # the result's shape and dtype: written in place when given
+) -> Any:  # [N, Ho, Wo, Cout] float16, or [N, Ho, Wo, 1] float32 with the head
+    """CUDA twin of :func:`ds_block_ref` (``ds_block.cu``), one kernel launch."""
+    from scratchd.kernels import _cuda as cu
+
+    op = "ds_block"
+    _check_fusable(op, stride, skip is not None, residual, head_w, head_b)
+    cu.check_device_array(op, "x", x, ndim=4, dtype=np.float16)
+    n, hx, wx, ca = x.shape
+    cb, height, width = 0, hx, wx
+    if skip is not None:
+        cu.check_device_array(op, "skip", skip, ndim=4, dtype=np.float16)
+        cb, height, width = skip.shape[3], 2 * hx, 2 * wx
+        cu.check_shape(op, "skip", skip, (n, height, width, cb))
+    cin = ca + cb
+    cu.check_device_array(op, "dw_w", dw_w, ndim=3, dtype=np.float16)
+    cu.check_shape(op, "dw_w", dw_w, (3, 3, cin))
+    cu.check_device_array(op, "dw_b", dw_b, ndim=1, dtype=np.float32)
+    cu.check_shape(op, "dw_b", dw_b, (cin,))
+    cu.check_device_array(op, "pw_w", pw_w, ndim=2, dtype=np.float16)
+    cout = pw_w.shape[1]
+    cu.check_shape(op, "pw_w", pw_w, (cin, cout))
+    cu.check_device_array(op, "pw_b", pw_b, ndim=1, dtype=np.float32)
+    cu.check_shape(op, "pw_b", pw_b, (cout,))
+    if residual and cin != cout:
+        raise ValueError(f"{op}: a residual needs Cin == Cout, got {cin} -> {cout}")
+    if dilation < 1:
+        raise ValueError(f"{op}: dilation must be >= 1, got {dilation}")
+    ho, wo = (height - 1) // stride + 1, (width - 1) // stride + 1
+    head = head_w is not None
+    if head:
+        cu.check_device_array(op, "head_w", head_w, ndim=2, dtype=np.float32)
+        cu.check_shape(op, "head_w", head_w, (cout, 1))
+        cu.check_device_array(op, "head_b", head_b, ndim=1, dtype=np.float32)
+        cu.check_shape(op, "head_b", head_b, (1,))
+        out = cu.output(op, out, (n, ho, wo, 1), np.float32)
+    else:
+        out = cu.output(op, out, (n, ho, wo, cout), np.float16)
+    name = cu.template_name(op, ca, cb, cout, stride, dilation, residual, head)
+    func = cu.kernel("ds_block.cu", name)
+    args = (
+        x, x if skip is None else skip, dw_w, dw_b, pw_w, pw_b,
+        head_w if head else pw_b, head_b if head else pw_b, out,
+        *map(cu.i32, (n, height, width, ho, wo)),
+    )  # fmt: skip
+    cu.launch_pw(func, cin, cout, n * ho * wo, args)
+    return out

@@ -1,0 +1,134 @@
+// The pointwise (1x1) tensor-core GEMM tile shared by pwconv.cu and ds_block.cu.
+//
+// A block owns BM = 64 consecutive output pixels (flattened n, y, x) at a time and loops over
+// such tiles (persistent grid), so the weight is staged into shared memory once per block:
+//
+//   shared memory (halves)
+//   ┌──────────────────────────────┬────────────────────────────────────────────┐
+//   │ sW [NP][KS]  W transposed,   │ sA [BM][KS]  the A operand (pixels x Cin)   │
+//   │ zero beyond Cout / Cin       │ then, reused, sC [BM][CS] (acc + bias, fp16) │
+//   └──────────────────────────────┴────────────────────────────────────────────┘
+//   KP = Cin rounded up to 16 (the mma K step), KS = KP + 8 (row stride: 4 mod 8 words, so
+//   the 8 rows a fragment load touches fall in distinct banks); NP = Cout rounded up to 8.
+//
+// Per tile: (1) produce A (MODE 0: copy the input rows; MODE 1: depthwise 3x3 + bias + ReLU
+// computed here, so its output never reaches device memory), (2) each of the 4 warps
+// multiplies 16 rows of A by all of W with mma.sync m16n8k16 (fp32 accumulators),
+// (3) acc + bias is staged in sC, (4) the epilogue adds the residual, applies the ReLU and
+// writes 16-byte rows (or, with HEAD, reduces each pixel to the head's one logit).
+#pragma once
+#include "common.cuh"
+
+namespace sd {
+
+constexpr int PW_BM = 64;
+constexpr int PW_THREADS = 128;
+
+template <int CIN, int COUT>
+struct PwShape {
+    static constexpr int KP = (CIN + 15) / 16 * 16;
+    static constexpr int KS = KP + 8;
+    static constexpr int NP = (COUT + 7) / 8 * 8;
+    static constexpr int NT = NP / 8;
+    static constexpr int CS = NP + 8;
+    static constexpr int AREA = (KS > CS ? KS : CS) * PW_BM;
+    static constexpr int SMEM_BYTES = (NP * KS + AREA) * 2;
+};
+
+// Stage W ([CIN, COUT], fp16, global) transposed and zero-padded into sW[NP][KS].
+template <int CIN, int COUT>
+__device__ __forceinline__ void stage_weight(const __half* __restrict__ w, __half* sW) {
+    using S = PwShape<CIN, COUT>;
+    for (int i = threadIdx.x; i < S::NP * S::KS; i += PW_THREADS) {
+        const int n = i / S::KS, k = i - n * S::KS;
+        sW[i] = (n < COUT && k < CIN) ? w[k * COUT + n] : __float2half(0.0f);
+    }
+}
+
+// (2) + (3): sC = A @ W + bias (rounded to fp16). Ends with sC complete (synchronised).
+template <int CIN, int COUT>
+__device__ __forceinline__ void gemm_tile(const __half* sW, __half* sA, const float* __restrict__ bias) {
+    using S = PwShape<CIN, COUT>;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    float acc[S::NT][4];
+#pragma unroll
+    for (int nt = 0; nt < S::NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+    const __half* a_row = sA + (warp * 16 + g) * S::KS + 2 * t;
+#pragma unroll
+    for (int k0 = 0; k0 < S::KP; k0 += 16) {
+        unsigned a[4];
+        a[0] = *reinterpret_cast<const unsigned*>(a_row + k0);
+        a[1] = *reinterpret_cast<const unsigned*>(a_row + 8 * S::KS + k0);
+        a[2] = *reinterpret_cast<const unsigned*>(a_row + k0 + 8);
+        a[3] = *reinterpret_cast<const unsigned*>(a_row + 8 * S::KS + k0 + 8);
+#pragma unroll
+        for (int nt = 0; nt < S::NT; ++nt) {
+            const __half* b_row = sW + (nt * 8 + g) * S::KS + k0 + 2 * t;
+            unsigned b[2];
+            b[0] = *reinterpret_cast<const unsigned*>(b_row);
+            b[1] = *reinterpret_cast<const unsigned*>(b_row + 8);
+            mma_16816(acc[nt], a, b);
+        }
+    }
+    __syncthreads();  // every warp has read sA: it becomes sC now
+    __half* sC = sA;
+    const int r0 = warp * 16 + g;
+#pragma unroll
+    for (int nt = 0; nt < S::NT; ++nt) {
+        const int col = nt * 8 + 2 * t;
+        const float b0 = col < COUT ? __ldg(bias + col) : 0.0f;
+        const float b1 = col + 1 < COUT ? __ldg(bias + col + 1) : 0.0f;
+        *reinterpret_cast<__half2*>(sC + r0 * S::CS + col) = __floats2half2_rn(acc[nt][0] + b0, acc[nt][1] + b1);
+        *reinterpret_cast<__half2*>(sC + (r0 + 8) * S::CS + col) = __floats2half2_rn(acc[nt][2] + b0, acc[nt][3] + b1);
+    }
+    __syncthreads();
+}
+
+// (4) out[p, :] = act(sC[r, :] (+ res[p, :])) for the tile's pixels p = base + r < M.
+template <int COUT, bool RES, bool RELU>
+__device__ __forceinline__ void store_tile(
+    const __half* sC, const __half* __restrict__ res, __half* __restrict__ out, int base, int M) {
+    using S = PwShape<COUT, COUT>;
+    constexpr int V = VecWidth<COUT>::value;
+    constexpr int GROUPS = COUT / V;
+    for (int i = threadIdx.x; i < PW_BM * GROUPS; i += PW_THREADS) {
+        const int r = i / GROUPS, c = (i - r * GROUPS) * V, p = base + r;
+        if (p >= M) continue;
+        float v[V];
+        load_h_smem<V>(sC + r * S::CS + c, v);
+        if constexpr (RES) {
+            float rv[V];
+            load_h<V>(res + p * COUT + c, rv);
+#pragma unroll
+            for (int j = 0; j < V; ++j) v[j] += rv[j];
+        }
+        if constexpr (RELU) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) v[j] = fmaxf(v[j], 0.0f);
+        }
+        store_h<V>(out + p * COUT + c, v);
+    }
+}
+
+// (4) with the head fused: logit[p] = hb + sum_c hw[c] * act(sC[r, c] (+ res[p, c])).
+template <int COUT, bool RES, bool RELU>
+__device__ __forceinline__ void store_tile_head(
+    const __half* sC, const __half* __restrict__ res, const float* __restrict__ hw, float hb,
+    float* __restrict__ logits, int base, int M) {
+    using S = PwShape<COUT, COUT>;
+    for (int r = threadIdx.x; r < PW_BM; r += PW_THREADS) {
+        const int p = base + r;
+        if (p >= M) continue;
+        float s = hb;
+#pragma unroll 8
+        for (int c = 0; c < COUT; ++c) {
+            float v = __half2float(sC[r * S::CS + c]);
+            if constexpr (RES) v += __half2float(res[p * COUT + c]);
+            if constexpr (RELU) v = fmaxf(v, 0.0f);
+            s = fmaf(v, __ldg(hw + c), s);
+        }
+        logits[p] = s;
+    }
+}
+
+}  // namespace sd

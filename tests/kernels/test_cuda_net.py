@@ -1,0 +1,101 @@
+"""The whole CUDA forward (fused plan, CUDA graphs) against the numpy fp32 forward.
+
+The CPU test checks the fusion plan itself (its numpy twin equals ``net.forward_logits``);
+the gpu tests run captured graphs: on random weights and odd frame sizes, and with the
+shipped model on real validation images (identical verdicts, prob max abs diff ≤ 2e-2).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from scratchd.dataset.folders import scan_dataset, split_of
+from scratchd.ipc.image import decode_image
+from scratchd.kernels.model import DEFAULT_PATH, ModelMeta, ScratchNet, load_model
+from scratchd.kernels.net import NetConfig, count_params, forward_logits, random_weights
+from scratchd.kernels.normalize_pad import normalize_pad_ref
+
+PROB_ATOL = 2e-2
+
+
+def test_fused_plan_matches_the_numpy_forward() -> None:
+    from scratchd.kernels.cuda_net import fused_logits_ref
+
+    cfg = NetConfig()
+    weights = random_weights(cfg, seed=3)
+    rng = np.random.default_rng()
+    x = normalize_pad_ref(rng.integers(0, 256, (2, 37, 50), dtype=np.uint8), 0.4, 0.2)
+    np.testing.assert_allclose(
+        fused_logits_ref(weights, cfg, x), forward_logits(weights, cfg, x), rtol=1e-4, atol=1e-4
+    )
+
+
+def _random_model(seed: int) -> ScratchNet:
+    cfg = NetConfig()
+    meta = ModelMeta(
+        version="test", architecture=cfg.to_json(), mean=0.45, std=0.22, threshold=0.5,
+        min_area=8, score_window=5, histogram=[1 / 64] * 64, val_metrics={},
+        train_data_sha256="", params=count_params(cfg),
+    )  # fmt: skip
+    return ScratchNet(random_weights(cfg, seed), meta)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 64, 64), (3, 37, 50), (5, 200, 200), (2, 129, 301)])
+def test_cuda_forward_matches_numpy_on_random_weights(shape: tuple[int, int, int]) -> None:
+    from scratchd.kernels.cuda_graph import CudaScratchNet
+
+    seed = int(np.random.SeedSequence().entropy % 2**32)  # type: ignore[operator]
+    rng = np.random.default_rng(seed)
+    model = _random_model(seed % 1000)
+    images = rng.integers(0, 256, shape, dtype=np.uint8)
+    want = model.prob(images)
+    got = CudaScratchNet(model).run(images)
+    diff = np.abs(got["prob"] - want).max()
+    assert diff <= PROB_ATOL, f"seed={seed} shape={shape}: prob max abs diff {diff}"
+
+
+def _val_images(data_dir: Path, limit: int) -> list[np.ndarray]:
+    samples = [s for s in scan_dataset(data_dir) if split_of(s.rel) == "val"]
+    sd = [s for s in samples if s.rel.startswith("sd900/")][: limit * 3 // 4]
+    tile = [s for s in samples if s.rel.startswith("mtile/")][: limit - len(sd)]
+    return [decode_image(s.image.read_bytes()) for s in sd + tile]
+
+
+@pytest.mark.gpu
+def test_cuda_predict_matches_numpy_on_real_validation_images(data_dir: Path) -> None:
+    from scratchd.kernels.cuda_graph import CudaScratchNet
+
+    if not DEFAULT_PATH.is_file():
+        pytest.skip(f"the shipped weights {DEFAULT_PATH} are not there yet")
+    model = load_model()
+    images = _val_images(data_dir, 40)
+    assert len(images) >= 20, "too few validation images found"
+    want = model.predict(images)
+    got = CudaScratchNet(model).predict(images)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        diff = float(np.abs(g.prob - w.prob).max())
+        assert diff <= PROB_ATOL, f"image {i} {w.prob.shape}: prob max abs diff {diff}"
+        assert g.verdict == w.verdict, f"image {i}: verdict {g.verdict} != {w.verdict}"
+        assert abs(g.score - w.score) <= PROB_ATOL, f"image {i}: score {g.score} vs {w.score}"
+        assert abs(g.entropy - w.entropy) <= PROB_ATOL, f"image {i}: entropy"
+        np.testing.assert_array_equal(g.histogram, w.histogram, err_msg=f"image {i}")
+
+
+@pytest.mark.gpu
+def test_graph_replays_new_frames_and_partial_buckets() -> None:
+    """One captured graph serves different frames and a batch smaller than its bucket."""
+    from scratchd.kernels.cuda_graph import CudaScratchNet
+
+    rng = np.random.default_rng()
+    model = _random_model(7)
+    net = CudaScratchNet(model)
+    for n in (4, 3, 4):
+        images = rng.integers(0, 256, (n, 48, 80), dtype=np.uint8)
+        got = net.run(images)
+        assert got["prob"].shape == (n, 48, 80)
+        assert np.abs(got["prob"] - model.prob(images)).max() <= PROB_ATOL
+    assert list(net.graphs) == [(4, 48, 80)]
