@@ -98,9 +98,15 @@ class DriftMonitor:
 
     def observe(self, histogram: np.ndarray) -> None:
         """Add one request's input histogram, evicting the oldest when the window is full."""
-        p = normalise(histogram, "request histogram")
+        h = np.asarray(histogram)
+        total = h.sum() if h.shape == (BINS,) else 0
+        if not 0 < total < math.inf or (h.dtype.kind != "u" and (h < 0).any()):
+            normalise(h, "request histogram")  # raises, naming what is wrong
+        # Straight into the ring row: no temporary arrays on the per-request path.
         slot = self._next
-        self._ring[slot] = p
+        row = self._ring[slot]
+        row[:] = h
+        row /= total
         self._next = (slot + 1) % self.window
         self._samples = min(self._samples + 1, self.window)
         self._score = None

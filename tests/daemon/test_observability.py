@@ -1,4 +1,5 @@
-"""End to end: a real CPU daemon (shipped model) fed the held-back real images.
+"""The daemon's observability wiring: `Observability.account` alone, then end to end on a
+real CPU daemon (shipped model) fed the held-back real images.
 
 One daemon for the module. The held-back `val` images go through in a shuffled order with
 two part classes (plus a few requests that must be refused and a few with a 1 ms deadline),
@@ -31,9 +32,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from scratchd.client import AsyncClient
+from scratchd.daemon.config import Config
+from scratchd.daemon.dispatch import InFlight
+from scratchd.daemon.observability import ModelReference, Observability
 from scratchd.dataset.folders import scan_dataset, split_of
 from scratchd.ipc.image import decode_image, encode_png
-from scratchd.ipc.wire import Reply
+from scratchd.ipc.queue import Completion, Handle, Result, Status
+from scratchd.ipc.wire import Reply, Timings
 from tests.daemon.harness import DaemonProcess
 
 WINDOW = 150
@@ -125,6 +130,58 @@ def run(daemon: DaemonProcess, val_images: list[bytes]) -> Run:
     result.status_shifted = _status(daemon)
     _, result.metrics_text = _get(result.status_shifted["metrics_port"], "/metrics")
     return result
+
+
+def _completion(i: int, status: Status, result: Result | None, worker: int = 0) -> Completion:
+    return Completion(
+        handle=Handle(i, 1), request_id=i, conn_id=1, part_class=0, priority=0, status=status,
+        result=result, enqueue_ns=0, claim_ns=1000 + i // 2, done_ns=0, worker=worker,
+    )  # fmt: skip
+
+
+def _flight(i: int, part_class: str = "normal") -> InFlight:
+    conn: Any = None  # account() never touches the connection
+    return InFlight(conn=conn, request_id=i, part_class=part_class, priority=0, received_ns=0)
+
+
+def _obs(monkeypatch: pytest.MonkeyPatch, disabled: bool = False) -> Observability:
+    monkeypatch.setenv("SCRATCHD_NO_METRICS", "1" if disabled else "")
+    reference = ModelReference("unit", np.ones(64))
+    return Observability(Config(), reference, devices=["cpu"], worker_states=["ready"])
+
+
+def test_account_feeds_drift_and_entropy_from_ok_results_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    obs = _obs(monkeypatch)
+    flat = np.full(64, 10, np.uint32)
+    ok = Result(Status.OK, entropy=0.25, histogram=flat, compute_ns=2_000_000, batch_size=2)
+    failed = Result(Status.ERROR, histogram=np.zeros(64, np.uint32), batch_size=2)
+    for i, (status, result) in enumerate(
+        [(Status.OK, ok), (Status.OK, ok), (Status.ERROR, failed)]
+    ):
+        name = status.name.lower()
+        reply = Reply(id=i, status=name, timings=Timings(queue_ms=1.0, total_ms=5.0))  # type: ignore[arg-type]
+        obs.account(_flight(i), reply, _completion(i, status, result), lambda slot: "cpu0")
+    assert obs.completed == 3
+    assert obs.entropy.snapshot() == {"bits": 0.25, "window": 500, "samples": 2}
+    assert obs.drift is not None and obs.drift.samples == 2 and obs.drift.score() < 1e-9
+    assert obs.metrics.workers["cpu0"].batches == 2  # claim_ns 1000 (ok, ok) and 1001 (error)
+    fields = obs.status_fields()
+    assert fields["drift"].samples == 2 and fields["entropy"].bits == 0.25
+
+
+def test_accounting_never_raises_and_can_be_switched_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    obs = _obs(monkeypatch)
+    broken = Result(Status.OK, entropy=float("nan"), histogram=np.zeros(64, np.uint32))
+    reply = Reply(id=1, status="ok")
+    obs.account(_flight(1), reply, _completion(1, Status.OK, broken), lambda slot: None)
+    assert obs.metrics.requests.labels("normal", "ok")._value.get() == 1  # counted, then failed
+    off = _obs(monkeypatch, disabled=True)
+    off.account(_flight(1), reply, None, lambda slot: None)
+    assert off.metrics.requests.labels("normal", "ok")._value.get() == 0
 
 
 def _samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
