@@ -68,6 +68,9 @@ class WorkersConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """The CPU backend's own batch limit (the GPU's comes from free memory). Small: numpy's
     time per image does not drop with the batch size, and small batches spread a burst
     over all CPU workers instead of queueing it behind one."""
+    cpu_max_queue_delay_ms: NonNegative = 0
+    """How long a CPU worker waits for a batch to fill (at most ``queue.max_queue_delay_ms``).
+    0: a batch costs numpy as much per image as single images, so waiting only adds latency."""
     heartbeat_ms: Positive = 250
     hang_timeout_ms: Positive = 30_000
     """A worker whose heartbeat is older than this is SIGTERMed (a batch on CPU can be slow)."""

@@ -164,7 +164,9 @@ class Supervisor:
             backend=self.device,
             model_path=self.config.model.path,
             max_batch=min(self.config.queue.max_batch, self.config.workers.cpu_max_batch),
-            max_delay_ms=self.config.queue.max_queue_delay_ms,
+            max_delay_ms=min(
+                self.config.queue.max_queue_delay_ms, self.config.workers.cpu_max_queue_delay_ms
+            ),
             heartbeat_ms=self.config.workers.heartbeat_ms,
             parent_pid=os.getpid(),
         )
