@@ -122,12 +122,14 @@ def persistent_grid(func: Any, threads: int, smem: int, tiles: int) -> int:
     Also opts ``func`` in to ``smem`` bytes of dynamic shared memory when that exceeds the
     48 KB default. Memoised, so a recorded forward asks the driver nothing at replay.
     """
-    key = (int(func.ptr), threads, smem, tiles)
+    key = (int(func.kernel.ptr), threads, smem, tiles)
     if key not in _grids:
         if smem > 48 * 1024:
             func.max_dynamic_shared_size_bytes = smem
         cp = cupy()
-        per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(func.ptr, threads, smem)
+        per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            func.kernel.ptr, threads, smem
+        )
         _grids[key] = max(1, min(tiles, max(1, int(per_sm)) * sm_count()))
     return _grids[key]
 

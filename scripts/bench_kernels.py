@@ -1,0 +1,352 @@
+"""Benchmark (issue 4, item 4): ScratchNet through our CUDA graph vs PyTorch on one GPU.
+
+Implementations, all fp16 on the same weights (the shipped model, or He-initialised random
+weights when it is absent — the JSON says which):
+
+- ``scratchd``: our captured graph, uint8 frames → prob, mask, score, entropy, histogram;
+- ``torch_eager``: the fused TorchScratchNet (NCHW), uint8 → normalise → net → bilinear → sigmoid;
+- ``torch_graph``: the same, channels-last, ``cudnn.benchmark``, captured in a CUDA graph;
+- ``torch_compile``: ``torch.compile`` (inductor, default mode) of the same, where it compiles
+  within the time budget.
+
+Each (batch, size) is timed with CUDA events around every one of ``--reps`` (≥ 50) launches
+after warm-up: median and p99. Each of our kernels is timed alone (median of 30 launches of
+batch 16 at 1024²) and its bytes moved (every array argument read or written once) give its
+GB/s against a device-to-device copy measured in the same run; their sum over the copy rate
+is the bytes-moved floor of the whole forward (METHOD.md).
+
+Writes ``<out-dir>/kernels.json`` and ``<md>`` (a markdown table), prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from scratchd.kernels.model import DEFAULT_PATH, ModelMeta, ScratchNet, load_model
+from scratchd.kernels.net import NetConfig, count_params, random_weights
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = [(1, 1024), (4, 1024), (16, 1024), (1, 256), (4, 256), (16, 256)]
+
+
+def load_bench_model() -> tuple[ScratchNet, str]:
+    if DEFAULT_PATH.is_file():
+        return load_model(), "shipped"
+    cfg = NetConfig()
+    meta = ModelMeta(
+        version="random", architecture=cfg.to_json(), mean=0.45, std=0.22, threshold=0.5,
+        min_area=8, score_window=5, histogram=[1 / 64] * 64, val_metrics={},
+        train_data_sha256="", params=count_params(cfg),
+    )  # fmt: skip
+    return ScratchNet(random_weights(cfg, seed=0), meta), "random"
+
+
+def time_events(
+    step: Callable[[], None], reps: int, event: Any, sync: Callable[[], None]
+) -> list[float]:
+    """Milliseconds of each of ``reps`` launches of ``step``, bracketed by device events."""
+    for _ in range(5):
+        step()
+    sync()
+    marks = [(event(), event()) for _ in range(reps)]
+    for start, end in marks:
+        start.record()
+        step()
+        end.record()
+    sync()
+    return [float(start.elapsed_time(end)) for start, end in marks]
+
+
+def summary(ms: list[float]) -> tuple[float, float]:
+    return float(np.median(ms)), float(np.percentile(ms, 99))
+
+
+# ---------------------------------------------------------------- ours
+
+
+def bench_ours(net: Any, batch: int, size: int, reps: int, rng: np.random.Generator) -> list[float]:
+
+    g = net.graph(batch, size, size)
+    frames = rng.integers(0, 256, (batch, size, size), dtype=np.uint8)
+    g.buf.images.set(frames, stream=g.stream)
+    stream = g.stream
+
+    def event() -> Any:
+        return _CupyEvent(stream)
+
+    return time_events(g.replay, reps, event, stream.synchronize)
+
+
+class _CupyEvent:
+    def __init__(self, stream: Any) -> None:
+        import cupy as cp
+
+        self.cp, self.stream, self.ev = cp, stream, cp.cuda.Event()
+
+    def record(self) -> None:
+        self.ev.record(self.stream)
+
+    def elapsed_time(self, end: _CupyEvent) -> float:
+        return float(self.cp.cuda.get_elapsed_time(self.ev, end.ev))
+
+
+def kernel_table(net: Any, batch: int, size: int, ceiling: float) -> list[dict[str, Any]]:
+    """Each recorded step of one forward timed alone: µs, bytes moved, GB/s."""
+    import cupy as cp
+
+    from scratchd.kernels import _cuda as cu
+
+    g = net.graph(batch, size, size)
+    with g.stream, cu.recording() as steps:
+        net.fwd.run(g.buf)
+    g.stream.synchronize()
+    rows = []
+    for step in steps:
+        if not isinstance(step, cu.Launch):
+            continue
+        arrays = {a.data.ptr: a.nbytes for a in step.args if isinstance(a, cp.ndarray)}
+        nbytes = sum(arrays.values())
+        with g.stream:
+            ms = time_events(step, 30, lambda: _CupyEvent(g.stream), g.stream.synchronize)
+        med = float(np.median(ms))
+        name = str(getattr(step.func, "name", "?"))
+        gbps = nbytes / (med * 1e-3) / 1e9
+        rows.append({"op": name, "gbps": round(gbps, 1), "ceiling_gbps": round(ceiling, 1),
+                     "batch": batch, "size": size, "us": round(med * 1e3, 2),
+                     "mb": round(nbytes / 1e6, 2)})  # fmt: skip
+    return rows
+
+
+def copy_ceiling() -> float:
+    """Device-to-device copy of 2 GiB, GB/s counting bytes read plus written (median of 20)."""
+    import cupy as cp
+
+    nbytes = 2 << 30
+    a, b = cp.empty(nbytes, np.uint8), cp.empty(nbytes, np.uint8)
+    a.fill(1)
+    stream = cp.cuda.get_current_stream()
+
+    def step() -> None:
+        b.data.copy_from_device_async(a.data, nbytes, stream)
+
+    ms = time_events(step, 20, lambda: _CupyEvent(stream), stream.synchronize)
+    return 2 * nbytes / (float(np.median(ms)) * 1e-3) / 1e9
+
+
+# ---------------------------------------------------------------- torch
+
+
+def torch_pipeline(model: ScratchNet, channels_last: bool) -> tuple[Any, Callable[[Any], Any]]:
+    import torch
+    import torch.nn.functional as F
+
+    from scratchd.kernels.torchnet import load_weights
+
+    tnet = load_weights(model.weights, model.config).half().cuda().eval()
+    if channels_last:
+        tnet = tnet.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    scale, shift = 1.0 / (255.0 * model.meta.std), -model.meta.mean / model.meta.std
+
+    def fn(images: Any) -> Any:  # uint8 [N, 1, H, W] (H, W multiples of 16)
+        x = images.half() * scale + shift
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        logits = tnet(x)
+        return torch.sigmoid(F.interpolate(logits, scale_factor=2.0, mode="bilinear"))
+
+    return tnet, fn
+
+
+def bench_torch(
+    fn: Callable[[Any], Any], batch: int, size: int, reps: int, graph: bool,
+    rng: np.random.Generator,
+) -> list[float]:  # fmt: skip
+    import torch
+
+    images = torch.from_numpy(rng.integers(0, 256, (batch, 1, size, size), dtype=np.uint8)).cuda()
+    with torch.no_grad():
+        if not graph:
+            return time_events(lambda: fn(images), reps, _torch_event, torch.cuda.synchronize)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                fn(images)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn(images)
+        return time_events(g.replay, reps, _torch_event, torch.cuda.synchronize)
+
+
+def _torch_event() -> Any:
+    import torch
+
+    return torch.cuda.Event(enable_timing=True)
+
+
+# ---------------------------------------------------------------- main
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import cupy as cp
+    import torch
+
+    from scratchd.kernels.cuda_graph import CudaScratchNet
+
+    torch.backends.cudnn.benchmark = True
+    rng = np.random.default_rng(0)
+    model, which = load_bench_model()
+    net = CudaScratchNet(model)
+    ceiling = copy_ceiling()
+    print(f"copy ceiling {ceiling:.0f} GB/s; weights: {which}", flush=True)
+    results: list[dict[str, Any]] = []
+
+    def add(impl: str, batch: int, size: int, ms: list[float]) -> None:
+        med, p99 = summary(ms)
+        results.append({"impl": impl, "batch": batch, "size": size,
+                        "median_ms": round(med, 4), "p99_ms": round(p99, 4)})  # fmt: skip
+        print(
+            f"{impl:14s} b{batch:<3d} {size:5d}  median {med:8.4f} ms  p99 {p99:8.4f} ms",
+            flush=True,
+        )
+
+    for batch, size in CASES:
+        add("scratchd", batch, size, bench_ours(net, batch, size, args.reps, rng))
+    kernels = kernel_table(net, 16, 1024, ceiling) + kernel_table(net, 1, 1024, ceiling)
+    net.graphs.clear()
+    cp.get_default_memory_pool().free_all_blocks()
+    _, eager = torch_pipeline(model, channels_last=False)
+    _, cl = torch_pipeline(model, channels_last=True)
+    for batch, size in CASES:
+        add("torch_eager", batch, size, bench_torch(eager, batch, size, args.reps, False, rng))
+        add("torch_graph", batch, size, bench_torch(cl, batch, size, args.reps, True, rng))
+    compile_errors = bench_compile(cl, args, rng, add)
+    floor_mb = sum(k["mb"] for k in kernels if k["batch"] == 16)
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "weights": which,
+        "reps": args.reps,
+        "copy_ceiling_gbps": round(ceiling, 1),
+        "floor_b16_1024": {
+            "mb": round(floor_mb, 1),
+            "ms": round(floor_mb / 1e3 / ceiling * 1e3, 4),
+        },
+        "compile_errors": compile_errors,
+        "results": results,
+        "kernels": kernels,
+    }
+
+
+def bench_compile(
+    fn: Callable[[Any], Any], args: argparse.Namespace, rng: np.random.Generator,
+    add: Callable[[str, int, int, list[float]], None],
+) -> list[str]:  # fmt: skip
+    """torch.compile per case until the compile budget is spent; returns what failed."""
+    import torch
+
+    errors: list[str] = []
+    t0 = time.monotonic()
+    compiled = torch.compile(fn, dynamic=False)
+    for batch, size in CASES:
+        if time.monotonic() - t0 > args.compile_budget_s:
+            errors.append(f"b{batch} {size}: skipped, compile budget spent")
+            continue
+        try:
+            add(
+                "torch_compile",
+                batch,
+                size,
+                bench_torch(compiled, batch, size, args.reps, False, rng),
+            )
+        except Exception as exc:  # torch.compile failing is a result, not a crash
+            errors.append(f"b{batch} {size}: {type(exc).__name__}: {exc}"[:300])
+    return errors
+
+
+def markdown(report: dict[str, Any]) -> str:
+    rows = {(r["impl"], r["batch"], r["size"]): r for r in report["results"]}
+    lines = [
+        f"## GPU forward (`scripts/bench_kernels.py`, {report['device']}, {report['date']})",
+        "",
+        f"Weights: {report['weights']}. Median / p99 of {report['reps']} launches timed with "
+        "CUDA events, ms per batch. `scratchd`: our CUDA graph, uint8 frames in, prob + mask + "
+        "score + entropy + histogram out; torch: uint8 → normalise → net → bilinear → sigmoid.",
+        "",
+        "| batch | size | scratchd | torch eager | torch graph (CL + cuDNN) | torch.compile | "
+        "vs torch graph |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for batch, size in CASES:
+        cells = []
+        for impl in ("scratchd", "torch_eager", "torch_graph", "torch_compile"):
+            r = rows.get((impl, batch, size))
+            cells.append(f"{r['median_ms']:.3f} / {r['p99_ms']:.3f}" if r else "—")
+        ours, ref = rows.get(("scratchd", batch, size)), rows.get(("torch_graph", batch, size))
+        speed = f"{ref['median_ms'] / ours['median_ms']:.2f}x" if ours and ref else "—"
+        lines.append(f"| {batch} | {size} | " + " | ".join(cells) + f" | {speed} |")
+    floor = report["floor_b16_1024"]
+    lines += [
+        "",
+        f"Copy ceiling (device-to-device, read + write): {report['copy_ceiling_gbps']:.0f} GB/s. "
+        f"Bytes-moved floor of our forward at batch 16, 1024²: {floor['mb']:.0f} MB → "
+        f"{floor['ms']:.3f} ms.",
+        "",
+        "| kernel (batch, size) | µs | MB moved | GB/s | % of copy |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for k in report["kernels"]:
+        pct = 100 * k["gbps"] / k["ceiling_gbps"]
+        lines.append(
+            f"| `{k['op']}` (b{k['batch']}, {k['size']}) | {k['us']:.1f} | {k['mb']:.1f} | "
+            f"{k['gbps']:.0f} | {pct:.0f} % |"
+        )
+    if report["compile_errors"]:
+        lines += ["", "torch.compile: " + "; ".join(report["compile_errors"])]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument("--compile-budget-s", type=float, default=150.0)
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "bench")
+    parser.add_argument("--md", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    args = parser.parse_args()
+    if args.reps < 50:
+        parser.error("--reps must be at least 50")
+    report = run(args)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "kernels.json").write_text(json.dumps(report, indent=1) + "\n")
+    text = markdown(report)
+    write_section(args.md, text)
+    print(text)
+
+
+START, END = "<!-- bench_kernels: start -->", "<!-- bench_kernels: end -->"
+
+
+def write_section(path: Path, text: str) -> None:
+    """Replace this benchmark's section of ``path`` (other scripts own the rest of it)."""
+    section = f"{START}\n{text}{END}\n"
+    old = path.read_text() if path.is_file() else "# Benchmarks\n\n"
+    if START in old and END in old:
+        head, rest = old.split(START, 1)
+        new = head + section + rest.split(END, 1)[1].lstrip("\n")
+    else:
+        new = old.rstrip("\n") + "\n\n" + section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(new)
+
+
+if __name__ == "__main__":
+    main()
