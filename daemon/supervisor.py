@@ -32,31 +32,28 @@ import enum
 import logging
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Final
 
 from scratchd.daemon.config import Config
 from scratchd.daemon.log import log_event
-from scratchd.ipc.faults import ENV as FAULT_ENV
+from scratchd.daemon.worker_process import (
+    Lineage,
+    Worker,
+    WorkerState,
+    describe_exit,
+    launch,
+    restart_delay,
+    worker_env,
+)
 from scratchd.ipc.queue import ReclaimReport, RequestQueue
-from scratchd.workers.protocol import ExitCode, WorkerSpec, parse_ready
+from scratchd.workers.protocol import ExitCode, WorkerSpec
 
 NS: Final = 1_000_000_000
 MAX_CONSECUTIVE_BOOT_FAILURES: Final = 5
 STABLE_AFTER_S: Final = 30.0
 """A worker READY this long has its restart backoff reset."""
-MAX_BACKOFF_S: Final = 10.0
-WORKER_FAULT_ENV: Final = "SCRATCHD_WORKER_FAULT"
-
-
-class WorkerState(enum.Enum):
-    STARTING = "starting"
-    READY = "ready"
-    STOPPING = "stopping"
-    EXITED = "exited"
 
 
 class PoolState(enum.Enum):
@@ -69,43 +66,6 @@ class PoolState(enum.Enum):
 
 class PoolHalted(RuntimeError):
     """A worker failed to boot: serving cannot start or continue. The message says why."""
-
-
-@dataclass
-class Worker:
-    """One worker process as the supervisor tracks it."""
-
-    id: int
-    device: str
-    slot: int
-    proc: subprocess.Popen[bytes]
-    pidfd: int
-    ready_fd: int
-    state: WorkerState = WorkerState.STARTING
-    started_ns: int = field(default_factory=time.monotonic_ns)
-    ready_ns: int = 0
-    term_ns: int = 0
-    version: str = ""
-    retiring: bool = False
-    boot_message: bytes = b""
-    exited: asyncio.Event = field(default_factory=asyncio.Event)
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def name(self) -> str:
-        return f"{self.device}{self.id}"
-
-
-@dataclass
-class Lineage:
-    """What survives a worker's replacement: restarts and the backoff state of logical id."""
-
-    restarts: int = 0
-    spawned: int = 0
-    failures: int = 0
-    boot_failures: int = 0
-    last_restart_s: float = 0.0
-    pending: asyncio.TimerHandle | None = None
 
 
 class Supervisor:
@@ -170,31 +130,11 @@ class Supervisor:
             heartbeat_ms=self.config.workers.heartbeat_ms,
             parent_pid=os.getpid(),
         )
-        ready_r, ready_w = os.pipe()
-        work_fd, done_fd = self.queue.work_fd(slot), self.queue.completion_fd
-        argv = spec.argv(ready_fd=ready_w, death_fd=self._death_r, work_fd=work_fd, done_fd=done_fd)
-        try:
-            proc = subprocess.Popen(
-                argv,
-                pass_fds=(ready_w, self._death_r, work_fd, done_fd),
-                env=self._worker_env(wid),
-                stdin=subprocess.DEVNULL,
-            )
-        finally:
-            os.close(ready_w)
-        worker = Worker(
-            id=wid,
-            device=self.device,
-            slot=slot,
-            proc=proc,
-            pidfd=os.pidfd_open(proc.pid),
-            ready_fd=ready_r,
-        )
+        worker = launch(wid, self.device, spec, self.queue, self._death_r, self._worker_env(wid))
         self.workers[slot] = worker
         self.names_by_slot[slot] = worker.name
         self.lineage[wid].spawned += 1
-        os.set_blocking(ready_r, False)
-        self._loop.add_reader(ready_r, self._on_ready_pipe, worker)
+        self._loop.add_reader(worker.ready_fd, self._on_ready_pipe, worker)
         self._loop.add_reader(worker.pidfd, self._on_exit, worker)
         return worker
 
@@ -206,34 +146,17 @@ class Supervisor:
         raise RuntimeError("no free worker-table slot (more workers than queue max_workers)")
 
     def _worker_env(self, wid: int) -> dict[str, str]:
-        threads = str(max(1, (os.cpu_count() or 1) // max(1, self.count)))
-        env = dict(os.environ)
-        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-            env.setdefault(var, threads)
-        # Test-only fault injection: SCRATCHD_WORKER_FAULT="<name>=<point>" arms the queue's
-        # fault point (scratchd.ipc.faults) in the *first* process of that worker only, so
-        # its replacement serves normally.
-        env.pop(FAULT_ENV, None)
-        name, _, point = os.environ.get(WORKER_FAULT_ENV, "").partition("=")
-        if point and name == f"{self.device}{wid}" and self.lineage[wid].spawned == 0:
-            env[FAULT_ENV] = point
-        return env
+        first = self.lineage[wid].spawned == 0
+        return worker_env(f"{self.device}{wid}", self.count, arm_fault=first)
 
     def _on_ready_pipe(self, worker: Worker) -> None:
         try:
             chunk = os.read(worker.ready_fd, 4096)
         except BlockingIOError:
             return
-        worker.boot_message += chunk
         if not chunk:
             self._close_ready_pipe(worker)
-            return
-        parsed = parse_ready(worker.boot_message.split(b"\n", 1)[0])
-        if parsed and b"\n" in worker.boot_message and worker.state is WorkerState.STARTING:
-            _device, worker.version = parsed
-            worker.state = WorkerState.READY
-            worker.ready_ns = time.monotonic_ns()
-            worker.ready.set()
+        elif worker.take_boot_output(chunk):
             self._changed.set()
             self._close_ready_pipe(worker)
 
@@ -260,13 +183,13 @@ class Supervisor:
         del self.workers[worker.slot]
         worker.exited.set()
         self._changed.set()
-        planned = worker.retiring or self.state is not PoolState.RUNNING
+        planned = worker.retiring or self.state in (PoolState.STOPPING, PoolState.STOPPED)
         log_event(
             "worker_exited" if planned else "worker_died",
             logging.INFO if planned else logging.WARNING,
             worker=worker.name,
             pid=worker.proc.pid,
-            cause=_describe_exit(code),
+            cause=describe_exit(code),
             requeued=len(report.requeued),
             expired=len(report.expired),
             quarantined=len(report.quarantined),
@@ -283,12 +206,12 @@ class Supervisor:
         if not was_ready:
             lineage.boot_failures += 1
             if code == ExitCode.BOOT_ERROR:
-                self.halt(f"worker {worker.name} failed to boot: {self._boot_reason(worker)}")
+                self.halt(f"worker {worker.name} failed to boot: {worker.boot_reason()}")
                 return
             if lineage.boot_failures >= MAX_CONSECUTIVE_BOOT_FAILURES:
                 self.halt(
                     f"worker {worker.name} died {lineage.boot_failures} times during boot "
-                    f"(last exit {_describe_exit(code)}): {self._boot_reason(worker)}"
+                    f"(last exit {describe_exit(code)}): {worker.boot_reason()}"
                 )
                 return
         else:
@@ -296,9 +219,7 @@ class Supervisor:
             if (time.monotonic_ns() - worker.ready_ns) / NS >= STABLE_AFTER_S:
                 lineage.failures = 0
         lineage.failures += 1
-        delay = (
-            0.0 if lineage.failures <= 1 else min(0.1 * 2 ** (lineage.failures - 2), MAX_BACKOFF_S)
-        )
+        delay = restart_delay(lineage.failures)
         lineage.pending = self._loop.call_later(delay, self._respawn, worker.id)
 
     def _respawn(self, wid: int) -> None:
@@ -309,11 +230,6 @@ class Supervisor:
             lineage.last_restart_s = time.time()
             worker = self.spawn_worker(wid)
             log_event("worker_restart", worker=worker.name, pid=worker.proc.pid, slot=worker.slot)
-
-    @staticmethod
-    def _boot_reason(worker: Worker) -> str:
-        text = worker.boot_message.decode("utf-8", "replace").strip()
-        return text.removeprefix("BOOT_ERROR").strip() or "no reason given (see its stderr)"
 
     def halt(self, reason: str) -> None:
         """Stop the pool for good: the daemon cannot serve (reported, exits non-zero)."""
@@ -381,7 +297,7 @@ class Supervisor:
             done.cancel()
             ready.cancel()
             if new.state is not WorkerState.READY:
-                raise PoolHalted(f"replacement {new.name} did not boot: {self._boot_reason(new)}")
+                raise PoolHalted(f"replacement {new.name} did not boot: {new.boot_reason()}")
             old.retiring = True
             self.terminate(old)
             await old.exited.wait()
@@ -419,12 +335,3 @@ class Supervisor:
 
     def ready_count(self) -> int:
         return sum(w.state is WorkerState.READY for w in self.workers.values())
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        return f"signal {signal.Signals(-code).name}"
-    try:
-        return f"code {code} ({ExitCode(code).name})"
-    except ValueError:
-        return f"code {code}"
