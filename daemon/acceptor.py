@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import socket
 import time
@@ -41,6 +42,7 @@ import numpy as np
 from scratchd.daemon.access import AccessGate
 from scratchd.daemon.config import Config
 from scratchd.daemon.dispatch import Dispatcher, InFlight
+from scratchd.daemon.log import log_event
 from scratchd.ipc import wire
 from scratchd.ipc.image import ImageError, decode_image, sniff_format
 from scratchd.ipc.queue import Handle, RequestQueue
@@ -170,7 +172,14 @@ class Acceptor:
                     self.dispatcher.reject(flight, "invalid", reason + "; closing the connection")
                     break
                 body = await reader.readexactly(length)
-                self.handle_frame(conn, body, time.monotonic_ns())
+                received_ns = time.monotonic_ns()
+                try:
+                    self.handle_frame(conn, body, received_ns)
+                except Exception as exc:  # a bug must cost one reply, not the connection
+                    log_event("request_failed", logging.ERROR, error=repr(exc))
+                    rid = wire.salvage_request_id(body)
+                    flight = InFlight(conn, rid, "unknown", 0, received_ns)
+                    self.dispatcher.reject(flight, "error", f"internal error: {exc}")
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client left, possibly mid-frame
         finally:
@@ -222,10 +231,10 @@ class Acceptor:
         if request.encoded is None and request.channels == 1:
             try:
                 shape = write_raw_grey(self.queue.payload(handle), request)
-            except BaseException:
+                self._submit(flight, admission, shape)
+            except Exception as exc:  # not published: the slot is still ours to give back
                 self.queue.release(handle)
-                raise
-            self._submit(flight, admission, shape)
+                self.dispatcher.reject(flight, "error", f"could not queue the request: {exc}")
         else:
             task = asyncio.get_running_loop().create_task(
                 self._convert_and_submit(flight, admission, request)
