@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -93,6 +94,9 @@ def infer(
     runner = _InferRun(socket_path(socket_opt), concurrency, options, as_json, masks)
     try:
         all_ok = asyncio.run(runner.run(images))
+    except BrokenPipeError:  # our stdout went away (`| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
     except OSError as exc:
         raise click.ClickException(f"scratchd at {runner.path}: {exc}") from None
     sys.exit(0 if all_ok else 1)

@@ -325,8 +325,10 @@ class Supervisor:
             self._watchdog.cancel()
         if self.state is not PoolState.HALTED:
             self.state = PoolState.STOPPED
-        os.close(self._death_w)
-        os.close(self._death_r)
+        if self._death_w >= 0:  # workers see EOF on the death pipe; nothing more to spawn
+            os.close(self._death_w)
+            os.close(self._death_r)
+            self._death_w = self._death_r = -1
 
     # ---- views ------------------------------------------------------------------------
 
