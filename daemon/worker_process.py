@@ -8,7 +8,8 @@ threads = cores / workers), a pidfd for its exit, and what it said on the READY 
 
 Test-only fault injection: ``SCRATCHD_WORKER_FAULT="<name>=<point>"`` in the daemon's
 environment arms the queue's fault point (``scratchd.ipc.faults``) in the *first* process
-of worker ``<name>`` only, so that its replacement serves normally.
+of worker ``<name>`` only, so that its replacement serves normally; ``*=<point>`` arms it in
+every worker process (a request that kills whoever takes it: quarantine).
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def worker_env(name: str, workers: int, *, arm_fault: bool) -> dict[str, str]:
         env.setdefault(var, threads)
     env.pop(FAULT_ENV, None)
     target, _, point = os.environ.get(WORKER_FAULT_ENV, "").partition("=")
-    if point and target == name and arm_fault:
+    if point and (target == "*" or (target == name and arm_fault)):
         env[FAULT_ENV] = point
     return env
 

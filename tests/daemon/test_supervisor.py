@@ -230,3 +230,18 @@ def test_workers_leave_with_a_killed_daemon_and_the_next_one_replaces_its_leftov
         assert not d.shm_path.exists()
     finally:
         d.__exit__(None, None, None)
+
+
+def test_a_request_that_kills_every_worker_taking_it_is_quarantined() -> None:
+    env = {"SCRATCHD_WORKER_FAULT": "*=claim.returned"}  # every worker dies on its first claim
+    with DaemonProcess(workers=1, slots=8, env=env) as d:
+        conn = RawConnection(d.socket)
+        conn.send(build_request(7, _frames(1)[0]))
+        reply = conn.receive()
+        assert isinstance(reply, wire.Reply)
+        assert (reply.id, reply.status) == (7, "error")
+        assert "quarantined" in reply.error
+        assert conn.nothing_more()
+        assert d.log().count("event=worker_died") == 3  # workers.max_kills
+        d.wait_ready(restarts={"cpu0": 3})  # the pool itself carries on
+        conn.close()
