@@ -8,7 +8,10 @@
    `--replies` realistic ok replies from batches of 4, two part classes.
 2. `/metrics` exposition per scrape (two part classes, one device, full windows) and the
    status fields (`scratchd status`) per call.
-3. With `--serve`: scripts/bench_serve.py twice against a CPU daemon it starts, once with
+3. With `--main-cpu`: the daemon's main process CPU time per request (all its threads, from
+   /proc/<pid>/task/*/schedstat) over `--requests` small frames, accounting on and off, in
+   alternating rounds: the direct cost of the metrics on the request path.
+4. With `--serve`: scripts/bench_serve.py twice against a CPU daemon it starts, once with
    accounting on and once with `SCRATCHD_NO_METRICS=1` (listeners still up, nothing
    accounted), the same open-loop Poisson rates; the p50/p99 difference is the end-to-end
    cost (on a CPU backend it is far below the run-to-run noise of ~100 ms inferences).
@@ -19,9 +22,11 @@ Prints a table and writes JSON (`--json`, default docs/bench/metrics.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -108,12 +113,91 @@ def serve(rates: str, duration: float, model: str) -> dict[str, Any]:
     return runs
 
 
+def _cpu_ns(pid: int) -> int:
+    """CPU time of every thread of `pid` so far (schedstat: nanoseconds, not 10 ms ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
+def main_process_cost(requests: int, rounds: int, model: str) -> dict[str, Any]:
+    """Main-process CPU per request (acceptor + dispatcher + accounting), on and off.
+
+    Small raw frames (64x64) keep the workers fast so the run is short; the main process's
+    work per request does not depend on the image size except for the copy into the slot.
+    Rounds alternate on/off so that a change of machine load hits both alike.
+    """
+    import msgspec
+
+    from scratchd.client import Client
+
+    frame = np.random.default_rng(0).integers(0, 255, (64, 64), dtype=np.uint8)
+    per_request: dict[str, list[float]] = {"on": [], "off": []}
+    for _ in range(rounds):
+        for label, env_value in (("on", ""), ("off", "1")):
+            with tempfile.TemporaryDirectory(prefix="sdbm-", dir="/tmp") as tmp:
+                sock = f"{tmp}/s.sock"
+                config = Path(tmp) / "c.toml"
+                config.write_text(
+                    f'[server]\nsocket = "{sock}"\nhealth_port = 0\nmetrics_port = 0\n'
+                    f'[workers]\nbackend = "cpu"\ncpu_workers = 2\n[model]\npath = "{model}"\n'
+                    "[classes.safety]\ndeadline_ms = 60000\n[classes.normal]\ndeadline_ms = 60000\n"
+                )
+                env = {**os.environ, "SCRATCHD_NO_METRICS": env_value}
+                cmd = [sys.executable, "-c", "from scratchd.daemon.cli import main; main()",
+                       "serve", "--config", str(config)]  # fmt: skip
+                proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+                try:
+                    pid = _wait_serving(sock)
+                    with Client(sock, timeout=60) as client:
+                        list(client.map([frame] * 200, concurrency=8))  # warm up
+                        before = _cpu_ns(pid)
+                        replies = [r for _, r in client.map([frame] * requests, concurrency=8)]
+                        used = _cpu_ns(pid) - before
+                        assert all(r.status == "ok" for r in replies)
+                        doc = msgspec.to_builtins(client.status())
+                    assert doc["requests"].get("ok", 0) == requests + 200
+                    per_request[label].append(used / requests / 1e3)
+                finally:
+                    proc.send_signal(signal.SIGTERM)
+                    proc.wait(60)
+    med = {k: round(float(np.median(v)), 1) for k, v in per_request.items()}
+    return {
+        "requests_per_round": requests,
+        "main_cpu_us_per_request": {k: [round(x, 1) for x in v] for k, v in per_request.items()},
+        "median_on_us": med["on"],
+        "median_off_us": med["off"],
+        "accounting_us": round(med["on"] - med["off"], 1),
+    }
+
+
+def _wait_serving(sock: str) -> int:
+    from scratchd.client import Client
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with Client(sock, timeout=5) as client:
+                status = client.status()
+            if status.state == "serving":
+                return status.pid
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise SystemExit("daemon not serving after 120 s")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--replies", type=int, default=20_000)
     p.add_argument("--serve", action="store_true", help="also run bench_serve with and without")
     p.add_argument("--rates", default="10,30")
     p.add_argument("--duration", type=float, default=15.0)
+    p.add_argument("--main-cpu", action="store_true", help="main-process CPU per request")
+    p.add_argument("--requests", type=int, default=3000)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model", default="", help="model file for bench_serve (default: shipped)")
     p.add_argument("--json", default=str(ROOT / "docs" / "bench" / "metrics.json"))
     args = p.parse_args()
@@ -122,6 +206,11 @@ def main() -> None:
     for key, value in costs.items():
         print(f"{key:<34}{value:>12}")
     result: dict[str, Any] = {"machine": platform.node(), "in_process": costs}
+    if args.main_cpu:
+        cost = main_process_cost(args.requests, args.rounds, args.model)
+        result["main_process"] = cost
+        print(f"main-process CPU per request: on {cost['median_on_us']} us, off "
+              f"{cost['median_off_us']} us (rounds {cost['main_cpu_us_per_request']})")  # fmt: skip
     if args.serve:
         result["serve"] = serve(args.rates, args.duration, args.model)
         print(f"{'bench_serve load':<26}{'metrics':>9}{'p50 ms':>9}{'p99 ms':>9}{'ok/s':>8}")
