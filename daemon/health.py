@@ -9,9 +9,10 @@ so a firewall or a scraper can reach one without the other:
 
 /readyz is 503 while the daemon is not serving (starting, draining, halted), when no worker
 is READY, or when the queue is not moving: requests are pending (queued or claimed) and no
-worker has finished one for `stall_after_s`. A liveness failure means "restart me"; a
-readiness failure means "do not send me parts now" — so a stalled queue is a readiness
-failure, and the supervisor (not the orchestrator) is the one that replaces stuck workers.
+worker has finished one for `stall_after_s` (the daemon uses `workers.hang_timeout_ms`).
+A liveness failure means "restart me"; a readiness failure means "do not send me parts
+now" — so a stalled queue is a readiness failure, and the supervisor (not the
+orchestrator) is the one that replaces stuck workers.
 
 The server runs on the daemon's own event loop: /livez answering at all is the liveness
 proof, and a `LoopMonitor` task reports how late the loop has been waking (lag). It

@@ -124,7 +124,10 @@ class Observability:
                 lifecycle=lifecycle(),
             )
 
-        readiness = Readiness(readiness_input)
+        # "Not moving" after as long as a batch may take before the supervisor calls its
+        # worker hung: a slow batch of big frames is not a stall.
+        stall_s = self.config.workers.hang_timeout_ms / 1000.0
+        readiness = Readiness(readiness_input, stall_after_s=stall_s)
         server = self.config.server
         self.server = HealthServer(
             server.bind,
