@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -193,3 +194,28 @@ def test_close_releases_the_ports(readiness: Readiness) -> None:
             await asyncio.open_connection("127.0.0.1", port)
 
     asyncio.run(scenario())
+
+
+def test_garbage_never_takes_the_listeners_down(readiness: Readiness) -> None:
+    rng = random.Random(6)
+    valid = get("/readyz")
+    payloads = [bytes(rng.randrange(256) for _ in range(rng.randrange(1, 3000))) for _ in range(60)]
+    for _ in range(60):  # mutations of a valid request: flipped, cut, repeated bytes
+        b = bytearray(valid)
+        for _ in range(rng.randrange(1, 6)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        payloads.append(bytes(b[: rng.randrange(1, len(b) + 1)]) + b"\r\n\r\n" * rng.randrange(3))
+
+    async def scenario(server: HealthServer) -> None:
+        for port in server.bound.values():
+            for payload in payloads:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(payload)
+                writer.write_eof()
+                answer = await asyncio.wait_for(reader.read(), 5)
+                assert answer == b"" or answer.startswith(b"HTTP/1.1 ")
+                writer.close()
+        assert (await http(server.bound["health"], get("/livez")))[0] == 200
+        assert (await http(server.bound["metrics"], get("/metrics")))[0] == 200
+
+    with_server(scenario, readiness.check)
