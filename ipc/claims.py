@@ -26,18 +26,13 @@ check and the ``poll``.
 from __future__ import annotations
 
 import os
-from collections import deque
 from time import monotonic_ns as time_ns
 
 import numpy as np
 
-from scratchd.ipc.doorbell import Doorbell
-from scratchd.ipc.faults import FaultPoint
-from scratchd.ipc.lock import RobustMutex
-from scratchd.ipc.ready import ReadyLists
+from scratchd.ipc.core import ACTIVE, CLAIMED, DONE, EXPIRED, FAILED, QUEUED, QueueCore
 from scratchd.ipc.records import (
     Claim,
-    DescState,
     Handle,
     QueueError,
     ReclaimReport,
@@ -46,56 +41,28 @@ from scratchd.ipc.records import (
     WorkerSlotState,
     write_result,
 )
-from scratchd.ipc.shm import NIL, Geometry, Segment
-from scratchd.ipc.wheel import TimingWheel
-
-_QUEUED, _CLAIMED, _DONE = DescState.QUEUED, DescState.CLAIMED, DescState.DONE
-_EXPIRED, _FAILED = DescState.EXPIRED, DescState.FAILED
+from scratchd.ipc.shm import NIL
 
 
-class WorkerOps:
-    """Worker and supervisor operations; the state they use is set up by RequestQueue."""
-
-    geometry: Geometry
-    _seg: Segment
-    _mutex: RobustMutex
-    _fault: FaultPoint
-    _completion: Doorbell | None
-    _work: list[Doorbell]
-    _state: np.ndarray
-    _gen: np.ndarray
-    _deadline: np.ndarray
-    _owner: np.ndarray
-    _ready: ReadyLists
-    _wheel: TimingWheel
-    _waiting: np.ndarray
-    _free_list: deque[int]
-
-    def _pick_waiting(self, n: int) -> list[int]:
-        raise NotImplementedError
-
-    def _ring_workers(self, slots: list[int]) -> None:
-        raise NotImplementedError
-
-    def _make_free(self, i: int) -> None:
-        raise NotImplementedError
+class WorkerOps(QueueCore):
+    """Worker and supervisor operations (see the module docstring)."""
 
     # ---------------------------------------------------------------- workers
     def register_worker(self, slot: int, pid: int) -> None:
         """Make ``slot`` ACTIVE for ``pid`` (idempotent for the same pid).
 
-        Raises QueueError if another live registration holds the slot: the supervisor must
+        Raises QueueError if another registration holds the slot: the supervisor must
         ``reclaim_worker`` a dead worker's slot before a replacement registers in it.
         """
         self._check_slot(slot)
         with self._mutex.held():
             row = self._seg.workers[slot]
-            if row["state"] == WorkerSlotState.ACTIVE:
+            if row["state"] == ACTIVE:
                 if int(row["pid"]) == pid:
                     return
                 raise QueueError(f"worker slot {slot} is held by pid {int(row['pid'])}")
             now = time_ns()
-            row["pid"], row["state"] = pid, WorkerSlotState.ACTIVE
+            row["pid"], row["state"] = pid, ACTIVE
             row["registered_ns"] = row["heartbeat_ns"] = now
             row["batches"] = row["requests"] = 0
             self._waiting[0] = int(self._waiting[0]) & ~(1 << slot)
@@ -112,10 +79,13 @@ class WorkerOps:
         """Return True at once if ``min_ready`` requests are queued, else sleep on this
         worker's work doorbell until a submit rings it or ``timeout_s`` passes.
 
-        True means "look again": it does not reserve anything for this worker.
+        True means "look again" (it reserves nothing). Safe against lost wake-ups: the
+        waiting bit is set under the same lock hold that saw too little work.
         """
         if not self._work:
             raise QueueError("wait_for_work needs the work doorbell (attach with work_fd=)")
+        if self._ready.total() >= min_ready:  # fast path, lock-free
+            return True
         bit = 1 << slot
         with self._mutex.held():
             if self._ready.total() >= min_ready:
@@ -134,11 +104,10 @@ class WorkerOps:
         Raises QueueError if this process is not the worker registered in ``slot`` (e.g. it
         was reclaimed): such a worker must exit, not claim.
         """
-        d, expired, pid = self._seg.descs, 0, os.getpid()
+        d, pid, expired = self._d, os.getpid(), 0
         claims: list[Claim] = []
         with self._mutex.held():
-            row = self._seg.workers[slot]
-            if row["state"] != WorkerSlotState.ACTIVE or int(row["pid"]) != pid:
+            if not self._is_registered(slot, pid):
                 raise QueueError(f"pid {pid} is not the worker registered in slot {slot}")
             while len(claims) < max_n:
                 i = self._ready.best()
@@ -147,19 +116,19 @@ class WorkerOps:
                 self._ready.remove(i)
                 self._wheel.remove(i)
                 self._fault.reach("claim.unlinked")
-                if self._deadline[i] <= now_ns:
-                    d["done_ns"][i] = now_ns
-                    self._state[i] = _EXPIRED
+                if d.deadline_ns[i] <= now_ns:
+                    self._finish(i, EXPIRED, now_ns)
                     expired += 1
                     continue
-                d["worker"][i], d["worker_pid"][i], d["claim_ns"][i] = slot, pid, now_ns
-                d["attempt"][i] += 1
-                self._state[i] = _CLAIMED
+                d.worker[i], d.worker_pid[i], d.claim_ns[i] = slot, pid, now_ns
+                d.attempt[i] += 1
+                d.state[i] = CLAIMED
                 self._fault.reach("claim.marked")
                 claims.append(self._claim_of(i))
-            self._seg.header["expired"] += expired
-        if expired and self._completion is not None:
-            self._completion.ring()
+            if expired:
+                self._seg.header["expired"] += expired
+        if expired:
+            self._ring_completion()
         if claims:
             w = self._seg.workers
             w["batches"][slot] += 1
@@ -179,7 +148,7 @@ class WorkerOps:
             i = self._ready.best()
             if i == NIL:
                 return None
-            return int(self._seg.descs["enqueue_ns"][i]), int(self._deadline[i])
+            return int(self._d.enqueue_ns[i]), int(self._d.deadline_ns[i])
 
     def complete(self, slot: int, c: Claim, result: Result) -> bool:
         """Write ``result`` and flip the claim to DONE; False (nothing written) if stale.
@@ -190,17 +159,15 @@ class WorkerOps:
         if not self._owns(slot, c):
             return False
         write_result(
-            self._seg.results[i], self._seg.masks[i], result, c.height, c.width,
-            between=lambda: self._fault.reach("complete.mid_result"),
+            self._r, self._seg.masks, i, result, c.height, c.width,
+            between=None if self._fault.name is None else self._die_mid_result,
         )  # fmt: skip
         with self._mutex.held():
             if not self._owns(slot, c):
                 return False
-            self._seg.descs["done_ns"][i] = time_ns()
-            self._state[i] = _DONE
+            self._finish(i, DONE, time_ns())
             self._fault.reach("complete.flipped")
-        if self._completion is not None:
-            self._completion.ring()
+        self._ring_completion()
         return True
 
     # ---------------------------------------------------------------- supervisor
@@ -212,12 +179,11 @@ class WorkerOps:
         """
         self._check_slot(slot)
         with self._mutex.held():
-            report = ReclaimReport(slot=slot, pid=int(self._seg.workers["pid"][slot]))
-            held = np.flatnonzero((self._state == _CLAIMED) & (self._owner == slot)).tolist()
-            for i in held:
+            report = ReclaimReport(slot=slot, pid=int(self._w_pid[slot]))
+            held = np.flatnonzero((self._d.state == CLAIMED) & (self._d.worker == slot))
+            for i in held.tolist():
                 self._return_claim(i, now_ns, max_kills, report)
-            row = self._seg.workers[slot]
-            row["pid"], row["state"] = 0, WorkerSlotState.EMPTY
+            self._w_pid[slot], self._w_state[slot] = 0, WorkerSlotState.EMPTY.value
             self._waiting[0] = int(self._waiting[0]) & ~(1 << slot)
             h = self._seg.header
             h["requeued"] += len(report.requeued)
@@ -225,31 +191,19 @@ class WorkerOps:
             h["quarantined"] += len(report.quarantined)
             wake = self._pick_waiting(len(report.requeued))
         self._ring_workers(wake)
-        if (report.expired or report.quarantined) and self._completion is not None:
-            self._completion.ring()
+        if report.expired or report.quarantined:
+            self._ring_completion()
         return report
 
     def worker_rows(self) -> list[WorkerRow]:
         """Registered workers (not EMPTY rows), with what each holds right now."""
         w = self._seg.workers
-        active = np.flatnonzero(w["state"] != WorkerSlotState.EMPTY).tolist()
+        active = np.flatnonzero(w["state"] != WorkerSlotState.EMPTY.value).tolist()
         claimed = np.bincount(
-            self._owner[self._state == _CLAIMED].astype(np.int64) + 1,
+            self._d.worker[self._d.state == CLAIMED].astype(np.int64) + 1,
             minlength=self.geometry.max_workers + 1,
         )
-        return [
-            WorkerRow(
-                slot=s,
-                pid=int(w["pid"][s]),
-                state=WorkerSlotState(int(w["state"][s])),
-                registered_ns=int(w["registered_ns"][s]),
-                heartbeat_ns=int(w["heartbeat_ns"][s]),
-                batches=int(w["batches"][s]),
-                requests=int(w["requests"][s]),
-                claimed=int(claimed[s + 1]),
-            )
-            for s in active
-        ]
+        return [self._row_of(s, int(claimed[s + 1])) for s in active]
 
     # ---------------------------------------------------------------- internals
     def _check_slot(self, slot: int) -> None:
@@ -257,45 +211,52 @@ class WorkerOps:
             raise QueueError(f"worker slot {slot} outside 0..{self.geometry.max_workers - 1}")
 
     def _owns(self, slot: int, c: Claim) -> bool:
-        i, d = c.handle.index, self._seg.descs
+        i, d = c.handle.index, self._d
         return bool(
-            self._gen[i] == c.handle.generation
-            and self._state[i] == _CLAIMED
-            and self._owner[i] == slot
-            and d["worker_pid"][i] == os.getpid()
-            and d["attempt"][i] == c.attempt
+            d.state[i] == CLAIMED
+            and d.generation[i] == c.handle.generation
+            and d.attempt[i] == c.attempt
+            and d.worker[i] == slot
+            and d.worker_pid[i] == os.getpid()
         )
 
+    def _row_of(self, s: int, claimed: int) -> WorkerRow:
+        w = self._seg.workers[s]
+        return WorkerRow(
+            slot=s, pid=int(w["pid"]), state=WorkerSlotState(int(w["state"])),
+            registered_ns=int(w["registered_ns"]), heartbeat_ns=int(w["heartbeat_ns"]),
+            batches=int(w["batches"]), requests=int(w["requests"]), claimed=claimed,
+        )  # fmt: skip
+
+    def _die_mid_result(self) -> None:
+        self._fault.reach("complete.mid_result")
+
     def _claim_of(self, i: int) -> Claim:
-        row = self._seg.descs[i]
+        d = self._d
         return Claim(
-            handle=Handle(i, int(row["generation"])), request_id=int(row["request_id"]),
-            priority=int(row["priority"]), deadline_ns=int(row["deadline_ns"]),
-            height=int(row["height"]), width=int(row["width"]),
-            want_mask=bool(row["want_mask"]), enqueue_ns=int(row["enqueue_ns"]),
-            part_class=int(row["part_class"]), claim_ns=int(row["claim_ns"]),
-            attempt=int(row["attempt"]),
+            handle=Handle(i, int(d.generation[i])), request_id=int(d.request_id[i]),
+            priority=int(d.priority[i]), deadline_ns=int(d.deadline_ns[i]),
+            height=int(d.height[i]), width=int(d.width[i]), want_mask=bool(d.want_mask[i]),
+            enqueue_ns=int(d.enqueue_ns[i]), part_class=int(d.part_class[i]),
+            claim_ns=int(d.claim_ns[i]), attempt=int(d.attempt[i]),
         )  # fmt: skip
 
     def _return_claim(self, i: int, now_ns: int, max_kills: int, report: ReclaimReport) -> None:
         """One claim of a dead worker (lock held); the state is written last."""
-        d, h = self._seg.descs, Handle(i, int(self._gen[i]))
-        d["kills"][i] = min(int(d["kills"][i]) + 1, 255)
-        d["worker"][i] = NIL
-        if d["abandoned"][i]:
+        d, h = self._d, Handle(i, int(self._d.generation[i]))
+        d.kills[i] = min(int(d.kills[i]) + 1, 255)
+        d.worker[i] = NIL
+        if d.abandoned[i]:
             report.dropped.append(h)
             self._make_free(i)
-        elif d["kills"][i] >= max_kills:
-            d["done_ns"][i] = now_ns
-            self._state[i] = _FAILED
+        elif d.kills[i] >= max_kills:
+            self._finish(i, FAILED, now_ns)
             report.quarantined.append(h)
-        elif self._deadline[i] <= now_ns:
-            d["done_ns"][i] = now_ns
-            self._state[i] = _EXPIRED
+        elif d.deadline_ns[i] <= now_ns:
+            self._finish(i, EXPIRED, now_ns)
             report.expired.append(h)
         else:
-            d["claim_ns"][i] = 0
             self._ready.push(i)
             self._wheel.insert(i)
-            self._state[i] = _QUEUED
+            d.state[i] = QUEUED
             report.requeued.append(h)

@@ -45,16 +45,13 @@ eventfd per worker slot; hand ``completion_fd`` and ``work_fd(slot)`` to the wor
 
 from __future__ import annotations
 
-from collections import deque
 from time import monotonic_ns as time_ns
 
 import numpy as np
 
 from scratchd.ipc.claims import WorkerOps
+from scratchd.ipc.core import DONE, EXPIRED, FREE, QUEUED, WRITTEN
 from scratchd.ipc.doorbell import Doorbell
-from scratchd.ipc.faults import FaultPoint
-from scratchd.ipc.lock import RobustMutex
-from scratchd.ipc.ready import ReadyLists
 from scratchd.ipc.records import (
     Claim,
     Completion,
@@ -69,8 +66,7 @@ from scratchd.ipc.records import (
     WorkerSlotState,
     read_result,
 )
-from scratchd.ipc.shm import MUTEX_OFFSET, NIL, PRIORITIES, Geometry, Segment
-from scratchd.ipc.wheel import TimingWheel
+from scratchd.ipc.shm import PRIORITIES, Geometry, Segment
 
 __all__ = [
     "Claim",
@@ -88,39 +84,11 @@ __all__ = [
     "WorkerSlotState",
 ]
 
-_FREE, _WRITTEN, _QUEUED = DescState.FREE, DescState.WRITTEN, DescState.QUEUED
-_CLAIMED, _DONE, _EXPIRED, _FAILED = (
-    DescState.CLAIMED,
-    DescState.DONE,
-    DescState.EXPIRED,
-    DescState.FAILED,
-)
+_TIMEOUT_REASON = "deadline passed while queued"
 
 
 class RequestQueue(WorkerOps):
     """The shared-memory request queue; see the module docstring for roles and ordering."""
-
-    def __init__(self, seg: Segment, completion: Doorbell | None, work: list[Doorbell]) -> None:
-        self._seg = seg
-        self.geometry = seg.geometry
-        self._fault = FaultPoint.from_env()
-        self._completion = completion
-        self._work = work  # creator: one per slot; a worker: [its own] or []
-        self._mutex = RobustMutex(seg.mm, MUTEX_OFFSET, repair=self._repair)
-        d = seg.descs
-        self._state, self._gen, self._prio = d["state"], d["generation"], d["priority"]
-        self._deadline, self._seq, self._owner = d["deadline_ns"], d["seq"], d["worker"]
-        self._ready = ReadyLists(
-            seg.ready_head, seg.ready_tail, seg.ready_count, d["rnext"], d["rprev"],
-            self._prio, self._deadline, self._seq,
-        )  # fmt: skip
-        self._cursor = seg.header_cell("wheel_cursor")
-        self._wheel = TimingWheel(
-            seg.wheel_head, d["wnext"], d["wprev"], d["wbucket"], self._deadline, self._cursor,
-            base_ns=int(seg.header["clock_base_ns"]), tick_ns=self.geometry.tick_ms * 1_000_000,
-        )  # fmt: skip
-        self._hseq, self._waiting = seg.header_cell("seq"), seg.header_cell("waiting")
-        self._free_list: deque[int] = deque()
 
     # ---------------------------------------------------------------- lifecycle
     @classmethod
@@ -129,14 +97,7 @@ class RequestQueue(WorkerOps):
         seg = Segment.create(name, geometry)
         work = [Doorbell.create() for _ in range(geometry.max_workers)]
         q = cls(seg, Doorbell.create(), work)
-        q._mutex.initialize()
-        d = seg.descs
-        for link in ("rnext", "rprev", "wnext", "wprev", "wbucket", "worker"):
-            d[link] = NIL
-        seg.ready_head[:] = NIL
-        seg.ready_tail[:] = NIL
-        seg.wheel_head[:] = NIL
-        q._free_list.extend(range(geometry.slots))
+        q._initialize()
         return q
 
     @classmethod
@@ -173,10 +134,9 @@ class RequestQueue(WorkerOps):
         for bell in [*self._work, *([self._completion] if self._completion else [])]:
             bell.close()
         self._mutex.close()
-        for attr in ("_state", "_gen", "_prio", "_deadline", "_seq", "_owner"):
+        for attr in ("_d", "_r", "_ready", "_wheel", "_hseq", "_waiting", "_done_head"):
             setattr(self, attr, None)
-        self._ready = self._wheel = None  # type: ignore[assignment]
-        self._cursor = self._hseq = self._waiting = None  # type: ignore[assignment]
+        self._w_pid = self._w_state = None  # type: ignore[assignment]
         self._seg.close()
 
     def unlink(self) -> None:
@@ -186,19 +146,20 @@ class RequestQueue(WorkerOps):
     # ---------------------------------------------------------------- acceptor side
     def reserve(self) -> Handle | None:
         """A FREE descriptor, now WRITTEN and owned by the caller; None when full (overloaded)."""
+        state = self._d.state
         while True:
             if not self._free_list:
-                self._free_list.extend(np.flatnonzero(self._state == _FREE).tolist())
+                self._free_list.extend(np.flatnonzero(state == FREE).tolist())
                 if not self._free_list:
                     return None
             i = self._free_list.popleft()
-            if self._state[i] == _FREE:
-                self._state[i] = _WRITTEN
-                return Handle(i, int(self._gen[i]))
+            if state[i] == FREE:
+                state[i] = WRITTEN
+                return Handle(i, int(self._d.generation[i]))
 
     def payload(self, h: Handle) -> memoryview:
         """The writable input slot (``slot_bytes``) of a WRITTEN descriptor."""
-        self._expect(h, _WRITTEN)
+        self._expect(h, WRITTEN)
         return memoryview(self._seg.inputs[h.index])
 
     def submit(
@@ -206,89 +167,90 @@ class RequestQueue(WorkerOps):
         deadline_ns: int, height: int, width: int, want_mask: bool,
     ) -> None:  # fmt: skip
         """Publish a WRITTEN descriptor whose input slot holds ``height × width`` pixels."""
-        self._expect(h, _WRITTEN)
+        self._expect(h, WRITTEN)
         if not 0 <= priority < PRIORITIES:
             raise ValueError(f"priority {priority} outside 0..{PRIORITIES - 1}")
         if height <= 0 or width <= 0 or height * width > self.geometry.slot_bytes:
             raise ValueError(
                 f"image {height}x{width} does not fit a {self.geometry.slot_bytes} B slot"
             )
-        i = h.index
-        row = self._seg.descs[i]
-        row["request_id"], row["conn_id"], row["part_class"] = request_id, conn_id, part_class
-        row["priority"], row["height"], row["width"] = priority, height, width
-        row["want_mask"], row["abandoned"], row["kills"] = bool(want_mask), 0, 0
-        row["attempt"] = 0
-        row["enqueue_ns"], row["deadline_ns"] = time_ns(), deadline_ns
-        row["claim_ns"] = row["done_ns"] = 0
-        self._mutex.acquire()
-        try:
+        i, d = h.index, self._d
+        d.request_id[i], d.conn_id[i], d.part_class[i] = request_id, conn_id, part_class
+        d.priority[i], d.height[i], d.width[i] = priority, height, width
+        d.want_mask[i], d.abandoned[i], d.kills[i], d.attempt[i] = want_mask, 0, 0, 0
+        d.enqueue_ns[i], d.deadline_ns[i], d.claim_ns[i] = time_ns(), deadline_ns, 0
+        with self._mutex.held():
             self._hseq[0] += 1
-            self._seq[i] = self._hseq[0]
+            d.seq[i] = self._hseq[0]
             self._ready.push(i)
             self._wheel.insert(i)
             self._fault.reach("submit.linked")
-            self._state[i] = _QUEUED
+            d.state[i] = QUEUED
             wake = self._pick_waiting(1)
-        finally:
-            self._mutex.release()
         self._ring_workers(wake)
 
     def release(self, h: Handle) -> None:
         """Give back a WRITTEN descriptor that will not be submitted."""
-        self._expect(h, _WRITTEN)
+        self._expect(h, WRITTEN)
         self._make_free(h.index)
 
     def abandon_connection(self, conn_id: int) -> int:
-        """The client left: free its queued and finished requests now, claimed ones when done.
+        """The client left: its queued requests are freed now, its claimed and finished ones
+        when ``collect_completed`` meets them (without a Completion).
 
-        WRITTEN descriptors are the acceptor's own and must be ``release``d by it. Returns the
-        number of requests dropped or marked.
+        WRITTEN descriptors are the acceptor's own: it must ``release`` them. Returns the
+        number of requests dropped.
         """
+        d = self._d
         with self._mutex.held():
-            mine = np.flatnonzero(
-                (self._seg.descs["conn_id"] == conn_id) & (self._state >= _QUEUED)
-            ).tolist()
+            mine = np.flatnonzero((d.conn_id == conn_id) & (d.state >= QUEUED)).tolist()
             for i in mine:
-                if self._state[i] == _QUEUED:
+                if d.state[i] == QUEUED:
                     self._ready.remove(i)
                     self._wheel.remove(i)
-                if self._state[i] == _CLAIMED:
-                    self._seg.descs["abandoned"][i] = 1
-                else:
                     self._make_free(i)
+                else:
+                    d.abandoned[i] = 1
             self._seg.header["abandoned"] += len(mine)
         return len(mine)
 
     def collect_completed(self) -> list[Completion]:
-        """Every DONE / EXPIRED / FAILED request as a Completion, its descriptor freed.
+        """Every finished (DONE / EXPIRED / FAILED) request as a Completion, oldest first;
+        their descriptors are FREE afterwards.
 
-        Drains the completion doorbell first, so a completion that lands during the scan
-        rings again. Requests whose client left are freed without a Completion.
+        Drains the completion doorbell first, so a completion that lands later rings again.
+        Requests whose client left are freed without a Completion.
         """
         if self._completion is not None:
             self._completion.drain()
-        with self._mutex.held():  # the lock orders our reads after the workers' flips
-            finished = np.flatnonzero(self._state >= _DONE).tolist()
-        # Only this process moves a finished descriptor on, so it is read without the lock.
-        out = [c for i in finished if (c := self._completion_of(i)) is not None]
+        d = self._d
         with self._mutex.held():
-            for i in finished:
-                self._make_free(i)
+            finished = self._pop_done()
+            keep = [
+                (i, int(d.generation[i]), int(d.state[i])) for i in finished if not d.abandoned[i]
+            ]
+            for i in finished:  # FREE in the same hold as the pop, so a repair cannot re-push
+                d.state[i] = FREE
+        # FREE but not reused before we return (only this process reserves): read unlocked.
+        out = [self._completion_of(i, gen, state) for i, gen, state in keep]
+        for i in finished:
+            self._make_free(i)
         return out
 
     def expire_due(self, now_ns: int) -> list[Completion]:
         """Answer TIMEOUT for every queued request whose deadline is ``≤ now_ns``."""
+        d = self._d
         with self._mutex.held():
             due = self._wheel.expire_due(now_ns)
             for i in due:
                 self._ready.remove(i)
             self._fault.reach("expire.unlinked")
             for i in due:
-                self._state[i] = _EXPIRED
-                self._seg.descs["done_ns"][i] = now_ns
-            self._seg.header["expired"] += len(due)
-            out = [c for i in due if (c := self._completion_of(i)) is not None]
+                d.done_ns[i] = now_ns
+                d.state[i] = EXPIRED
+            if due:
+                self._seg.header["expired"] += len(due)
+            out = [self._completion_of(i, int(d.generation[i]), EXPIRED) for i in due]
             for i in due:
                 self._make_free(i)
         return out
@@ -311,69 +273,26 @@ class RequestQueue(WorkerOps):
         return {n: int(h[n]) for n in names}
 
     def counts_by_state(self) -> dict[DescState, int]:
-        counts = np.bincount(self._state, minlength=len(DescState))
-        return {s: int(counts[s]) for s in DescState}
+        """Descriptors per state (a lock-free snapshot)."""
+        counts = np.bincount(self._d.state, minlength=len(DescState))
+        return {s: int(counts[s.value]) for s in DescState}
 
     # ---------------------------------------------------------------- internals
-    def _expect(self, h: Handle, state: DescState) -> None:
-        i = h.index
-        if not 0 <= i < self.geometry.slots:
-            raise StaleHandle(f"descriptor {i} out of range")
-        if self._gen[i] != h.generation or self._state[i] != state:
-            raise StaleHandle(
-                f"descriptor {i} gen {h.generation} is not {state.name} "
-                f"(now gen {int(self._gen[i])}, {DescState(int(self._state[i])).name})"
-            )
-
-    def _make_free(self, i: int) -> None:
-        # Generation first: from here on every old handle of this descriptor is stale.
-        self._gen[i] = (int(self._gen[i]) + 1) & 0xFFFFFFFF
-        self._owner[i] = NIL
-        self._state[i] = _FREE
-        if self._seg.owner:
-            self._free_list.append(i)
-
-    def _completion_of(self, i: int) -> Completion | None:
-        row = self._seg.descs[i]
-        if row["abandoned"]:
-            return None
-        state, result, error = int(row["state"]), None, ""
-        h, w = int(row["height"]), int(row["width"])
-        if state == _DONE:
-            result = read_result(self._seg.results[i], self._seg.masks[i], h, w)
+    def _completion_of(self, i: int, generation: int, state: int) -> Completion:
+        d, result, error = self._d, None, ""
+        h, w = int(d.height[i]), int(d.width[i])
+        if state == DONE:
+            result = read_result(self._r, self._seg.masks, i, h, w)
             status = result.status
-        elif state == _EXPIRED:
-            status, error = Status.TIMEOUT, "deadline passed while queued"
+        elif state == EXPIRED:
+            status, error = Status.TIMEOUT, _TIMEOUT_REASON
         else:
             status = Status.ERROR
-            kills = int(row["kills"])
-            error = f"quarantined: {kills} workers died while processing this request"
+            error = f"quarantined: {int(d.kills[i])} workers died while processing this request"
         return Completion(
-            handle=Handle(i, int(row["generation"])), request_id=int(row["request_id"]),
-            conn_id=int(row["conn_id"]), part_class=int(row["part_class"]),
-            priority=int(row["priority"]), status=status, result=result,
-            enqueue_ns=int(row["enqueue_ns"]), claim_ns=int(row["claim_ns"]),
-            done_ns=int(row["done_ns"]), worker=int(row["worker"]), error=error,
+            handle=Handle(i, generation), request_id=int(d.request_id[i]),
+            conn_id=int(d.conn_id[i]), part_class=int(d.part_class[i]),
+            priority=int(d.priority[i]), status=status, result=result,
+            enqueue_ns=int(d.enqueue_ns[i]), claim_ns=int(d.claim_ns[i]),
+            done_ns=int(d.done_ns[i]), worker=int(d.worker[i]), error=error,
         )  # fmt: skip
-
-    def _pick_waiting(self, n: int) -> list[int]:
-        """Take up to ``n`` waiting worker slots off the waiting mask (lock held)."""
-        mask, picked = int(self._waiting[0]), list[int]()
-        while mask and len(picked) < n:
-            low = mask & -mask
-            picked.append(low.bit_length() - 1)
-            mask ^= low
-        self._waiting[0] = mask
-        return picked
-
-    def _ring_workers(self, slots: list[int]) -> None:
-        if len(self._work) == self.geometry.max_workers:
-            for w in slots:
-                self._work[w].ring()
-
-    def _repair(self) -> None:
-        """Rebuild the index from the descriptor table (a lock holder died; lock held)."""
-        queued = np.flatnonzero(self._state == _QUEUED).tolist()
-        self._ready.rebuild(queued)
-        self._wheel.rebuild(queued)
-        self._seg.header["repairs"] += 1

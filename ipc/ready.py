@@ -85,13 +85,14 @@ class ReadyLists:
 
     def best(self) -> int:
         """The descriptor a worker should get next, or NIL when nothing is ready."""
+        counts = self.count.tolist()  # one conversion beats eight numpy scalar reads
         for p in range(self.levels - 1, -1, -1):
-            if self.count[p]:
+            if counts[p]:
                 return int(self.head[p])
         return NIL
 
     def total(self) -> int:
-        return int(self.count.sum())
+        return sum(self.count.tolist())
 
     def earliest_deadline(self) -> int | None:
         """The smallest deadline among all ready descriptors (each list's head is its min)."""

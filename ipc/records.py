@@ -1,19 +1,28 @@
 """The queue's value types and the fixed-size result record they are stored as.
 
-``DescState`` is the descriptor lifecycle (transitions live in ``ipc/queue.py``)::
+``DescState`` is the descriptor lifecycle. Every transition, who makes it and where::
 
-    FREE ──reserve──▶ WRITTEN ──submit──▶ QUEUED ──claim_batch──▶ CLAIMED ──complete──▶ DONE
-      ▲                 │ release           │ expire_due /            │ reclaim_worker       │
-      │                 ▼                   ▼ claim_batch (late)      ▼ (owner died)         │
-      └──── FREE ◀── collect_completed ◀── EXPIRED          QUEUED / EXPIRED / FAILED      │
-      └───────────────────────────── collect_completed ◀────────────────────────────────────┘
+    FREE     → WRITTEN   reserve                                    main     queue.py
+    WRITTEN  → FREE      release                                    main     queue.py
+    WRITTEN  → QUEUED    submit                                     main     queue.py
+    QUEUED   → CLAIMED   claim_batch                                worker   claims.py
+    QUEUED   → EXPIRED   claim_batch meets a passed deadline        worker   claims.py
+    QUEUED   → FREE      expire_due (answered TIMEOUT at once),     main     queue.py
+                         abandon_connection
+    CLAIMED  → DONE      complete                                   worker   claims.py
+    CLAIMED  → QUEUED    reclaim_worker: owner died, deadline ahead main     claims.py
+    CLAIMED  → EXPIRED   reclaim_worker: owner died, deadline past  main     claims.py
+    CLAIMED  → FAILED    reclaim_worker: died holding it max_kills  main     claims.py
+    CLAIMED  → FREE      reclaim_worker: owner died, client left    main     claims.py
+    DONE | EXPIRED | FAILED → FREE   collect_completed              main     queue.py
 
 Every move to FREE bumps the descriptor's generation, so a :class:`Handle` or :class:`Claim`
 from an earlier use is recognisably stale.
 
 A worker's :class:`Result` is written into the descriptor's row of the result table and its
 mask slot (bit-packed) by :func:`write_result`, *before* the state flips to DONE; the main
-process reads it back with :func:`read_result` after it sees DONE.
+process reads it back with :func:`read_result` after it took the descriptor off the done
+stack (nobody writes a finished descriptor's result any more).
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from scratchd.ipc.shm import ERROR_BYTES, HISTOGRAM_BINS, MAX_BOXES
+from scratchd.ipc.shm import ERROR_BYTES, HISTOGRAM_BINS, MAX_BOXES, Columns
 
 
 class QueueError(RuntimeError):
@@ -158,72 +167,75 @@ def _clip_utf8(text: str, limit: int) -> bytes:
 
 
 def write_result(
-    row: np.void,
-    mask_slot: np.ndarray,
+    r: Columns,
+    masks: np.ndarray,
+    i: int,
     result: Result,
     height: int,
     width: int,
     between: Callable[[], None] | None = None,
 ) -> None:
-    """Store ``result`` for a request of ``height × width``; validates before writing anything.
+    """Store ``result`` as descriptor ``i``'s result row and mask slot (request ``height × width``).
 
+    Validates first and raises ValueError, writing nothing, for a histogram that is not 64
+    bins, a box that is not 5 numbers or a mask whose shape is not ``(height, width)``.
     ``between`` (fault injection) runs after the fixed fields and before the mask.
-    Raises ValueError (and writes nothing) for a histogram that is not 64 bins, a box that
-    is not 5 numbers, or a mask whose shape is not ``(height, width)``.
     """
     hist = np.asarray(result.histogram).ravel()
     if hist.shape != (HISTOGRAM_BINS,):
         raise ValueError(f"histogram has {hist.size} bins, expected {HISTOGRAM_BINS}")
+    n_boxes = min(len(result.boxes), MAX_BOXES)
     boxes = (
-        np.asarray(result.boxes[:MAX_BOXES], np.float32).reshape(-1, 5) if result.boxes else None
+        np.asarray(result.boxes[:MAX_BOXES], np.float32).reshape(n_boxes, 5) if n_boxes else None
     )
     mask = result.mask
     if mask is not None and mask.shape != (height, width):
         raise ValueError(f"mask shape {mask.shape} != request shape {(height, width)}")
-    error = _clip_utf8(result.error, ERROR_BYTES)
-    row["status"] = int(result.status)
-    row["verdict"] = 1 if result.verdict_defect else 0
-    row["score"] = result.score
-    row["entropy"] = result.entropy
-    row["compute_ns"] = result.compute_ns
-    row["batch_size"] = result.batch_size
-    row["histogram"] = hist
-    row["n_boxes"] = 0 if boxes is None else len(boxes)
+    error = _clip_utf8(result.error, ERROR_BYTES) if result.error else b""
+    r.status[i] = int(result.status)
+    r.verdict[i] = 1 if result.verdict_defect else 0
+    r.score[i] = result.score
+    r.entropy[i] = result.entropy
+    r.compute_ns[i] = result.compute_ns
+    r.batch_size[i] = result.batch_size
+    r.histogram[i] = hist
+    r.n_boxes[i] = n_boxes
     if boxes is not None:
-        row["boxes"][: len(boxes)] = boxes
-    row["error"][: len(error)] = np.frombuffer(error, np.uint8)
-    row["error_len"] = len(error)
-    row["has_mask"] = 0
+        r.boxes[i, :n_boxes] = boxes
+    if error:
+        r.error[i, : len(error)] = np.frombuffer(error, np.uint8)
+    r.error_len[i] = len(error)
+    r.has_mask[i] = 0
     if between is not None:
         between()
     if mask is not None:
         packed = np.packbits(np.asarray(mask).ravel() != 0)
-        mask_slot[: len(packed)] = packed
-        row["has_mask"] = 1
+        masks[i, : len(packed)] = packed
+        r.has_mask[i] = 1
 
 
-def read_result(row: np.void, mask_slot: np.ndarray, height: int, width: int) -> Result:
+def read_result(r: Columns, masks: np.ndarray, i: int, height: int, width: int) -> Result:
     """The :class:`Result` stored by :func:`write_result` (mask unpacked to 0/255 uint8)."""
-    n_boxes = int(row["n_boxes"])
-    boxes: list[Box] = [
-        (float(b[0]), float(b[1]), float(b[2]), float(b[3]), float(b[4]))
-        for b in row["boxes"][:n_boxes].tolist()
-    ]
+    n_boxes = int(r.n_boxes[i])
+    boxes: list[Box] = []
+    if n_boxes:
+        boxes = [(b[0], b[1], b[2], b[3], b[4]) for b in r.boxes[i, :n_boxes].tolist()]
     mask = None
-    if row["has_mask"]:
+    if r.has_mask[i]:
         n = height * width
-        bits = np.unpackbits(mask_slot[: (n + 7) // 8], count=n)
+        bits = np.unpackbits(masks[i, : (n + 7) // 8], count=n)
         mask = (bits * np.uint8(255)).reshape(height, width)
-    error = bytes(row["error"][: int(row["error_len"])]).decode("utf-8", "replace")
+    n_error = int(r.error_len[i])
+    error = r.error[i, :n_error].tobytes().decode("utf-8", "replace") if n_error else ""
     return Result(
-        status=Status(int(row["status"])),
-        verdict_defect=bool(row["verdict"]),
-        score=float(row["score"]),
+        status=Status(int(r.status[i])),
+        verdict_defect=bool(r.verdict[i]),
+        score=float(r.score[i]),
         boxes=boxes,
-        entropy=float(row["entropy"]),
-        histogram=np.array(row["histogram"], np.uint32),
-        compute_ns=int(row["compute_ns"]),
-        batch_size=int(row["batch_size"]),
+        entropy=float(r.entropy[i]),
+        histogram=r.histogram[i].copy(),
+        compute_ns=int(r.compute_ns[i]),
+        batch_size=int(r.batch_size[i]),
         error=error,
         mask=mask,
     )

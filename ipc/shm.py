@@ -9,7 +9,8 @@ daemon's main process, mapped by every worker. Every region starts on a 64-byte 
     │ header (HEADER_DTYPE, 512 B)                                             │
     │   magic "SCRATCHQ", layout version, geometry, region offsets, total size │
     │   owner pid, clock base, enqueue sequence, waiting-worker bitmask,       │
-    │   wheel cursor, counters · robust pthread mutex at MUTEX_OFFSET (64 B)   │
+    │   wheel cursor, done-stack head, counters                                │
+    │   · robust pthread mutex at MUTEX_OFFSET (64 B)                          │
     ├──────────────────────────────────────────────────────────────────────────┤
     │ descriptor table   slots × DESC_DTYPE   state machine + intrusive links  │
     ├──────────────────────────────────────────────────────────────────────────┤
@@ -64,7 +65,7 @@ import posix_ipc
 from scratchd.ipc.lock import MUTEX_BYTES
 
 MAGIC = b"SCRATCHQ"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 PRIORITIES = 8  # 0 (normal) .. 7 (most urgent)
 MAX_BOXES = 64
 HISTOGRAM_BINS = 64
@@ -96,6 +97,7 @@ HEADER_DTYPE = np.dtype(
         ("seq", "<u8"),  # enqueue sequence (FIFO tie-break)
         ("waiting", "<u8"),  # bit w set: worker slot w sleeps on its work doorbell
         ("wheel_cursor", "<i8"),  # every tick < cursor has been fully expired
+        ("done_head", "<i4"),  # stack of finished descriptors (DONE/EXPIRED/FAILED), via rnext
         ("repairs", "<u8"),  # index rebuilds after a dead lock holder
         ("expired", "<u8"),  # requests answered timeout
         ("requeued", "<u8"),  # claims returned to the queue by reclaim_worker
@@ -121,7 +123,8 @@ DESC_DTYPE = np.dtype(
         ("width", "<u4"),
         ("worker", "<i4"),  # claiming worker slot, NIL when not claimed
         ("worker_pid", "<i4"),
-        ("rnext", "<i4"),  # ready list links (per priority, deadline then seq order)
+        ("rnext", "<i4"),  # ready list links (per priority, deadline then seq order);
+        # for a finished descriptor, rnext links the done stack instead
         ("rprev", "<i4"),
         ("wnext", "<i4"),  # timing-wheel bucket links
         ("wprev", "<i4"),
@@ -166,6 +169,19 @@ WORKER_DTYPE = np.dtype(
     ],
     align=True,
 )
+
+
+class Columns:
+    """One numpy view per field of a structured table, as attributes (fast scalar access:
+    ``cols.state[i]`` costs ~0.1 µs where ``table[i]["state"]`` costs several times more)."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        assert table.dtype.names is not None
+        for name in table.dtype.names:
+            setattr(self, name, table[name])
+
+    def __getattr__(self, name: str) -> np.ndarray:  # for mypy: every field is an ndarray
+        raise AttributeError(name)
 
 
 class SegmentError(RuntimeError):
@@ -245,6 +261,8 @@ class Segment:
         g = self.geometry
         self.descs = np.ndarray((g.slots,), DESC_DTYPE, buffer=mm, offset=int(h["desc_off"]))
         self.results = np.ndarray((g.slots,), RESULT_DTYPE, buffer=mm, offset=int(h["result_off"]))
+        self.d = Columns(self.descs)
+        self.r = Columns(self.results)
         self.workers = np.ndarray(
             (g.max_workers,), WORKER_DTYPE, buffer=mm, offset=int(h["worker_off"])
         )
@@ -311,7 +329,7 @@ class Segment:
 
     def close(self) -> None:
         """Unmap (views must be dropped first; the caller owns that) and drop the flock."""
-        for attr in ("header", "descs", "results", "workers", "inputs", "masks"):
+        for attr in ("header", "descs", "results", "workers", "inputs", "masks", "d", "r"):
             setattr(self, attr, None)
         for attr in ("ready_head", "ready_tail", "ready_count", "wheel_head"):
             setattr(self, attr, None)

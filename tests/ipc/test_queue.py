@@ -214,9 +214,9 @@ class QueueModel(RuleBasedStateMachine):
             del self.queued[rid]
             self.dropped.add(rid)
         for rid in [rid for rid in self.finished if self.conn_of[rid] == conn]:
-            del self.finished[rid]
+            del self.finished[rid]  # freed by the next collect, without an answer
+            self.finished_dropped.add(rid)
             self.dropped.add(rid)
-        self.finished_dropped -= {rid for rid in self.finished_dropped if self.conn_of[rid] == conn}
         self.abandoned |= {rid for rid, (_, _, r) in self.claimed.items() if r.conn == conn}
 
     @rule()

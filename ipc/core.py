@@ -1,0 +1,159 @@
+"""The queue's shared state and the small steps every operation is built from.
+
+:class:`QueueCore` holds the views onto the segment (``ipc/shm.py``), the robust mutex, the
+ready lists, the timing wheel and the doorbells; ``ipc/claims.py`` (workers, supervisor) and
+``ipc/queue.py`` (lifecycle, acceptor) add the operations. The write orders that make each
+step safe against a SIGKILL are in ``ipc/queue.py``'s docstring.
+
+Hot paths read and write descriptor fields through per-field column views (``self._d.state``
+etc.) and compare with plain ``int`` state codes: numpy compares a scalar with an ``IntEnum``
+member ~50× slower than with an int.
+
+The done stack: finished descriptors (DONE, EXPIRED, FAILED) are pushed, under the lock,
+onto a singly linked stack (header ``done_head``, linked through ``rnext``, which a finished
+descriptor no longer needs for the ready lists), so ``collect_completed`` pops exactly the
+finished ones without scanning the table. It is part of the derived index: ``_repair``
+rebuilds it from the descriptor states.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+
+import numpy as np
+
+from scratchd.ipc.doorbell import Doorbell
+from scratchd.ipc.faults import FaultPoint
+from scratchd.ipc.lock import RobustMutex
+from scratchd.ipc.ready import ReadyLists
+from scratchd.ipc.records import DescState, Handle, StaleHandle
+from scratchd.ipc.shm import MUTEX_OFFSET, NIL, Segment
+from scratchd.ipc.wheel import TimingWheel
+
+FREE, WRITTEN, QUEUED, CLAIMED = 0, 1, 2, 3
+DONE, EXPIRED, FAILED = 4, 5, 6
+assert [s.value for s in DescState] == [FREE, WRITTEN, QUEUED, CLAIMED, DONE, EXPIRED, FAILED]
+ACTIVE = 1  # WorkerSlotState.ACTIVE
+
+
+class QueueCore:
+    """Views and shared steps; not used directly (see RequestQueue)."""
+
+    def __init__(self, seg: Segment, completion: Doorbell | None, work: list[Doorbell]) -> None:
+        self._seg = seg
+        self.geometry = seg.geometry
+        self._fault = FaultPoint.from_env()
+        self._completion = completion
+        self._work = work  # creator: one per slot; a worker: [its own] or []
+        self._mutex = RobustMutex(seg.mm, MUTEX_OFFSET, repair=self._repair)
+        self._d = d = seg.d
+        self._r = seg.r
+        self._ready = ReadyLists(
+            seg.ready_head, seg.ready_tail, seg.ready_count, d.rnext, d.rprev,
+            d.priority, d.deadline_ns, d.seq,
+        )  # fmt: skip
+        self._wheel = TimingWheel(
+            seg.wheel_head, d.wnext, d.wprev, d.wbucket, d.deadline_ns,
+            seg.header_cell("wheel_cursor"),
+            base_ns=int(seg.header["clock_base_ns"]), tick_ns=self.geometry.tick_ms * 1_000_000,
+        )  # fmt: skip
+        self._hseq = seg.header_cell("seq")
+        self._waiting = seg.header_cell("waiting")
+        self._done_head = seg.header_cell("done_head")
+        self._w_pid, self._w_state = seg.workers["pid"], seg.workers["state"]
+        self._free_list: deque[int] = deque()  # creator only: FREE descriptors
+
+    def _initialize(self) -> None:
+        """Creator only, before anyone attaches: links empty, mutex initialised."""
+        self._mutex.initialize()
+        for column in (self._d.rnext, self._d.rprev, self._d.wnext, self._d.wprev):
+            column[:] = NIL
+        self._d.wbucket[:] = NIL
+        self._d.worker[:] = NIL
+        for index in (self._seg.ready_head, self._seg.ready_tail, self._seg.wheel_head):
+            index[:] = NIL
+        self._done_head[0] = NIL
+        self._free_list.extend(range(self.geometry.slots))
+
+    # ---------------------------------------------------------------- shared steps
+    def _expect(self, h: Handle, state: int) -> None:
+        i = h.index
+        if not 0 <= i < self.geometry.slots:
+            raise StaleHandle(f"descriptor {i} out of range")
+        if self._d.generation[i] != h.generation or self._d.state[i] != state:
+            raise StaleHandle(
+                f"descriptor {i} generation {h.generation} is not {DescState(state).name} "
+                f"(now generation {int(self._d.generation[i])}, "
+                f"{DescState(int(self._d.state[i])).name})"
+            )
+
+    def _make_free(self, i: int) -> None:
+        """Any state → FREE (main process only). Generation first: from here on every old
+        handle of this descriptor is stale."""
+        d = self._d
+        d.generation[i] = (int(d.generation[i]) + 1) & 0xFFFFFFFF
+        d.worker[i] = NIL
+        d.state[i] = FREE
+        if self._seg.owner:
+            self._free_list.append(i)
+
+    def _finish(self, i: int, state: int, now_ns: int) -> None:
+        """Move a descriptor to DONE / EXPIRED / FAILED (lock held): link, then state."""
+        d = self._d
+        d.done_ns[i] = now_ns
+        d.rnext[i] = self._done_head[0]
+        self._done_head[0] = i
+        d.state[i] = state
+
+    def _pop_done(self) -> list[int]:
+        """Take the whole done stack, oldest first (lock held)."""
+        out, i, rnext = [], int(self._done_head[0]), self._d.rnext
+        while i != NIL:
+            out.append(i)
+            i = int(rnext[i])
+        self._done_head[0] = NIL
+        out.reverse()
+        return out
+
+    def _pick_waiting(self, n: int) -> list[int]:
+        """Take up to ``n`` waiting worker slots off the waiting mask (lock held)."""
+        mask, picked = int(self._waiting[0]), list[int]()
+        while mask and len(picked) < n:
+            low = mask & -mask
+            picked.append(low.bit_length() - 1)
+            mask ^= low
+        self._waiting[0] = mask
+        return picked
+
+    def _ring_workers(self, slots: list[int]) -> None:
+        if len(self._work) == self.geometry.max_workers:
+            for w in slots:
+                self._work[w].ring()
+
+    def _ring_completion(self) -> None:
+        if self._completion is not None:
+            self._completion.ring()
+
+    def _repair(self) -> None:
+        """Rebuild the derived index from the descriptor table (a lock holder died; we hold
+        the lock): ready lists and wheel from the QUEUED descriptors, the done stack from the
+        finished ones. Runs in whichever process locks next."""
+        state = self._d.state
+        queued = np.flatnonzero(state == QUEUED).tolist()
+        self._ready.rebuild(queued)
+        self._wheel.rebuild(queued)
+        finished = np.flatnonzero(state >= DONE).tolist()
+        finished.sort(key=lambda k: int(self._d.done_ns[k]))
+        self._done_head[0] = NIL
+        for i in finished:
+            self._d.rnext[i] = self._done_head[0]
+            self._done_head[0] = i
+        self._seg.header["repairs"] += 1
+
+    def _is_registered(self, slot: int, pid: int) -> bool:
+        return bool(self._w_state[slot] == ACTIVE and self._w_pid[slot] == pid)
+
+    @staticmethod
+    def _pid() -> int:
+        return os.getpid()
