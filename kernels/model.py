@@ -10,6 +10,14 @@ parameter count, version).
 ``ScratchNet.predict`` takes uint8 ``(H, W)`` frames of any sizes, runs frames of one size
 together (in chunks of at most ``MAX_BATCH_PIXELS`` input pixels, bounding the activation
 memory to about 1 GB), and returns one :class:`Prediction` per frame, in order.
+
+Test-time augmentation: ``meta.views`` lists the views of each frame the network sees
+(``identity``, ``flip_h`` = columns reversed, ``flip_v`` = rows reversed, ``transpose``);
+each view's probability map is mapped back (every view is its own inverse) and the maps are
+averaged before post-processing. The shipped model uses all four (4x the compute of one
+pass; on validation it lifts SD-900 IoU from 0.757 to 0.780, see the model's metadata);
+``ScratchNet(..., views=("identity",))`` or ``load_model(path, views=...)`` trades that
+accuracy for speed. A GPU backend runs the views as one batch.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ class ModelMeta:
     train_data_sha256: str
     params: int
     training: dict[str, Any] = field(default_factory=dict)  # seed, steps, augmentation, …
+    views: list[str] = field(default_factory=lambda: ["identity"])  # test-time augmentation
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,21 +85,52 @@ class Prediction:
     histogram: np.ndarray  # [64] uint32 input intensity counts
 
 
+VIEWS = ("identity", "flip_h", "flip_v", "transpose")
+
+
+def apply_view(images: np.ndarray, view: str) -> np.ndarray:
+    """``[N, H, W]`` → the view (contiguous); applying it twice gives ``images`` back."""
+    if view == "identity":
+        return images
+    if view == "flip_h":
+        return np.ascontiguousarray(images[:, :, ::-1])
+    if view == "flip_v":
+        return np.ascontiguousarray(images[:, ::-1, :])
+    if view == "transpose":
+        return np.ascontiguousarray(images.transpose(0, 2, 1))
+    raise ValueError(f"unknown view {view!r}; expected one of {VIEWS}")
+
+
 class ScratchNet:
     """A loaded model: numpy weights, architecture and post-processing settings."""
 
-    def __init__(self, weights: Weights, meta: ModelMeta) -> None:
+    def __init__(
+        self, weights: Weights, meta: ModelMeta, views: Sequence[str] | None = None
+    ) -> None:
         self.config = NetConfig.from_json(meta.architecture)
         check_weights(weights, self.config)
         self.weights = weights
         self.meta = meta
+        self.views = tuple(meta.views if views is None else views)
+        bad = [v for v in self.views if v not in VIEWS]
+        if bad or not self.views:
+            raise ValueError(f"views must be a non-empty subset of {VIEWS}, got {self.views}")
 
     @property
     def version(self) -> str:
         return self.meta.version
 
     def prob(self, images: np.ndarray) -> np.ndarray:
-        """uint8 ``[N, H, W]`` (one size) → probability ``[N, H, W]`` float32."""
+        """uint8 ``[N, H, W]`` (one size) → probability ``[N, H, W]`` float32, views averaged."""
+        total = np.zeros(images.shape, dtype=np.float32)
+        for view in self.views:
+            x = apply_view(images, view)
+            total += apply_view(self.forward(x), view)
+        total /= np.float32(len(self.views))
+        return total
+
+    def forward(self, images: np.ndarray) -> np.ndarray:
+        """One pass of the network: uint8 ``[N, H, W]`` → probability ``[N, H, W]``."""
         return forward(self.weights, self.config, images, self.meta.mean, self.meta.std)
 
     def predict(self, images: Sequence[np.ndarray]) -> list[Prediction]:
@@ -143,8 +183,9 @@ def save_model(path: str | Path, weights: Weights, meta: ModelMeta) -> None:
         np.savez_compressed(f, **arrays)
 
 
-def load_model(path: str | Path | None = None) -> ScratchNet:
-    """Load a model file (default: the one shipped in the package)."""
+def load_model(path: str | Path | None = None, views: Sequence[str] | None = None) -> ScratchNet:
+    """Load a model file (default: the one shipped in the package); ``views`` overrides
+    the test-time augmentation views stored in its metadata."""
     path = Path(path) if path is not None else DEFAULT_PATH
     try:
         with np.load(path, allow_pickle=False) as data:
@@ -156,6 +197,6 @@ def load_model(path: str | Path | None = None) -> ScratchNet:
         raise ModelError(f"{path}: no {META_KEY} entry")
     try:
         meta = ModelMeta.from_json(json.loads(blob.tobytes().decode()))
-        return ScratchNet(arrays, meta)
+        return ScratchNet(arrays, meta, views)
     except (ValueError, TypeError, KeyError) as exc:
         raise ModelError(f"{path}: {exc}") from None
