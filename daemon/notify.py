@@ -61,8 +61,8 @@ class Notifier:
     def send(self, **fields: str | int) -> bool:
         """Send one message, e.g. ``send(READY=1, STATUS="2 workers")``; False if not sent.
 
-        A failed send is not an error for the daemon: the manager may be restarting, and
-        serving parts matters more than telling it so.
+        A failed send is not an error for the daemon: the manager may be restarting or
+        not reading, and serving parts matters more than telling it so. Sends never block.
         """
         if self._address is None or not fields:
             return False
@@ -70,7 +70,10 @@ class Notifier:
         try:
             if self._sock is None:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            self._sock.sendto(message.encode(), self._address)
+            # Never block the event loop on the manager: a datagram socket whose reader is
+            # slow (or a test that never reads) fills after net.unix.max_dgram_qlen messages,
+            # and a blocking send would then stall every client. Drop the message instead.
+            self._sock.sendto(message.encode(), socket.MSG_DONTWAIT, self._address)
         except OSError:
             return False
         return True

@@ -76,6 +76,19 @@ def test_an_unreachable_manager_does_not_raise(tmp_path: Path) -> None:
     assert not notifier.ready()
 
 
+def test_a_manager_that_does_not_read_never_blocks_the_daemon(tmp_path: Path) -> None:
+    # A datagram socket's queue holds net.unix.max_dgram_qlen (10) messages; a blocking send
+    # would hang the event loop from the 11th on. The notifier drops them instead.
+    path = str(tmp_path / "notify")
+    with _bind_notify_socket(path):
+        notifier = Notifier(path)
+        started = time.monotonic()
+        sent = [notifier.status(f"update {i}") for i in range(200)]
+        assert time.monotonic() - started < 5.0
+        assert sent[0] and not all(sent), "the queue must have filled and been skipped"
+        notifier.close()
+
+
 def test_unsupported_address_is_refused() -> None:
     with pytest.raises(ValueError, match="vsock"):
         Notifier("vsock:2:1234")
