@@ -116,6 +116,17 @@ def grid_size(items: int, threads: int, waves: int = 8) -> int:
     return max(1, min(-(-items // threads), sm_count() * waves))
 
 
+def blocks_per_sm(func: Any, threads: int, smem: int) -> int:
+    """Resident blocks per multiprocessor (sm_90 limits: 2048 threads, 64K registers,
+    228 KB shared memory with 1 KB reserved per block, 32 blocks), from the kernel's own
+    register and static shared-memory counts."""
+    regs = max(int(func.num_regs), 1)
+    warp_regs = -(-regs * 32 // 256) * 256  # registers are allocated per warp, 256 at a time
+    by_regs = 65536 // (warp_regs * -(-threads // 32))
+    by_smem = (228 * 1024) // (smem + int(func.shared_size_bytes) + 1024)
+    return max(1, min(32, 2048 // threads, by_regs, by_smem))
+
+
 def persistent_grid(func: Any, threads: int, smem: int, tiles: int) -> int:
     """Blocks for a persistent kernel: as many as can be resident at once (≤ ``tiles``).
 
@@ -126,11 +137,7 @@ def persistent_grid(func: Any, threads: int, smem: int, tiles: int) -> int:
     if key not in _grids:
         if smem > 48 * 1024:
             func.max_dynamic_shared_size_bytes = smem
-        cp = cupy()
-        per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            func.kernel.ptr, threads, smem
-        )
-        _grids[key] = max(1, min(tiles, max(1, int(per_sm)) * sm_count()))
+        _grids[key] = max(1, min(tiles, blocks_per_sm(func, threads, smem) * sm_count()))
     return _grids[key]
 
 
@@ -147,9 +154,11 @@ def pw_smem_bytes(cin: int, cout: int) -> int:
     return (np_ * ks + area) * 2
 
 
-def launch_pw(func: Any, cin: int, cout: int, pixels: int, args: tuple[Any, ...]) -> None:
+def launch_pw(
+    func: Any, cin: int, cout: int, pixels: int, args: tuple[Any, ...], extra_smem: int = 0
+) -> None:
     """Launch a pw_tile.cuh kernel over ``pixels`` output pixels (persistent grid)."""
-    smem = pw_smem_bytes(cin, cout)
+    smem = pw_smem_bytes(cin, cout) + extra_smem
     if smem > 227 * 1024:
         raise ValueError(f"pointwise {cin}->{cout} needs {smem} B of shared memory (> 227 KB)")
     tiles = -(-pixels // PW_BM)

@@ -55,6 +55,20 @@ __device__ __forceinline__ void load_h_smem(const __half* p, float (&f)[V]) {
     }
 }
 
+// p[0..V) (floats, shared memory, 16-byte aligned when V == 8) → f[0..V).
+template <int V>
+__device__ __forceinline__ void load_f_smem(const float* p, float (&f)[V]) {
+    if constexpr (V == 8) {
+        const float4 a = reinterpret_cast<const float4*>(p)[0];
+        const float4 b = reinterpret_cast<const float4*>(p)[1];
+        f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+        f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < V; ++i) f[i] = p[i];
+    }
+}
+
 // f[0..V) → p[0..V) as halves (round to nearest).
 template <int V>
 __device__ __forceinline__ void store_h(__half* p, const float (&f)[V]) {

@@ -12,7 +12,14 @@ Lifecycle of one :class:`ForwardGraph` (``GraphState``)::
 
 Batches are served from the smallest bucket (1, 2, 4, 8, 16) that holds them; the unused
 slots of a bucket compute on stale frames and their results are ignored. Copies in and out
-go through pinned host buffers on the graph's stream, ordered around the replay.
+run on the graph's stream, ordered around the replay.
+
+Test-time views (``ScratchNet.views``, e.g. identity + flips + transpose): the views of a
+batch that share a shape run as one batch through the graph (so 4 frames x 4 views fill the
+16-bucket); their probability maps are mapped back and averaged on the host, which then
+computes score and entropy from the average (``postprocess.py``), exactly as the numpy
+model does. With the single ``identity`` view everything but connected components comes
+from the device (``output_path``).
 """
 
 from __future__ import annotations
@@ -24,8 +31,13 @@ from typing import Any
 import numpy as np
 
 from scratchd.kernels.cuda_net import Buffers, CudaForward
-from scratchd.kernels.model import Prediction, ScratchNet
-from scratchd.kernels.postprocess import postprocess
+from scratchd.kernels.model import Prediction, ScratchNet, apply_view
+from scratchd.kernels.postprocess import (
+    binary_entropy_bits,
+    intensity_histogram,
+    peak_local_mean,
+    postprocess,
+)
 
 BUCKETS = (1, 2, 4, 8, 16)
 
@@ -128,22 +140,59 @@ class CudaScratchNet:
         """One :class:`Prediction` per uint8 ``(H, W)`` image, in order (``ScratchNet.predict``)."""
         by_size: dict[tuple[int, int], list[int]] = {}
         for i, img in enumerate(images):
-            if (
-                not isinstance(img, np.ndarray)
-                or img.dtype != np.uint8
-                or img.ndim != 2
-                or img.size == 0
-            ):
-                raise ValueError(f"image {i}: expected a non-empty uint8 (H, W) array")
+            if not isinstance(img, np.ndarray) or img.dtype != np.uint8 or img.ndim != 2:
+                raise ValueError(f"image {i}: expected a uint8 (H, W) array")
+            if img.size == 0:
+                raise ValueError(f"image {i}: empty image {img.shape}")
             by_size.setdefault(img.shape, []).append(i)
+        views = self.model.views
+        chunk = BUCKETS[-1] // len(views)
         results: list[Prediction | None] = [None] * len(images)
         for idx in by_size.values():
-            for lo in range(0, len(idx), BUCKETS[-1]):
-                part = idx[lo : lo + BUCKETS[-1]]
-                out = self.run(np.stack([images[i] for i in part]))
-                for j, i in enumerate(part):
-                    results[i] = self._finish(out, j)
+            for lo in range(0, len(idx), chunk):
+                part = idx[lo : lo + chunk]
+                frames = np.stack([images[i] for i in part])
+                if views == ("identity",):
+                    out = self.run(frames)
+                    preds = [self._finish(out, j) for j in range(len(part))]
+                else:
+                    preds = self._predict_views(frames)
+                for i, pred in zip(part, preds, strict=True):
+                    results[i] = pred
         return [r for r in results if r is not None]
+
+    def prob_views(self, frames: np.ndarray) -> np.ndarray:
+        """uint8 ``[n, H, W]`` (``n * len(views) <= 16``) → the views' mean probability."""
+        groups: dict[tuple[int, ...], list[str]] = {}
+        for view in self.model.views:
+            groups.setdefault(apply_view(frames[:1], view).shape, []).append(view)
+        n = len(frames)
+        total = np.zeros(frames.shape, dtype=np.float32)
+        for views in groups.values():
+            stacked = np.concatenate([apply_view(frames, v) for v in views])
+            prob = self.run(stacked)["prob"]
+            for j, view in enumerate(views):
+                total += apply_view(prob[j * n : (j + 1) * n], view)
+        total /= np.float32(len(self.model.views))
+        return total
+
+    def _predict_views(self, frames: np.ndarray) -> list[Prediction]:
+        m = self.model.meta
+        preds = []
+        for image, prob in zip(frames, self.prob_views(frames), strict=True):
+            post = postprocess(prob, m.threshold, m.min_area, m.score_window)
+            preds.append(
+                Prediction(
+                    prob=prob,
+                    mask=post.mask,
+                    score=peak_local_mean(prob, m.score_window),
+                    verdict=post.verdict,
+                    boxes=post.boxes,
+                    entropy=binary_entropy_bits(prob),
+                    histogram=intensity_histogram(image),
+                )
+            )
+        return preds
 
     def _finish(self, out: dict[str, np.ndarray], j: int) -> Prediction:
         m = self.model.meta

@@ -1,11 +1,11 @@
 """ScratchNet's forward on the GPU: fp16 weights and activations, fp32 accumulation, NHWC.
 
-The numpy forward (``net.py``) runs ~30 ops; this one runs 17 launches and 2 memsets for the
+The numpy forward (``net.py``) runs ~30 ops; this one runs 14 launches and 2 memsets for the
 default architecture, every one a ``<op>_cuda`` of this package, fused where it pays::
 
     images uint8 [N, H, W]
-      normalize_pad            uint8 → fp16, edge pad to [Hp, Wp]            1 kernel
-      conv3x3 (stem)           s2 1→24 + bias + ReLU                          1 kernel
+      stem                     uint8 → normalise, edge pad (clamped reads),   1 kernel
+                               conv3x3 s2 1→24 + bias + ReLU
       ds_block × 11            dw3x3 + bias + ReLU → pw GEMM (tensor cores)   1 kernel each
                                + bias (+ residual) + ReLU; the decoder's
                                upsample+concat read inside the dw stage;
@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from scratchd.kernels.conv3x3 import conv3x3_cuda
 from scratchd.kernels.ds_block import ds_block_cuda
 from scratchd.kernels.net import BlockSpec, NetConfig, Weights, block_plan, check_weights
-from scratchd.kernels.normalize_pad import normalize_pad_cuda, padded_size
+from scratchd.kernels.normalize_pad import padded_size
 from scratchd.kernels.output_path import OutputPath, output_path_buffers, output_path_cuda
+from scratchd.kernels.stem import stem_cuda
 
 PAD_MULTIPLE = 16
 
@@ -43,7 +43,6 @@ class Buffers:
     height: int
     width: int
     images: Any  # [B, H, W] uint8: the caller copies frames in here
-    x: Any  # [B, Hp, Wp, 1] float16
     acts: dict[str, Any]  # block (or "stem") name → its output, fp16 NHWC
     logits: Any  # [B, Hp/2, Wp/2, 1] float32
     out: OutputPath  # prob, mask, score, entropy, hist
@@ -92,7 +91,6 @@ class CudaForward:
             height=height,
             width=width,
             images=cp.zeros((batch, height, width), np.uint8),
-            x=cp.empty((batch, hp, wp, 1), np.float16),
             acts=acts,
             logits=cp.empty((batch, hp // 2, wp // 2, 1), np.float32),
             out=output_path_buffers(batch, height, width),
@@ -102,8 +100,9 @@ class CudaForward:
     def run(self, buf: Buffers) -> None:
         """Launch the forward on the current stream: ``buf.images`` → ``buf.out``."""
         w = self.w
-        normalize_pad_cuda(buf.images, self.mean, self.std, PAD_MULTIPLE, out=buf.x)
-        h = conv3x3_cuda(buf.x, w["stem.w"], w["stem.b"], 2, "relu", out=buf.acts["stem"])
+        h = stem_cuda(
+            buf.images, self.mean, self.std, w["stem.w"], w["stem.b"], out=buf.acts["stem"]
+        )
         skips = {"skip0": h}
         for b in self.plan:
             h = self._block(b, h, skips, buf)
@@ -128,14 +127,16 @@ class CudaForward:
         )  # fmt: skip
 
 
-def fused_logits_ref(weights: Weights, cfg: NetConfig, x: np.ndarray) -> np.ndarray:
+def fused_logits_ref(
+    weights: Weights, cfg: NetConfig, images: np.ndarray, mean: float, std: float
+) -> np.ndarray:
     """The launch sequence of :meth:`CudaForward.run` in numpy (its ``_ref`` twins), from the
-    normalised input ``[N, Hp, Wp, 1]`` to the logits: a CPU check of the fusion plan."""
-    from scratchd.kernels.conv3x3 import conv3x3_ref
+    uint8 frames ``[N, H, W]`` to the logits: a CPU check of the fusion plan."""
     from scratchd.kernels.ds_block import ds_block_ref
+    from scratchd.kernels.stem import stem_ref
 
     plan = block_plan(cfg)
-    h = conv3x3_ref(x, weights["stem.w"], weights["stem.b"], 2, "relu")
+    h = stem_ref(images, mean, std, weights["stem.w"], weights["stem.b"])
     skips = {"skip0": h}
     for b in plan:
         head = b is plan[-1]

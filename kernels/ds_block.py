@@ -112,12 +112,14 @@ def ds_block_cuda(
         out = cu.output(op, out, (n, ho, wo, 1), np.float32)
     else:
         out = cu.output(op, out, (n, ho, wo, cout), np.float16)
-    name = cu.template_name(op, ca, cb, cout, stride, dilation, residual, head)
+    group = next(p for p in (4, 2, 1) if wo % p == 0)  # output pixels a thread sweeps
+    name = cu.template_name(op, ca, cb, cout, stride, dilation, group, residual, head)
     func = cu.kernel("ds_block.cu", name)
     args = (
         x, x if skip is None else skip, dw_w, dw_b, pw_w, pw_b,
         head_w if head else pw_b, head_b if head else pw_b, out,
         *map(cu.i32, (n, height, width, ho, wo)),
     )  # fmt: skip
-    cu.launch_pw(func, cin, cout, n * ho * wo, args)
+    dw_smem = 9 * (-(-cin // 16) * 16) * 4  # sDw: [9][KP] fp32
+    cu.launch_pw(func, cin, cout, n * ho * wo, args, dw_smem)
     return out

@@ -123,11 +123,15 @@ def output_path_cuda(
     sizes = (*map(cu.i32, (h, w, height, width)), cu.f32(threshold))
     cu.launch(stats, (blocks, n), (256,), (*args, *sizes))
     kh, kw = min(score_window, height), min(score_window, width)
-    jobs = (height - kh + 1) * -(-(width - kw + 1) // 256)
-    blocks = max(1, min(jobs, cu.sm_count() * 8 // max(n, 1)))
+    rows, segs = height - kh + 1, -(-(width - kw + 1) // 256)
+    slots = cu.sm_count() * 8  # resident 256-thread blocks
+    band = min(max(-(-rows * segs * n // slots), 4), 64)  # rows per job: fill, then slide
+    jobs = -(-rows // band) * segs
+    blocks = max(1, min(jobs, slots // max(n, 1)))
     score = cu.kernel("output_path.cu", "window_score", ("output_stats",))
     args = (out.prob, ent_sum, score_bits, tickets, out.score, out.entropy)
-    cu.launch(score, (blocks, n), (256,), (*args, *map(cu.i32, (height, width, kh, kw))))
+    dims = map(cu.i32, (height, width, kh, kw, band))
+    cu.launch(score, (blocks, n), (256,), (*args, *dims))
     return out
 
 

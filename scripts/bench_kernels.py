@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -117,12 +118,24 @@ def kernel_table(net: Any, batch: int, size: int, ceiling: float) -> list[dict[s
         with g.stream:
             ms = time_events(step, 30, lambda: _CupyEvent(g.stream), g.stream.synchronize)
         med = float(np.median(ms))
-        name = str(getattr(step.func, "name", "?"))
+        name = readable(str(getattr(step.func, "name", "?")))
         gbps = nbytes / (med * 1e-3) / 1e9
         rows.append({"op": name, "gbps": round(gbps, 1), "ceiling_gbps": round(ceiling, 1),
                      "batch": batch, "size": size, "us": round(med * 1e3, 2),
-                     "mb": round(nbytes / 1e6, 2)})  # fmt: skip
+                     "mb": round(nbytes / 1e6, 2), "grid": step.grid[0],
+                     "regs": int(step.func.num_regs)})  # fmt: skip
     return rows
+
+
+def readable(name: str) -> str:
+    """``_Z8ds_blockILi24ELi0E...ELb1E...`` → ``ds_block<24, 0, ..., 1>`` (template kernels)."""
+    m = re.match(r"_Z(\d+)", name)
+    if not m:
+        return name
+    start = m.end()
+    func = name[start : start + int(m.group(1))]
+    args = re.findall(r"L[ib](\d+)E", name[start:])
+    return f"{func}<{', '.join(args)}>" if args else func
 
 
 def copy_ceiling() -> float:

@@ -27,10 +27,12 @@ def test_fused_plan_matches_the_numpy_forward() -> None:
     cfg = NetConfig()
     weights = random_weights(cfg, seed=3)
     rng = np.random.default_rng()
-    x = normalize_pad_ref(rng.integers(0, 256, (2, 37, 50), dtype=np.uint8), 0.4, 0.2)
+    images = rng.integers(0, 256, (2, 37, 50), dtype=np.uint8)
+    x = normalize_pad_ref(images, 0.4, 0.2)
     np.testing.assert_allclose(
-        fused_logits_ref(weights, cfg, x), forward_logits(weights, cfg, x), rtol=1e-4, atol=1e-4
-    )
+        fused_logits_ref(weights, cfg, images, 0.4, 0.2), forward_logits(weights, cfg, x),
+        rtol=1e-4, atol=1e-4,
+    )  # fmt: skip
 
 
 def _random_model(seed: int) -> ScratchNet:
@@ -66,12 +68,18 @@ def _val_images(data_dir: Path, limit: int) -> list[np.ndarray]:
 
 
 @pytest.mark.gpu
-def test_cuda_predict_matches_numpy_on_real_validation_images(data_dir: Path) -> None:
+@pytest.mark.parametrize("views", [None, ("identity",)], ids=["shipped-views", "identity"])
+def test_cuda_predict_matches_numpy_on_real_validation_images(
+    data_dir: Path, views: tuple[str, ...] | None
+) -> None:
+    """Shipped weights, real validation frames: the CUDA backend's predictions are the CPU
+    backend's (with the model's own test-time views, and with the single identity view, where
+    score, entropy and histogram come from the device)."""
     from scratchd.kernels.cuda_graph import CudaScratchNet
 
     if not DEFAULT_PATH.is_file():
         pytest.skip(f"the shipped weights {DEFAULT_PATH} are not there yet")
-    model = load_model()
+    model = load_model(views=views)
     images = _val_images(data_dir, 40)
     assert len(images) >= 20, "too few validation images found"
     want = model.predict(images)
@@ -83,6 +91,22 @@ def test_cuda_predict_matches_numpy_on_real_validation_images(data_dir: Path) ->
         assert abs(g.score - w.score) <= PROB_ATOL, f"image {i}: score {g.score} vs {w.score}"
         assert abs(g.entropy - w.entropy) <= PROB_ATOL, f"image {i}: entropy"
         np.testing.assert_array_equal(g.histogram, w.histogram, err_msg=f"image {i}")
+
+
+@pytest.mark.gpu
+def test_cuda_predict_averages_test_time_views_like_numpy() -> None:
+    """All four views on a non-square frame (the transpose runs as its own shape)."""
+    from scratchd.kernels.cuda_graph import CudaScratchNet
+
+    rng = np.random.default_rng()
+    base = _random_model(11)
+    model = ScratchNet(base.weights, base.meta, ("identity", "flip_h", "flip_v", "transpose"))
+    images = [rng.integers(0, 256, (40, 72), dtype=np.uint8) for _ in range(3)]
+    want = model.predict(images)
+    got = CudaScratchNet(model).predict(images)
+    for g, w in zip(got, want, strict=True):
+        assert np.abs(g.prob - w.prob).max() <= PROB_ATOL
+        assert abs(g.score - w.score) <= PROB_ATOL
 
 
 @pytest.mark.gpu

@@ -1,0 +1,38 @@
+"""stem_cuda (uint8 → normalise + pad + 3x3 stride-2 conv + ReLU) against stem_ref."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scratchd.kernels.stem import stem_cuda, stem_ref
+
+from .cuda_helpers import assert_close, cupy, dev, fresh_rng, half, poisoned
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize(
+    "case", [(1, 1, 1, 24), (2, 17, 33, 24), (1, 200, 200, 24), (3, 31, 16, 5), (1, 64, 48, 8)],
+    ids=lambda s: "x".join(map(str, s)),
+)  # fmt: skip
+def test_stem_cuda_matches_ref(case: tuple[int, int, int, int]) -> None:
+    rng, seed = fresh_rng()
+    n, h, w, cout = case
+    images = rng.integers(0, 256, (n, h, w), dtype=np.uint8)
+    mean, std = float(rng.uniform(0.2, 0.6)), float(rng.uniform(0.1, 0.3))
+    wt = half(rng, (3, 3, 1, cout), 1.0 / 3.0)
+    b = rng.normal(0, 0.3, cout).astype(np.float32)
+    ref = stem_ref(images, mean, std, wt, b)
+    out = poisoned(ref.shape, np.float16)
+    got = stem_cuda(cupy().asarray(images), mean, std, dev(wt), dev(b, np.float32), out=out)
+    assert_close(got, ref, seed, "stem")
+
+
+def test_stem_cuda_rejects_bad_arguments() -> None:
+    images = cupy().zeros((1, 8, 8), np.uint8)
+    w, b = dev(np.zeros((3, 3, 1, 8))), dev(np.zeros(8), np.float32)
+    with pytest.raises(ValueError, match="std"):
+        stem_cuda(images, 0.5, 0.0, w, b)
+    with pytest.raises(ValueError, match="w must have shape"):
+        stem_cuda(images, 0.5, 0.2, dev(np.zeros((3, 3, 2, 8))), b)
