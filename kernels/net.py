@@ -58,7 +58,8 @@ class NetConfig:
     dec_depth: int = 1
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain JSON types (lists, not tuples), so it round-trips through the model file."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> NetConfig:
