@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from scratchd.daemon.notify import (
     start_watchdog,
     watchdog_interval,
 )
+
+from .live_daemon import daemon_config, live_daemon
 
 
 def _bind_notify_socket(address: str | bytes) -> socket.socket:
@@ -241,3 +244,17 @@ def test_inherited_listener_rejects_a_socket_that_is_not_listening() -> None:
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert "not listening" in out.stdout
+
+
+def test_live_daemon_says_ready_then_pings_the_watchdog(tmp_path: Path) -> None:
+    env = {"WATCHDOG_USEC": "200000"}  # systemd's WatchdogSec=0.2s: a ping every 100 ms
+    with live_daemon(tmp_path, daemon_config(), env=env) as daemon:
+        ready = [m for m in daemon.notifications if m.get("READY") == "1"]
+        assert ready and "1/1 workers ready" in ready[0]["STATUS"]
+        window = daemon.read_notifications(1.0)
+        pings = [m for m in window if m.get("WATCHDOG") == "1"]
+        assert len(pings) >= 6, f"{len(pings)} pings in 1 s at a 100 ms interval: {window}"
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.proc.wait(60) == 0
+        stopping = [m for m in daemon.read_notifications(0.5) if m.get("STOPPING") == "1"]
+        assert stopping and "draining" in stopping[0]["STATUS"]

@@ -3,13 +3,35 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import collections
+import dataclasses
+import itertools
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import msgspec
+from click.testing import CliRunner
 
+from scratchd.client import Client
+from scratchd.daemon.cli import main
 from scratchd.daemon.config import Config, ConfigError, load_config
 from scratchd.daemon.notify import Notifier
 from scratchd.daemon.reload import Reloader, config_changes, effective_config
+from scratchd.kernels.model import load_model, save_model
+
+from .live_daemon import (
+    MODEL_PATH,
+    assert_served_correctly,
+    daemon_config,
+    live_daemon,
+    real_images,
+    write_config,
+)
 
 
 def _config(**overrides: object) -> Config:
@@ -112,3 +134,156 @@ def test_signals_during_a_reload_fold_into_one_more() -> None:
 
     asyncio.run(scenario())
     assert pool.restarts == 2
+
+
+# ---- live: a real daemon under load ----------------------------------------------------
+
+
+def _model_copy(path: Path, version: str) -> Path:
+    """The served model's weights under another version string (same predictions)."""
+    model = load_model(MODEL_PATH or None)
+    save_model(path, model.weights, dataclasses.replace(model.meta, version=version))
+    return path
+
+
+class _Load:
+    """Real images sent continuously from a thread, ``concurrency`` in flight, until stopped;
+    every reply recorded."""
+
+    def __init__(self, socket_path: str, images: list[bytes], concurrency: int = 8) -> None:
+        self.socket_path = socket_path
+        self.images = images
+        self.concurrency = concurrency
+        self.statuses: collections.Counter[str] = collections.Counter()
+        self.errors: list[str] = []
+        self.sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def __enter__(self) -> _Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(120)
+
+    def wait_for(self, replies: int, timeout: float = 60.0) -> None:
+        end = time.monotonic() + timeout
+        while sum(self.statuses.values()) < replies and time.monotonic() < end:
+            time.sleep(0.02)
+
+    def _run(self) -> None:
+        with Client(self.socket_path, timeout=60) as client:
+            replies = client.map(self._stream(), concurrency=self.concurrency)
+            for _, reply in replies:
+                self.statuses[reply.status] += 1
+                if reply.status != "ok":
+                    self.errors.append(f"{reply.status}: {reply.error}")
+
+    def _stream(self) -> Iterator[bytes]:
+        for image in itertools.cycle(self.images):
+            if self._stop.is_set():
+                return
+            self.sent += 1
+            yield image
+
+
+def test_sighup_reload_under_load_loses_nothing(tmp_path: Path, data_dir: Path) -> None:
+    model_a = _model_copy(tmp_path / "a.npz", "ops-test-a")
+    model_b = _model_copy(tmp_path / "b.npz", "ops-test-b")
+    config = daemon_config(workers={"cpu_workers": 2}, model={"path": str(model_a)})
+    images = [data for _, data in real_images(data_dir, 24)]
+    with live_daemon(tmp_path, config) as daemon:
+        before = daemon.status()
+        assert {w.model_version for w in before.workers} == {"ops-test-a"}
+        with _Load(daemon.socket_path, images) as load:
+            load.wait_for(20)
+            config["model"]["path"] = str(model_b)
+            write_config(daemon.config_path, config)
+            daemon.proc.send_signal(signal.SIGHUP)
+            _wait(lambda: daemon.status().reloads == 1, 120)
+            served_during = sum(load.statuses.values())
+            load.wait_for(served_during + 20)
+        after = daemon.status()
+        assert load.statuses["ok"] == load.sent, (load.statuses, load.errors[:5])
+        assert not load.errors
+        assert after.reload_error == ""
+        assert {w.model_version for w in after.workers} == {"ops-test-b"}
+        assert not {w.pid for w in before.workers} & {w.pid for w in after.workers}
+        assert [e["event"] for e in daemon.events() if e["event"].startswith("reload")] == [
+            "reload_start",
+            "reload_done",
+        ]
+        notified = [m for m in daemon.read_notifications(0.5) if "RELOADING" in m]
+        notified += [m for m in daemon.notifications if "RELOADING" in m]
+        assert notified and "MONOTONIC_USEC" in notified[0]
+
+
+def test_scratchd_reload_reports_a_bad_config_and_keeps_serving(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    config = daemon_config()
+    with live_daemon(tmp_path, config) as daemon:
+        runner = CliRunner()
+        ok = runner.invoke(main, ["reload", "--socket", daemon.socket_path])
+        assert ok.exit_code == 0, ok.output
+        assert "reloaded: cpu0=" in ok.output
+        config["queue"]["slotz"] = 3
+        write_config(daemon.config_path, config)
+        bad = runner.invoke(main, ["reload", "--socket", daemon.socket_path])
+        assert bad.exit_code == 1
+        assert "queue.slotz" in bad.output
+        status = daemon.status()
+        assert status.reloads == 2 and "queue.slotz" in status.reload_error
+        assert_served_correctly(daemon, real_images(data_dir, 4))
+
+
+def test_sigterm_drain_under_load_answers_everything_accepted(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    config = daemon_config(workers={"cpu_workers": 2}, queue={"slots": 64})
+    images = [data for _, data in real_images(data_dir, 48)]
+    with live_daemon(tmp_path, config) as daemon:
+        (ready,) = daemon.events("ready")
+        segment = Path("/dev/shm") / ready["queue"].lstrip("/")
+        assert segment.exists()
+        with daemon.client(timeout=60) as client:
+            pending = client.map(images, concurrency=48)  # all 48 accepted at once
+            first = next(pending)
+            daemon.proc.send_signal(signal.SIGTERM)  # while ~47 are queued or computing
+            replies = [first, *pending]
+        assert sorted(i for i, _ in replies) == list(range(48)), "a request was lost"
+        assert [r.status for _, r in replies] == ["ok"] * 48, [r.error for _, r in replies]
+        assert daemon.proc.wait(60) == 0
+        assert [e["event"] for e in daemon.events("drain")] == ["drain"]
+        assert not segment.exists(), "the drain must unlink its shared memory"
+        assert any(m.get("STOPPING") == "1" for m in daemon.read_notifications(0.5))
+
+
+def test_unknown_config_key_stops_serve_naming_it(tmp_path: Path) -> None:
+    bad = write_config(tmp_path / "bad.toml", {"queue": {"slotz": 3}})
+    result = subprocess.run(
+        [
+            *(sys.executable, "-c", "from scratchd.daemon.cli import main; main()", "serve"),
+            *("--config", str(bad), "--socket", str(tmp_path / "s.sock")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr  # systemd: RestartPreventExitStatus=2
+    assert "unknown key 'queue.slotz'" in result.stderr
+    assert not (tmp_path / "s.sock").exists()
+
+
+def _wait(condition: Callable[[], bool], timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            raise TimeoutError("condition not met in time")
+        time.sleep(0.05)
