@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from scratchd.kernels import cpu_schedule
 from scratchd.kernels.conv3x3 import conv3x3_ref
 from scratchd.kernels.dwconv3x3 import dwconv3x3_ref
 from scratchd.kernels.normalize_pad import normalize_pad_ref
@@ -166,8 +167,10 @@ def random_weights(cfg: NetConfig, seed: int = 0) -> Weights:
     return out
 
 
-def forward_logits(weights: Weights, cfg: NetConfig, x: np.ndarray) -> np.ndarray:
-    """Normalised, padded input ``[N, Hp, Wp, 1]`` → logits ``[N, Hp/2, Wp/2, 1]``."""
+def forward_logits_ref(weights: Weights, cfg: NetConfig, x: np.ndarray) -> np.ndarray:
+    """Op by op: normalised, padded input ``[N, Hp, Wp, 1]`` → logits ``[N, Hp/2, Wp/2, 1]``.
+
+    The definition of the network (every step one ``<op>_ref``)."""
     h = conv3x3_ref(x, weights["stem.w"], weights["stem.b"], stride=2, act="relu")
     skips: dict[str, np.ndarray] = {"skip0": h}
     for b in block_plan(cfg):
@@ -181,6 +184,28 @@ def forward_logits(weights: Weights, cfg: NetConfig, x: np.ndarray) -> np.ndarra
         if b.saves is not None:
             skips[b.saves] = h
     return pwconv_ref(h, weights["head.w"], weights["head.b"], act="none")
+
+
+def forward_logits(weights: Weights, cfg: NetConfig, x: np.ndarray) -> np.ndarray:
+    """The same function as :func:`forward_logits_ref`, scheduled for CPUs: each DS block
+    runs fused band by band on all cores (:mod:`scratchd.kernels.cpu_schedule`). Falls back to
+    the op-by-op path where BLAS threads cannot be limited (no threadpoolctl)."""
+    if not cpu_schedule.available():
+        return forward_logits_ref(weights, cfg, x)
+    with cpu_schedule.single_threaded_blas():
+        h = conv3x3_ref(x, weights["stem.w"], weights["stem.b"], stride=2, act="relu")
+        skips: dict[str, np.ndarray] = {"skip0": h}
+        for b in block_plan(cfg):
+            if b.join is not None:
+                h = upsample_concat_ref(h, skips[b.join])
+            h = cpu_schedule.ds_block_cpu(
+                h, weights[f"{b.name}.dw.w"], weights[f"{b.name}.dw.b"],
+                weights[f"{b.name}.pw.w"], weights[f"{b.name}.pw.b"],
+                b.stride, b.dilation, b.residual,
+            )  # fmt: skip
+            if b.saves is not None:
+                skips[b.saves] = h
+        return pwconv_ref(h, weights["head.w"], weights["head.b"], act="none")
 
 
 def forward(

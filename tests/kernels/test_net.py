@@ -6,8 +6,18 @@ import numpy as np
 import pytest
 import torch
 
+from scratchd.kernels import cpu_schedule
 from scratchd.kernels.model import load_model
-from scratchd.kernels.net import NetConfig, block_plan, count_params, forward, random_weights
+from scratchd.kernels.net import (
+    NetConfig,
+    block_plan,
+    count_params,
+    forward,
+    forward_logits,
+    forward_logits_ref,
+    random_weights,
+)
+from scratchd.kernels.normalize_pad import normalize_pad_ref
 from scratchd.kernels.torchnet import TorchScratchNet, export_weights, load_weights, predict_prob
 
 SIZES = [(1, 16, 16), (2, 37, 53), (1, 200, 200), (1, 97, 130)]
@@ -78,3 +88,21 @@ def test_block_plan_downsamples_four_times_and_joins_skips() -> None:
     assert sum(b.stride == 2 for b in plan) == 3  # plus the stride-2 stem
     assert [b.join for b in plan if b.join] == ["skip2", "skip1", "skip0"]
     assert {b.saves for b in plan if b.saves} == {"skip0", "skip1", "skip2"}
+
+
+@pytest.mark.parametrize("shape", [(2, 37, 53), (1, 160, 96)])
+def test_cpu_schedule_equals_op_by_op_reference(shape: tuple[int, int, int]) -> None:
+    """The banded, threaded CPU schedule computes the reference network's function."""
+    assert cpu_schedule.available()
+    cfg = NetConfig((8, 16, 24, 32), (1, 2, 1, 1), (2,), 2)
+    weights = random_weights(cfg, seed=5)
+    x = normalize_pad_ref(frames(shape, seed=1), 0.45, 0.2)
+    old = cpu_schedule.BAND_BYTES
+    try:
+        cpu_schedule.BAND_BYTES = 4096  # many bands, so band edges are exercised
+        got = forward_logits(weights, cfg, x)
+    finally:
+        cpu_schedule.BAND_BYTES = old
+    ref = forward_logits_ref(weights, cfg, x)
+    assert got.shape == ref.shape
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
