@@ -7,6 +7,8 @@ image, sized so its depthwise result (``BAND_BYTES``) stays in the core's L2 cac
 
 ```
 for each band (i, rows r0..r1), in parallel over a thread pool:
+    xp  = the zero-padded input rows the band reads        # decoder blocks: joined here
+          (nearest-upsampled x rows, then skip rows)       #   (upsample_concat, per band)
     y   = bias;  y += tap * w[ky, kx] for the 9 taps      # [R, Wo, Cin], in cache
     y   = relu(y)
     out[i, r0:r1] = y @ pw_w                               # BLAS, written once
@@ -58,37 +60,60 @@ def single_threaded_blas() -> Iterator[None]:
         yield
 
 
-def pad_input(x: np.ndarray, d: int) -> np.ndarray:
-    """``x`` ``[N, H, W, C]`` zero-padded by ``d`` on every side."""
-    n, h, w, c = x.shape
-    xp = np.zeros((n, h + 2 * d, w + 2 * d, c), dtype=np.float32)
-    xp[:, d : d + h, d : d + w, :] = x
-    return xp
-
-
 def dw_rows(
-    xp: np.ndarray,  # [Hp, Wp, C] one padded image
+    xp: np.ndarray,  # [R', Wp, C] padded input rows of one image, first row = band's first tap row
     w: np.ndarray,  # [3, 3, C]
     b: np.ndarray,  # [C]
     stride: int,
     d: int,
-    r0: int,
-    r1: int,
-    wo: int,
-    out: np.ndarray,  # [r1 - r0, wo, C], written
+    out: np.ndarray,  # [R, Wo, C], written: the band's depthwise output (no activation)
 ) -> None:
-    """Output rows ``r0..r1`` of the depthwise conv (no activation) into ``out``."""
+    """The depthwise conv of one band from its padded input rows (taps in ky, kx order)."""
+    rows, wo = out.shape[0], out.shape[1]
     out[...] = b
     tmp = np.empty_like(out)
     s = stride
     for ky in range(3):
         for kx in range(3):
             tap = xp[
-                d * ky + s * r0 : d * ky + s * (r1 - 1) + 1 : s,
-                d * kx : d * kx + s * (wo - 1) + 1 : s,
+                d * ky : d * ky + s * (rows - 1) + 1 : s, d * kx : d * kx + s * (wo - 1) + 1 : s
             ]
             np.multiply(tap, w[ky, kx], out=tmp)
             out += tmp
+
+
+def band_input(
+    x: np.ndarray,  # [H, W, C1] one image (H/2, W/2 when joined)
+    skip: np.ndarray | None,  # [H, W, C2] or None
+    r0: int,
+    r1: int,
+    stride: int,
+    d: int,
+) -> np.ndarray:  # [(r1 - r0 - 1) * stride + 2d + 1, W + 2d, C1 (+ C2)]
+    """The zero-padded input rows that output rows ``r0..r1`` read, joined with ``skip``
+    (nearest 2x upsampling of ``x``, then ``skip``'s channels) when it is given."""
+    joined = skip is not None
+    h, w = (skip.shape[0], skip.shape[1]) if skip is not None else (x.shape[0], x.shape[1])
+    c = x.shape[2] + (skip.shape[2] if skip is not None else 0)
+    lo, hi = r0 * stride - d, (r1 - 1) * stride + d + 1  # input rows, may stick out
+    buf = np.empty((hi - lo, w + 2 * d, c), dtype=np.float32)
+    buf[:, :d] = 0.0
+    buf[:, d + w :] = 0.0
+    top, bottom = max(lo, 0), min(hi, h)
+    buf[: top - lo] = 0.0
+    buf[bottom - lo :] = 0.0
+    body = buf[top - lo : bottom - lo, d : d + w]
+    if not joined:
+        body[...] = x[top:bottom]
+        return buf
+    assert skip is not None
+    c1 = x.shape[2]
+    # Row y of the joined tensor is row y // 2 of x, column j is column j // 2.
+    src = x[top // 2 : (bottom + 1) // 2]
+    up = np.repeat(np.repeat(src, 2, axis=0), 2, axis=1)
+    body[..., :c1] = up[top % 2 : top % 2 + bottom - top]
+    body[..., c1:] = skip[top:bottom]
+    return buf
 
 
 def bands(n: int, rows: int, row_bytes: int) -> list[tuple[int, int, int]]:
@@ -98,7 +123,7 @@ def bands(n: int, rows: int, row_bytes: int) -> list[tuple[int, int, int]]:
 
 
 def ds_block_cpu(
-    x: np.ndarray,  # [N, H, W, Cin] float32
+    x: np.ndarray,  # [N, H, W, Cin] float32 ([N, H/2, W/2, C1] when joined with skip)
     dw_w: np.ndarray,  # [3, 3, Cin]
     dw_b: np.ndarray,  # [Cin]
     pw_w: np.ndarray,  # [Cin, Cout]
@@ -106,18 +131,20 @@ def ds_block_cpu(
     stride: int,
     dilation: int,
     residual: bool,
+    skip: np.ndarray | None = None,  # [N, H, W, C2]: the decoder join, Cin = C1 + C2
 ) -> np.ndarray:  # [N, Ho, Wo, Cout] float32
-    """``relu(pwconv(relu(dwconv3x3(x)), + x if residual))`` band by band."""
-    n, h, w, cin = x.shape
-    cout = pw_w.shape[1]
+    """``relu(pwconv(relu(dwconv3x3(join(x, skip))), + x if residual))`` band by band."""
+    src = skip if skip is not None else x
+    n, h, w = src.shape[:3]
+    cin, cout = pw_w.shape
     ho, wo = (h - 1) // stride + 1, (w - 1) // stride + 1
-    xp = pad_input(x, dilation)
     out = np.empty((n, ho, wo, cout), dtype=np.float32)
 
     def run(task: tuple[int, int, int]) -> None:
         i, r0, r1 = task
+        xp = band_input(x[i], None if skip is None else skip[i], r0, r1, stride, dilation)
         y = np.empty((r1 - r0, wo, cin), dtype=np.float32)
-        dw_rows(xp[i], dw_w, dw_b, stride, dilation, r0, r1, wo, y)
+        dw_rows(xp, dw_w, dw_b, stride, dilation, y)
         np.maximum(y, 0.0, out=y)
         o = out[i, r0:r1].reshape(-1, cout)
         np.matmul(y.reshape(-1, cin), pw_w, out=o)

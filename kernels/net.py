@@ -196,12 +196,10 @@ def forward_logits(weights: Weights, cfg: NetConfig, x: np.ndarray) -> np.ndarra
         h = conv3x3_ref(x, weights["stem.w"], weights["stem.b"], stride=2, act="relu")
         skips: dict[str, np.ndarray] = {"skip0": h}
         for b in block_plan(cfg):
-            if b.join is not None:
-                h = upsample_concat_ref(h, skips[b.join])
             h = cpu_schedule.ds_block_cpu(
                 h, weights[f"{b.name}.dw.w"], weights[f"{b.name}.dw.b"],
                 weights[f"{b.name}.pw.w"], weights[f"{b.name}.pw.b"],
-                b.stride, b.dilation, b.residual,
+                b.stride, b.dilation, b.residual, None if b.join is None else skips[b.join],
             )  # fmt: skip
             if b.saves is not None:
                 skips[b.saves] = h
