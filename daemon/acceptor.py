@@ -162,6 +162,7 @@ class Acceptor:
             refusal = self.gate.admit(writer.get_extra_info("socket"))
             if refusal is not None:  # SO_PEERCRED not on the allow-list: one reply, closed
                 conn.send(wire.Reply(id=0, status="error", error=refusal))
+                await self.gate.linger(reader, writer)
                 return
             while True:
                 prefix = await reader.readexactly(wire.PREFIX_BYTES)

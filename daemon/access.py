@@ -27,6 +27,8 @@ every peer outside it reads as the overflow uid 65534 and the allow-list would b
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import logging
 import socket
@@ -42,6 +44,8 @@ SO_PEERGROUPS = 59
 _UCRED = struct.Struct("=iII")  # pid_t pid; uid_t uid; gid_t gid
 _MAX_GROUPS = 65536  # NGROUPS_MAX on Linux
 _INVALID_ID = 0xFFFFFFFF  # (uid_t)-1
+LINGER_S = 1.0
+LINGER_BYTES = 256 * 1024
 
 
 class SupportsGetsockopt(Protocol):
@@ -170,3 +174,23 @@ class AccessGate:
         self._log.log(logging.WARNING, **ids, reason=decision.reason)
         who = f" for uid={peer.uid} gid={peer.gid}" if peer else ""
         return f"access denied{who}: not on this daemon's allow-list"
+
+    @staticmethod
+    async def linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """After the refusal reply: half-close, then read and discard what the peer still
+        sends (a second at most, 256 KiB at most) before the connection is closed.
+
+        A gateway sends its first request as soon as it connects; closing at once would
+        fail that send with EPIPE before the gateway reads why it was refused.
+        """
+        with contextlib.suppress(OSError, RuntimeError):
+            if writer.can_write_eof():
+                writer.write_eof()
+        with contextlib.suppress(TimeoutError, OSError):
+            async with asyncio.timeout(LINGER_S):
+                seen = 0
+                while seen < LINGER_BYTES:
+                    chunk = await reader.read(64 * 1024)
+                    if not chunk:
+                        return
+                    seen += len(chunk)

@@ -246,7 +246,10 @@ def test_only_listed_uids_are_served(tmp_path: Path, data_dir: Path) -> None:
                     sock.connect(daemon.socket_path)
                     sock.sendall(wire.encode_frame(wire.StatusRequest(id=1)))
                     os.write(write_end, _read_reply(sock).status.encode())
+                    assert sock.recv(1) == b""  # then closed
                 code = 0
+            except BaseException as exc:
+                os.write(write_end, repr(exc).encode())
             finally:
                 os._exit(code)
         os.close(write_end)
