@@ -198,6 +198,16 @@ def real_images(data_dir: Path, count: int) -> list[tuple[Path, bytes]]:
     return [(p, p.read_bytes()) for p in chosen]
 
 
+def real_crops(data_dir: Path, count: int, size: int = 64) -> list[np.ndarray]:
+    """``count`` ``size`` x ``size`` grey crops of real images (raw frames: quick on CPU)."""
+    crops = []
+    for _, data in real_images(data_dir, count):
+        image = decode_image(data)
+        y, x = (image.shape[0] - size) // 2, (image.shape[1] - size) // 2
+        crops.append(np.ascontiguousarray(image[y : y + size, x : x + size]))
+    return crops
+
+
 def expected_predictions(images: list[tuple[Path, bytes]]) -> list[tuple[str, float]]:
     """(verdict, score) of the shipped model for each image, computed in this process."""
     from scratchd.kernels.model import load_model
@@ -209,8 +219,9 @@ def expected_predictions(images: list[tuple[Path, bytes]]) -> list[tuple[str, fl
 
 def assert_served_correctly(daemon: LiveDaemon, images: list[tuple[Path, bytes]]) -> None:
     expected = expected_predictions(images)
-    with daemon.client() as client:
-        replies = dict(client.map([data for _, data in images], concurrency=8))
+    with daemon.client(timeout=120) as client:
+        # A generous deadline: CI machines are slow and shared; correctness is the point.
+        replies = dict(client.map([d for _, d in images], concurrency=8, deadline_ms=60_000))
     for i, (path, _) in enumerate(images):
         reply = replies[i]
         assert reply.status == "ok", f"{path.name}: {reply.status} {reply.error}"

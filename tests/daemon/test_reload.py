@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
+import numpy as np
 from click.testing import CliRunner
 
 from scratchd.client import Client
@@ -29,6 +30,7 @@ from .live_daemon import (
     assert_served_correctly,
     daemon_config,
     live_daemon,
+    real_crops,
     real_images,
     write_config,
 )
@@ -150,7 +152,7 @@ class _Load:
     """Real images sent continuously from a thread, ``concurrency`` in flight, until stopped;
     every reply recorded."""
 
-    def __init__(self, socket_path: str, images: list[bytes], concurrency: int = 8) -> None:
+    def __init__(self, socket_path: str, images: list[np.ndarray], concurrency: int = 8) -> None:
         self.socket_path = socket_path
         self.images = images
         self.concurrency = concurrency
@@ -178,13 +180,13 @@ class _Load:
 
     def _run(self) -> None:
         with Client(self.socket_path, timeout=60) as client:
-            replies = client.map(self._stream(), concurrency=self.concurrency)
+            replies = client.map(self._stream(), concurrency=self.concurrency, deadline_ms=60_000)
             for _, reply in replies:
                 self.statuses[reply.status] += 1
                 if reply.status != "ok":
                     self.errors.append(f"{reply.status}: {reply.error}")
 
-    def _stream(self) -> Iterator[bytes]:
+    def _stream(self) -> Iterator[np.ndarray]:
         for image in itertools.cycle(self.images):
             if self._stop.is_set():
                 return
@@ -196,7 +198,7 @@ def test_sighup_reload_under_load_loses_nothing(tmp_path: Path, data_dir: Path) 
     model_a = _model_copy(tmp_path / "a.npz", "ops-test-a")
     model_b = _model_copy(tmp_path / "b.npz", "ops-test-b")
     config = daemon_config(workers={"cpu_workers": 2}, model={"path": str(model_a)})
-    images = [data for _, data in real_images(data_dir, 24)]
+    images = real_crops(data_dir, 24)
     with live_daemon(tmp_path, config) as daemon:
         before = daemon.status()
         assert {w.model_version for w in before.workers} == {"ops-test-a"}
@@ -246,13 +248,13 @@ def test_sigterm_drain_under_load_answers_everything_accepted(
     tmp_path: Path, data_dir: Path
 ) -> None:
     config = daemon_config(workers={"cpu_workers": 2}, queue={"slots": 64})
-    images = [data for _, data in real_images(data_dir, 48)]
+    images = real_crops(data_dir, 48)
     with live_daemon(tmp_path, config) as daemon:
         (ready,) = daemon.events("ready")
         segment = Path("/dev/shm") / ready["queue"].lstrip("/")
         assert segment.exists()
         with daemon.client(timeout=60) as client:
-            pending = client.map(images, concurrency=48)  # all 48 accepted at once
+            pending = client.map(images, concurrency=48, deadline_ms=60_000)  # all accepted
             first = next(pending)
             daemon.proc.send_signal(signal.SIGTERM)  # while ~47 are queued or computing
             replies = [first, *pending]
