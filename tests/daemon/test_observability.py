@@ -12,6 +12,7 @@ daemon/drift.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -39,6 +40,7 @@ from scratchd.dataset.folders import scan_dataset, split_of
 from scratchd.ipc.image import decode_image, encode_png
 from scratchd.ipc.queue import Completion, Handle, Result, Status
 from scratchd.ipc.wire import Reply, Timings
+from scratchd.kernels.model import load_model, save_model
 from tests.daemon.harness import DaemonProcess
 
 WINDOW = 150
@@ -101,8 +103,18 @@ def val_images(data_dir: Path) -> list[bytes]:
 
 
 @pytest.fixture(scope="module")
-def daemon() -> Iterator[DaemonProcess]:
-    with DaemonProcess(workers=2, max_batch=4, extra=CONFIG) as d:
+def one_view_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The shipped weights and metadata (so its training histogram), one test-time view:
+    the same network 4x cheaper on CI's two cores; drift and counts do not depend on it."""
+    shipped = load_model(os.environ.get("SCRATCHD_TEST_MODEL") or None)
+    path = tmp_path_factory.mktemp("model") / "one-view.npz"
+    save_model(path, shipped.weights, dataclasses.replace(shipped.meta, views=["identity"]))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def daemon(one_view_model: str) -> Iterator[DaemonProcess]:
+    with DaemonProcess(workers=2, max_batch=4, extra=CONFIG, model=one_view_model) as d:
         yield d
 
 
@@ -245,8 +257,13 @@ def test_status_json_and_table(run: Run, daemon: DaemonProcess) -> None:
     assert {w["state"] for w in doc["workers"]} == {"ready"}
     assert all(w["batch_size_mean"] and w["compute_ms_p50"] for w in doc["workers"])
     assert len(doc["queue"]["depth"]) == 8
+    answered_ok = sum(n for (_, status), n in run.sent.items() if status == "ok")
+    assert doc["drift"]["samples"] == WINDOW
+    assert doc["entropy"]["samples"] == min(answered_ok, WINDOW)  # also over drift.window
+    # Latency is a 60 s window: read the classes from the snapshot taken right after the
+    # two-class phase (the CLI's may come later than that).
     for part_class in ("safety", "normal"):
-        row = doc["latency"][part_class]
+        row = run.status_normal["latency"][part_class]
         assert 0 < row["p50_ms"] <= row["p99_ms"] and row["deadline_ms"] == 60000
     table = subprocess.run(cli, capture_output=True, text=True, env=env, check=True).stdout
     assert "latency by part class" in table and "data drift" in table
