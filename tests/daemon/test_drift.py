@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ from scratchd.daemon.drift import (
     kl_divergence,
     smooth,
 )
+from scratchd.daemon.observability import read_model_reference
 from scratchd.dataset.folders import scan_dataset, split_of
 from scratchd.ipc.image import decode_image
 from scratchd.kernels.postprocess import intensity_histogram
@@ -96,16 +98,22 @@ def test_entropy_monitor_is_a_rolling_mean() -> None:
 
 @pytest.fixture(scope="module")
 def split_images(data_dir: Path) -> dict[str, list[np.ndarray]]:
-    images: dict[str, list[np.ndarray]] = {"train": [], "val": []}
-    for sample in scan_dataset(data_dir):
-        images[split_of(sample.rel)].append(decode_image(sample.image.read_bytes()))
-    assert len(images["val"]) > 200
-    return images
+    """The held-out `val` images (the training split is only seen through its histogram)."""
+    val = [
+        decode_image(sample.image.read_bytes())
+        for sample in scan_dataset(data_dir)
+        if split_of(sample.rel) == "val"
+    ]
+    assert len(val) > 200
+    return {"val": val}
 
 
 @pytest.fixture(scope="module")
-def training_histogram(split_images: dict[str, list[np.ndarray]]) -> np.ndarray:
-    return np.sum([intensity_histogram(img) for img in split_images["train"]], axis=0)
+def training_histogram() -> np.ndarray:
+    """The reference the daemon uses: the training histogram in the model's metadata."""
+    reference = read_model_reference(os.environ.get("SCRATCHD_TEST_MODEL", ""))
+    assert reference.histogram is not None, reference.problem
+    return reference.histogram
 
 
 def _score(reference: np.ndarray, images: list[np.ndarray], window: int) -> list[float]:
