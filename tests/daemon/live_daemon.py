@@ -128,6 +128,18 @@ class LiveDaemon:
         return status
 
 
+# What systemd does between fork and exec for a socket-activated service.
+_ACTIVATE = """
+import os, sys
+fd = int(sys.argv[1])
+if fd != 3:
+    os.dup2(fd, 3)
+    os.close(fd)
+os.environ.update(LISTEN_FDS="1", LISTEN_PID=str(os.getpid()), LISTEN_FDNAMES="scratchd.socket")
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
 def daemon_config(**sections: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Small defaults for tests: one CPU worker, 32 slots of 256 KiB."""
     config: dict[str, dict[str, Any]] = {
@@ -146,8 +158,14 @@ def live_daemon(
     config: dict[str, dict[str, Any]] | None = None,
     env: dict[str, str] | None = None,
     wait: bool = True,
+    activation: socket.socket | None = None,
 ) -> Iterator[LiveDaemon]:
-    """Start ``scratchd serve`` and stop it (SIGTERM) afterwards, whatever happened."""
+    """Start ``scratchd serve`` and stop it (SIGTERM) afterwards, whatever happened.
+
+    ``activation``: a listening socket handed over as systemd's socket activation does
+    (fd 3, ``LISTEN_FDS=1``, ``LISTEN_PID`` = the daemon's pid); the daemon is then
+    expected to serve on it rather than on ``server.socket``.
+    """
     short = Path(tempfile.mkdtemp(prefix="sd-", dir="/tmp"))
     sock_path = str(short / "s.sock")
     notify_path = str(short / "notify")
@@ -162,12 +180,18 @@ def live_daemon(
     stderr_path = tmp_path / "daemon.stderr"
     child_env = {**os.environ, "NOTIFY_SOCKET": notify_path, **(env or {})}
     child_env.pop("WATCHDOG_PID", None)
+    argv = [
+        *(sys.executable, "-c", "from scratchd.daemon.cli import main; main()"),
+        *("serve", "--config", str(config_path)),
+    ]
+    pass_fds: tuple[int, ...] = ()
+    if activation is not None:
+        pass_fds = (activation.fileno(),)
+        argv = [sys.executable, "-c", _ACTIVATE, str(activation.fileno()), *argv]
     with open(stderr_path, "wb") as stderr:
         proc = subprocess.Popen(
-            [
-                *(sys.executable, "-c", "from scratchd.daemon.cli import main; main()"),
-                *("serve", "--config", str(config_path)),
-            ],
+            argv,
+            pass_fds=pass_fds,
             env=child_env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

@@ -8,12 +8,14 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
+from scratchd.client import Client
 from scratchd.daemon.notify import (
     Notifier,
     Watchdog,
@@ -22,7 +24,7 @@ from scratchd.daemon.notify import (
     watchdog_interval,
 )
 
-from .live_daemon import daemon_config, live_daemon
+from .live_daemon import daemon_config, live_daemon, real_crops
 
 
 def _bind_notify_socket(address: str | bytes) -> socket.socket:
@@ -258,3 +260,28 @@ def test_live_daemon_says_ready_then_pings_the_watchdog(tmp_path: Path) -> None:
         assert daemon.proc.wait(60) == 0
         stopping = [m for m in daemon.read_notifications(0.5) if m.get("STOPPING") == "1"]
         assert stopping and "draining" in stopping[0]["STATUS"]
+
+
+def test_socket_activation_serves_on_the_socket_systemd_holds(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    held = Path(tempfile.mkdtemp(prefix="sd-act-", dir="/tmp")) / "activated.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(held))
+    listener.listen(64)
+    try:
+        with live_daemon(tmp_path, daemon_config(), activation=listener) as daemon:
+            assert not Path(daemon.socket_path).exists(), "it must not bind a socket of its own"
+            crop = real_crops(data_dir, 1)[0]
+            with Client(str(held), timeout=60) as client:
+                reply = client.infer(crop, deadline_ms=60_000)
+            assert reply.status == "ok", reply.error
+            assert daemon.stop() == 0
+        # systemd's socket outlives the daemon: gateways queue in its backlog meanwhile.
+        assert held.exists()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as late:
+            late.connect(str(held))
+    finally:
+        listener.close()
+        held.unlink(missing_ok=True)
+        held.parent.rmdir()
