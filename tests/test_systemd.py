@@ -133,6 +133,8 @@ def test_service_keeps_the_gpu_reachable_and_the_peer_uids_real() -> None:
     keys = {key for _, key, _ in _directives(service)}
     assert _values(service, "Type") == ["notify"]
     assert _values(service, "KillMode") == ["mixed"]
+    # An OOM-killed worker is replaced by the supervisor, not a reason to stop the service.
+    assert _values(service, "OOMPolicy") == ["continue"]
     assert _values(service, "Restart") == ["on-failure"]
     assert _values(service, "RuntimeDirectory") == ["scratchd"]
     assert _values(service, "User") == ["scratchd"]
