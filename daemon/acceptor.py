@@ -5,7 +5,7 @@ Per frame (see ``scratchd.ipc.wire`` for the format), in this order:
 1. read the 4-byte length and check it against the frame cap *before* reading the body
    (cap = 3 x ``slot_bytes`` for raw RGB + 64 KiB); an oversized frame gets one ``invalid``
    reply (id 0: its body is never read) and the connection is closed, since the stream can
-   no longer be trusted;
+   no longer be trusted; so is a body that does not arrive within ``frame_timeout_ms``;
 2. typed msgpack decode; a body that fails it is answered ``invalid`` with msgspec's reason
    (addressed to the body's ``id`` when one can be read) and the connection carries on;
 3. resolve the part class and check the image's declared size (``invalid`` with a reason);
@@ -160,7 +160,10 @@ class Acceptor:
         self.connections[conn.id] = conn
         try:
             refusal = self.gate.admit(writer.get_extra_info("socket"))
-            if refusal is not None:  # SO_PEERCRED not on the allow-list: one reply, closed
+            limit = self.config.server.max_connections
+            if refusal is None and len(self.connections) > limit:
+                refusal = f"too many connections (limit {limit}); retry later"
+            if refusal is not None:  # not on the allow-list, or too many: one reply, closed
                 conn.send(wire.Reply(id=0, status="error", error=refusal))
                 await self.gate.linger(reader, writer)
                 return
@@ -172,7 +175,9 @@ class Acceptor:
                     flight = InFlight(conn, 0, "unknown", 0, time.monotonic_ns())
                     self.dispatcher.reject(flight, "invalid", reason + "; closing the connection")
                     break
-                body = await reader.readexactly(length)
+                body = await self._read_body(conn, reader, length)
+                if body is None:
+                    break
                 received_ns = time.monotonic_ns()
                 try:
                     self.handle_frame(conn, body, received_ns)
@@ -185,6 +190,20 @@ class Acceptor:
             pass  # the client left, possibly mid-frame
         finally:
             self._disconnect(conn)
+
+    async def _read_body(
+        self, conn: Connection, reader: asyncio.StreamReader, length: int
+    ) -> bytes | None:
+        """The frame's body, or None (after an ``invalid`` reply) if it stalls."""
+        timeout_ms = self.config.server.frame_timeout_ms
+        try:
+            async with asyncio.timeout(timeout_ms / 1000.0):
+                return await reader.readexactly(length)
+        except TimeoutError:
+            reason = f"frame body of {length} bytes not received within {timeout_ms} ms"
+            flight = InFlight(conn, 0, "unknown", 0, time.monotonic_ns())
+            self.dispatcher.reject(flight, "invalid", reason + "; closing the connection")
+            return None
 
     def _disconnect(self, conn: Connection) -> None:
         conn.closed = True

@@ -50,6 +50,12 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_in_flight_per_connection: Positive = 128
     """Requests one connection may have accepted and unanswered; more get ``overloaded``.
     Half the default queue, so one gateway cannot take every slot from the others."""
+    max_connections: Positive = 1024
+    """Open client connections at most; one more gets an ``error`` reply and is closed
+    (a peer opening connections in a loop must not exhaust the daemon's descriptors)."""
+    frame_timeout_ms: Positive = 30_000
+    """A frame's body must arrive within this time of its length prefix, or the connection
+    is answered ``invalid`` and closed (a stalled sender must not hold memory and a slot)."""
 
 
 class QueueConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -281,3 +281,44 @@ def test_per_connection_in_flight_limit(tmp_path: Path, data_dir: Path) -> None:
         assert all("per connection" in r.error for r in refused)
         assert {r.status for r in replies} <= {"ok", "overloaded"}
         assert_served_correctly(daemon, images[:4])
+
+
+def test_a_stalled_frame_is_cut_off_and_too_many_connections_are_refused(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    config = daemon_config(server={"frame_timeout_ms": 300, "max_connections": 8})
+    with live_daemon(tmp_path, config) as daemon:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as slow:
+            slow.settimeout(10)
+            slow.connect(daemon.socket_path)
+            slow.sendall(PREFIX.pack(1000) + b"\x81")  # ... and nothing more
+            reply = _read_reply(slow)
+            assert reply.status == "invalid" and "not received within 300 ms" in reply.error
+            assert slow.recv(1) == b""
+        idle = []
+        try:
+            for _ in range(8):  # up to the limit: held open, idle between frames
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(10)
+                sock.connect(daemon.socket_path)
+                idle.append(sock)
+            time.sleep(0.3)  # the daemon accepts asynchronously
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as extra:
+                extra.settimeout(10)
+                extra.connect(daemon.socket_path)
+                reply = _read_reply(extra)
+                assert reply.status == "error" and "too many connections" in reply.error
+            assert daemon.proc.poll() is None
+        finally:
+            for sock in idle:
+                sock.close()
+        # The idle ones are gone (once the daemon has seen them close): serving again.
+        crop = real_crops(data_dir, 1)[0]
+        for attempt in range(50):
+            try:
+                with daemon.client(timeout=60) as client:
+                    assert client.infer(crop, deadline_ms=60_000).status == "ok"
+                break
+            except ConnectionError:
+                assert attempt < 49, "still refused after the idle connections closed"
+                time.sleep(0.1)
