@@ -51,6 +51,9 @@ class DaemonProcess:
             f"[queue]\nslots = {slots}\nslot_bytes = {slot_bytes}\nmax_batch = {max_batch}\n"
             f'[workers]\nbackend = "cpu"\ncpu_workers = {workers}\nheartbeat_ms = 100\n'
             f"{workers_extra}"
+            # Generous deadlines: on a loaded two-core CI machine a queue of real images can
+            # take seconds, and only the tests about expiry want timeouts (they ask for them).
+            "[classes.normal]\ndeadline_ms = 600000\n[classes.safety]\ndeadline_ms = 300000\n"
             f'[model]\npath = "{model_path}"\n{extra}'
         )
         self.env = {**os.environ, **(env or {})}

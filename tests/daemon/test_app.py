@@ -129,7 +129,7 @@ def test_every_pipelined_request_is_answered_exactly_once(
 
 
 def test_a_full_queue_answers_overloaded_at_once(daemon: DaemonProcess) -> None:
-    frame = np.random.default_rng(0).integers(0, 256, (160, 160), dtype=np.uint8)
+    frame = np.random.default_rng(0).integers(0, 256, (64, 64), dtype=np.uint8)
     conn = RawConnection(daemon.socket)
     n = 80  # far more than the 16 slots
     for i in range(n):
@@ -149,7 +149,7 @@ def test_a_full_queue_answers_overloaded_at_once(daemon: DaemonProcess) -> None:
 def test_requests_past_their_deadline_time_out_without_reaching_a_worker(
     daemon: DaemonProcess,
 ) -> None:
-    frame = np.random.default_rng(1).integers(0, 256, (200, 200), dtype=np.uint8)
+    frame = np.random.default_rng(1).integers(0, 256, (128, 128), dtype=np.uint8)
     conn = RawConnection(daemon.socket)
     # Keep both workers busy with ordinary requests, then queue ones with a 1 ms deadline.
     for i in range(8):
@@ -231,7 +231,7 @@ def test_an_oversized_frame_is_refused_before_its_body_is_read(daemon: DaemonPro
 def test_clients_that_disconnect_give_their_slots_back(
     daemon: DaemonProcess, data_dir: Path
 ) -> None:
-    frame = np.random.default_rng(2).integers(0, 256, (200, 200), dtype=np.uint8)
+    frame = np.random.default_rng(2).integers(0, 256, (96, 96), dtype=np.uint8)
     encoded = sd900(data_dir, 1)[0].read_bytes()
     for _ in range(5):
         conn = RawConnection(daemon.socket)
@@ -297,12 +297,12 @@ def test_a_second_sigterm_exits_at_once(data_dir: Path) -> None:
 
 
 def test_a_safety_part_overtakes_queued_normal_ones_and_deadlines_order_a_class() -> None:
-    frame = np.random.default_rng(6).integers(0, 256, (200, 200), dtype=np.uint8)
+    frame = np.random.default_rng(6).integers(0, 256, (96, 96), dtype=np.uint8)
     with DaemonProcess(workers=1, slots=32, workers_extra="cpu_max_batch = 1\n") as d:
         conn = RawConnection(d.socket)
         for i in range(12):
-            conn.send(build_request(i, frame))  # normal: priority 0, deadline 3 s
-        conn.send(build_request(50, frame, deadline_ms=2500))  # normal, earlier deadline
+            conn.send(build_request(i, frame))  # normal: priority 0, the class deadline
+        conn.send(build_request(50, frame, deadline_ms=300000))  # normal, earlier deadline
         conn.send(build_request(99, frame, part_class="safety"))  # priority 7
         order = [conn.receive().id for _ in range(14)]
         assert order.index(99) <= 3, order  # at most the requests already in hand before it

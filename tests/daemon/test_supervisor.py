@@ -155,7 +155,7 @@ def _run_clients(socket: str, images: list[str], clients: int) -> list[subproces
     ]
 
 
-def _tiles(data_dir: Path, out: Path, n: int, size: int = 112) -> list[str]:
+def _tiles(data_dir: Path, out: Path, n: int, size: int = 96) -> list[str]:
     """Centre crops of the first ``n`` real SD-900 images (real content at a quarter of the
     compute: the CI machine has two cores)."""
     paths = []
