@@ -2,7 +2,7 @@
 and how long a worker takes to come back after kill -9.
 
     python scripts/bench_serve.py                       # starts its own daemon (CPU, 2 workers)
-    python scripts/bench_serve.py --rates 5,20,40 --duration 10 --json docs/bench/serve-cpu.json
+    python scripts/bench_serve.py --rates 2,5,10 --duration 10 --json docs/bench/serve-cpu.json
     python scripts/bench_serve.py --socket /run/scratchd/scratchd.sock   # an existing daemon
 
 Load is open loop (requests are sent on schedule whether or not earlier ones were answered,
@@ -245,7 +245,7 @@ def main() -> None:
     p.add_argument("--socket", default=None, help="use a running daemon instead of starting one")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--model", default="", help="model file (default: the shipped model)")
-    p.add_argument("--rates", default="5,20,40", help="Poisson rates, requests/s")
+    p.add_argument("--rates", default="2,5,10", help="Poisson rates, requests/s")
     p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--clients", type=int, default=2, help="client processes per load")
     p.add_argument("--kills", type=int, default=2, help="kill -9 rounds per worker")
@@ -260,6 +260,7 @@ def main() -> None:
     if args.client:
         print(json.dumps(asyncio.run(run_client(args))))
         return
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="sdbench-", dir="/tmp") as tmp:
         proc, sock = (
             (None, args.socket)
@@ -280,6 +281,10 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),
+            # other work on the machine shares the cores: numbers are only comparable at a
+            # similar load
+            "loadavg_1m_before": round(load_before[0], 2),
+            "loadavg_1m_after": round(os.getloadavg()[0], 2),
         },
         "daemon": {
             "backend": "cpu",
