@@ -43,6 +43,7 @@ import msgspec
 from scratchd.daemon.config import Config, ConfigError, socket_path
 from scratchd.daemon.log import log_event
 from scratchd.daemon.notify import Notifier
+from scratchd.daemon.supervisor import PoolHalted
 
 if TYPE_CHECKING:
     from scratchd.client import Client
@@ -195,8 +196,6 @@ class Reloader:
         if fixed:
             log_event("reload_needs_restart", logging.WARNING, keys=",".join(fixed))
         self._apply(effective_config(old, new))
-        from scratchd.daemon.supervisor import PoolHalted
-
         try:
             await self._rolling_restart()
         except PoolHalted as exc:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from scratchd.daemon.config import Config
 from scratchd.daemon.notify import Notifier, inherited_listener, start_watchdog
-from scratchd.daemon.reload import Reloader
+from scratchd.daemon.reload import Reloader, ReloadState
 
 if TYPE_CHECKING:
     from scratchd.daemon.app import Daemon
@@ -112,7 +112,7 @@ class ServiceManager:
             f"{daemon.state.value}: {ready}/{supervisor.count} workers ready, "
             f"{queued} queued, {in_flight} in flight"
         )
-        if self.reloader.state.value == "reloading":
+        if self.reloader.state is ReloadState.RELOADING:
             line += ", reloading"
         elif self.reloader.last_error:
             line += f", last reload failed: {self.reloader.last_error}"
