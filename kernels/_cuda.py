@@ -150,7 +150,8 @@ def pw_smem_bytes(cin: int, cout: int) -> int:
     """Dynamic shared memory of a pw_tile.cuh kernel (``PwShape<CIN, COUT>::SMEM_BYTES``)."""
     kp = -(-cin // 16) * 16
     ks, np_ = kp + 8, -(-cout // 8) * 8
-    area = max(ks, np_ + 8) * PW_BM
+    cs = np_ + 16 if (np_ + 8) % 16 == 0 else np_ + 8
+    area = max(ks, cs) * PW_BM
     return (np_ * ks + area) * 2
 
 

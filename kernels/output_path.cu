@@ -25,12 +25,8 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     return s;  // valid in thread 0
 }
 
-// Add one pixel's histogram bin to the block's shared histogram. Lanes of a warp that share
-// a bin (common: real frames are dominated by a few grey levels) add once, through a leader.
-__device__ __forceinline__ void add_bin(unsigned int* sh, int bin) {
-    const unsigned peers = __match_any_sync(__activemask(), bin);
-    if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(sh + bin, (unsigned)__popc(peers));
-}
+// Add one pixel's histogram bin to the block's shared histogram.
+__device__ __forceinline__ void add_bin(unsigned int* sh, int bin) { atomicAdd(sh + bin, 1u); }
 
 // prob, mask and entropy of output pixel (n, Y, X); returns the entropy (bits).
 __device__ __forceinline__ float one_pixel(

@@ -9,7 +9,8 @@
 //   │ zero beyond Cout / Cin       │ then, reused, sC [BM][CS] (acc + bias, fp16) │
 //   └──────────────────────────────┴────────────────────────────────────────────┘
 //   KP = Cin rounded up to 16 (the mma K step), KS = KP + 8 (row stride: 4 mod 8 words, so
-//   the 8 rows a fragment load touches fall in distinct banks); NP = Cout rounded up to 8.
+//   the 8 rows a fragment load touches fall in distinct banks); NP = Cout rounded up to 8;
+//   CS = NP + 8 or + 16, whichever is 8 mod 16.
 //
 // Per tile: (1) produce A (MODE 0: copy the input rows; MODE 1: depthwise 3x3 + bias + ReLU
 // computed here, so its output never reaches device memory), (2) each of the 4 warps
@@ -30,7 +31,9 @@ struct PwShape {
     static constexpr int KS = KP + 8;
     static constexpr int NP = (COUT + 7) / 8 * 8;
     static constexpr int NT = NP / 8;
-    static constexpr int CS = NP + 8;
+    // sC row stride: 8 mod 16 halves, like KS, so the staging writes and the epilogue's
+    // row reads spread over the banks.
+    static constexpr int CS = (NP + 8) % 16 == 0 ? NP + 16 : NP + 8;
     static constexpr int AREA = (KS > CS ? KS : CS) * PW_BM;
     static constexpr int SMEM_BYTES = (NP * KS + AREA) * 2;
 };
@@ -128,24 +131,30 @@ __device__ __forceinline__ void store_tile(
 }
 
 // (4) with the head fused: logit[p] = hb + sum_c hw[c] * act(sC[r, c] (+ res[p, c])).
+// Two threads per pixel (all 128 threads for the 64 rows), each summing half the channels,
+// joined with a shuffle: the per-pixel dot product is the epilogue's critical path.
 template <int COUT, bool RES, bool RELU>
 __device__ __forceinline__ void store_tile_head(
     const __half* sC, const __half* __restrict__ res, const float* __restrict__ hw, float hb,
     float* __restrict__ logits, int base, int M) {
     using S = PwShape<COUT, COUT>;
-    for (int r = threadIdx.x; r < PW_BM; r += PW_THREADS) {
-        const int p = base + r;
-        if (p >= M) continue;
-        float s = hb;
-#pragma unroll 8
-        for (int c = 0; c < COUT; ++c) {
-            float v = __half2float(sC[r * S::CS + c]);
-            if constexpr (RES) v += __half2float(res[p * COUT + c]);
-            if constexpr (RELU) v = fmaxf(v, 0.0f);
-            s = fmaf(v, __ldg(hw + c), s);
-        }
-        logits[p] = s;
+    static_assert(PW_THREADS == 2 * PW_BM, "two threads per tile row");
+    constexpr int HALF = (COUT + 1) / 2;
+    const int r = threadIdx.x >> 1, part = threadIdx.x & 1, p = base + r;
+    const int c0 = part * HALF;
+    const bool valid = p < M;
+    float s = 0.0f;
+#pragma unroll 4
+    for (int j = 0; j < HALF; ++j) {
+        const int c = c0 + j;
+        if (c >= COUT) break;
+        float v = __half2float(sC[r * S::CS + c]);
+        if constexpr (RES) v += valid ? __half2float(res[p * COUT + c]) : 0.0f;
+        if constexpr (RELU) v = fmaxf(v, 0.0f);
+        s = fmaf(v, __ldg(hw + c), s);
     }
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    if (valid && part == 0) logits[p] = s + hb;
 }
 
 }  // namespace sd
