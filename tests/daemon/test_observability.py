@@ -48,13 +48,7 @@ CONFIG = f"""
 [drift]
 window = {WINDOW}
 threshold = 0.15
-[classes.safety]
-priority = 7
-deadline_ms = 60000
-[classes.normal]
-priority = 0
-deadline_ms = 60000
-"""
+"""  # the harness gives both classes generous deadlines: nothing times out by accident
 Options = dict[str, Any]
 
 
@@ -264,7 +258,8 @@ def test_status_json_and_table(run: Run, daemon: DaemonProcess) -> None:
     # two-class phase (the CLI's may come later than that).
     for part_class in ("safety", "normal"):
         row = run.status_normal["latency"][part_class]
-        assert 0 < row["p50_ms"] <= row["p99_ms"] and row["deadline_ms"] == 60000
+        assert 0 < row["p50_ms"] <= row["p99_ms"]
+        assert row["deadline_ms"] == doc["classes"][part_class][1]
     table = subprocess.run(cli, capture_output=True, text=True, env=env, check=True).stdout
     assert "latency by part class" in table and "data drift" in table
 
