@@ -39,9 +39,10 @@ struct PwShape {
 };
 
 // Stage W ([CIN, COUT], fp16, global) transposed and zero-padded into sW[NP][KS]: zero the
-// whole tile, then scatter W in. The global reads are coalesced 16-byte vectors (8 output
-// channels of one input channel) when COUT % 8 == 0, so a 192x192 weight is ~36 loads a
-// thread, all independent, rather than 300 scattered 2-byte ones.
+// whole tile, then scatter W in. With COUT % 8 == 0 each thread reads 8 output channels of
+// one input channel as a 16-byte vector and consecutive threads take consecutive input
+// channels, so the eight 2-byte shared stores of a warp land in consecutive words (no bank
+// conflicts; the opposite order put all 32 lanes of a store in one bank).
 template <int CIN, int COUT>
 __device__ __forceinline__ void stage_weight(const __half* __restrict__ w, __half* sW) {
     using S = PwShape<CIN, COUT>;
@@ -53,14 +54,14 @@ __device__ __forceinline__ void stage_weight(const __half* __restrict__ w, __hal
     __syncthreads();
 #pragma unroll 4
     for (int i = threadIdx.x; i < CIN * COUT / V; i += PW_THREADS) {
-        const int k = (i * V) / COUT, n = i * V - k * COUT;
+        const int n = (i / CIN) * V, k = i - (i / CIN) * CIN;
         if constexpr (V == 8) {
-            const uint4 u = __ldg(reinterpret_cast<const uint4*>(w) + i);
+            const uint4 u = __ldg(reinterpret_cast<const uint4*>(w + k * COUT + n));
             const __half* h = reinterpret_cast<const __half*>(&u);
 #pragma unroll
             for (int j = 0; j < 8; ++j) sW[(n + j) * S::KS + k] = h[j];
         } else {
-            sW[n * S::KS + k] = w[i];
+            sW[n * S::KS + k] = w[k * COUT + n];
         }
     }
 }

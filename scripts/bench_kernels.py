@@ -334,7 +334,16 @@ def main() -> None:
     parser.add_argument("--compile-budget-s", type=float, default=150.0)
     parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "bench")
     parser.add_argument("--md", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="only build the batch-16 1024² graph (one eager forward first) and exit: for ncu",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.profile:
+        from scratchd.kernels.cuda_graph import CudaScratchNet
+
+        CudaScratchNet(load_bench_model()[0]).graph(16, 1024, 1024)
+        return
     if args.reps < 50:
         parser.error("--reps must be at least 50")
     report = run(args)
