@@ -92,9 +92,13 @@ def render_header(doc: StatusDoc) -> Text:
 
 def render_workers(workers: list[Mapping[str, Any]]) -> Table:
     table = Table(title="workers", title_justify="left", expand=False)
+    # Each worker's model version (it changes worker by worker during a reload), when the
+    # daemon reports one.
+    models = any(w.get("model_version") for w in workers)
     for col in ("worker", "device", "state", "pid", "restarts", "requests", "batches", "batch",
-                "compute"):  # fmt: skip
-        table.add_column(col, justify="left" if col in ("worker", "device", "state") else "right")
+                "compute", *(("model",) if models else ())):  # fmt: skip
+        left = col in ("worker", "device", "state", "model")
+        table.add_column(col, justify="left" if left else "right")
     for w in workers:
         state = str(w.get("state", "?"))
         table.add_row(
@@ -107,6 +111,7 @@ def render_workers(workers: list[Mapping[str, Any]]) -> Table:
             _fmt(w.get("batches")),
             _fmt(w.get("batch_size_mean")),
             _fmt(w.get("compute_ms_p50"), " ms"),
+            *((str(w.get("model_version") or "-"),) if models else ()),
         )
     if not workers:
         table.add_row("-", "-", Text("none", style="red"), *["-"] * 6)

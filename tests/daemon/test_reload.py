@@ -6,6 +6,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import json
 import signal
 import subprocess
 import sys
@@ -220,6 +221,14 @@ def test_sighup_reload_under_load_loses_nothing(tmp_path: Path, data_dir: Path) 
             "reload_start",
             "reload_done",
         ]
+        # `scratchd status` shows each worker's model version, as JSON and in the table.
+        runner = CliRunner(env={"COLUMNS": "200"})
+        shown = runner.invoke(main, ["status", "--json", "--socket", daemon.socket_path])
+        assert shown.exit_code == 0, shown.output
+        workers = json.loads(shown.output)["workers"]
+        assert [w["model_version"] for w in workers] == ["ops-test-b", "ops-test-b"]
+        table = runner.invoke(main, ["status", "--socket", daemon.socket_path]).output
+        assert table.count("ops-test-b") >= 2, table
         notified = [m for m in daemon.read_notifications(0.5) if "RELOADING" in m]
         notified += [m for m in daemon.notifications if "RELOADING" in m]
         assert notified and "MONOTONIC_USEC" in notified[0]
