@@ -55,6 +55,52 @@ __device__ __forceinline__ void load_h_smem(const __half* p, float (&f)[V]) {
     }
 }
 
+// V halves as loaded from memory, unconverted (16 bytes, or one half), so a thread can issue
+// all its loads before it converts and uses any of them.
+template <int V>
+struct RawH;
+template <>
+struct RawH<8> {
+    uint4 u;
+};
+template <>
+struct RawH<1> {
+    __half h;
+};
+
+template <int V>
+__device__ __forceinline__ RawH<V> load_raw(const __half* __restrict__ p) {
+    if constexpr (V == 8) {
+        return RawH<8>{__ldg(reinterpret_cast<const uint4*>(p))};
+    } else {
+        return RawH<1>{p[0]};
+    }
+}
+
+template <int V>
+__device__ __forceinline__ RawH<V> zero_raw() {
+    if constexpr (V == 8) {
+        return RawH<8>{make_uint4(0u, 0u, 0u, 0u)};
+    } else {
+        return RawH<1>{__float2half(0.0f)};
+    }
+}
+
+template <int V>
+__device__ __forceinline__ void unpack(const RawH<V>& r, float (&f)[V]) {
+    if constexpr (V == 8) {
+        const __half2* h = reinterpret_cast<const __half2*>(&r.u);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 t = __half22float2(h[i]);
+            f[2 * i] = t.x;
+            f[2 * i + 1] = t.y;
+        }
+    } else {
+        f[0] = __half2float(r.h);
+    }
+}
+
 // p[0..V) (floats, shared memory, 16-byte aligned when V == 8) → f[0..V).
 template <int V>
 __device__ __forceinline__ void load_f_smem(const float* p, float (&f)[V]) {

@@ -8,7 +8,9 @@
 // host picks P | Wo, so a group never wraps) for V = 8 channels. Each input column the P
 // outputs share is loaded and converted once (a 3x3 stride-1 row of 4 outputs reads 6
 // columns instead of 12), and the depthwise weight sits in shared memory as fp32, so the
-// inner loop is mostly FMAs. Arithmetic is fp32 throughout; storage fp16.
+// inner loop is mostly FMAs. With HOIST (and at most 18 loads a group) all three rows are
+// loaded before any is used: one memory round trip per group instead of three, for more
+// registers. Arithmetic is fp32 throughout; storage fp16.
 //
 //   extra shared memory after pw_tile.cuh's: sDw [9][KP] float (zero beyond Cin)
 #include "pw_tile.cuh"
@@ -25,7 +27,7 @@ __device__ constexpr bool column_used(int j) {
 }
 
 // acc[q] = relu(b + dw3x3 at (n, oy, ox0 + q)) for q < P, channels [c, c + V).
-template <int V, int P, int STRIDE, int DIL, int KP, int CA, int CB>
+template <int V, int P, int STRIDE, int DIL, bool HOIST, int KP, int CA, int CB>
 __device__ __forceinline__ void dw_row_group(
     const DwSource<CA, CB>& src, const float* sDw, const float* __restrict__ b,
     int n, int oy, int ox0, int c, float (&acc)[P][V]) {
@@ -35,28 +37,69 @@ __device__ __forceinline__ void dw_row_group(
 #pragma unroll
         for (int e = 0; e < V; ++e) acc[q][e] = __ldg(b + c + e);
     const int x_first = ox0 * STRIDE - DIL;
+    if constexpr (HOIST && 3 * NC <= 18) {
+        // Few enough columns: issue all 3 rows' loads first (one memory round trip per
+        // group instead of one per row), zeros standing in for the padding.
+        RawH<V> raw[3][NC];
 #pragma unroll
-    for (int ky = 0; ky < 3; ++ky) {
-        const int iy = oy * STRIDE + (ky - 1) * DIL;
-        if (iy < 0 || iy >= src.H) continue;
-        float w[3][V];
+        for (int ky = 0; ky < 3; ++ky) {
+            const int iy = oy * STRIDE + (ky - 1) * DIL;
+            const bool row_in = iy >= 0 && iy < src.H;
 #pragma unroll
-        for (int kx = 0; kx < 3; ++kx) load_f_smem<V>(sDw + (ky * 3 + kx) * KP + c, w[kx]);
+            for (int j = 0; j < NC; ++j) {
+                const int ix = x_first + j;
+                if (column_used<P, STRIDE, DIL>(j) && row_in && ix >= 0 && ix < src.W) {
+                    raw[ky][j] = load_raw<V>(src.at(n, iy, ix, c));
+                } else {
+                    raw[ky][j] = zero_raw<V>();
+                }
+            }
+        }
 #pragma unroll
-        for (int j = 0; j < NC; ++j) {
-            if (!column_used<P, STRIDE, DIL>(j)) continue;
-            const int ix = x_first + j;
-            if (ix < 0 || ix >= src.W) continue;
-            float v[V];
-            load_h<V>(src.at(n, iy, ix, c), v);
+        for (int ky = 0; ky < 3; ++ky) {
+            float w[3][V];
 #pragma unroll
-            for (int q = 0; q < P; ++q)
+            for (int kx = 0; kx < 3; ++kx) load_f_smem<V>(sDw + (ky * 3 + kx) * KP + c, w[kx]);
 #pragma unroll
-                for (int kx = 0; kx < 3; ++kx)
-                    if (q * STRIDE + kx * DIL == j) {
+            for (int j = 0; j < NC; ++j) {
+                if (!column_used<P, STRIDE, DIL>(j)) continue;
+                float v[V];
+                unpack<V>(raw[ky][j], v);
 #pragma unroll
-                        for (int e = 0; e < V; ++e) acc[q][e] = fmaf(v[e], w[kx][e], acc[q][e]);
-                    }
+                for (int q = 0; q < P; ++q)
+#pragma unroll
+                    for (int kx = 0; kx < 3; ++kx)
+                        if (q * STRIDE + kx * DIL == j) {
+#pragma unroll
+                            for (int e = 0; e < V; ++e) acc[q][e] = fmaf(v[e], w[kx][e], acc[q][e]);
+                        }
+            }
+        }
+    } else {
+        // Many columns (dilated or strided sweeps): row by row, to bound the registers.
+#pragma unroll
+        for (int ky = 0; ky < 3; ++ky) {
+            const int iy = oy * STRIDE + (ky - 1) * DIL;
+            if (iy < 0 || iy >= src.H) continue;
+            float w[3][V];
+#pragma unroll
+            for (int kx = 0; kx < 3; ++kx) load_f_smem<V>(sDw + (ky * 3 + kx) * KP + c, w[kx]);
+#pragma unroll
+            for (int j = 0; j < NC; ++j) {
+                if (!column_used<P, STRIDE, DIL>(j)) continue;
+                const int ix = x_first + j;
+                if (ix < 0 || ix >= src.W) continue;
+                float v[V];
+                load_h<V>(src.at(n, iy, ix, c), v);
+#pragma unroll
+                for (int q = 0; q < P; ++q)
+#pragma unroll
+                    for (int kx = 0; kx < 3; ++kx)
+                        if (q * STRIDE + kx * DIL == j) {
+#pragma unroll
+                            for (int e = 0; e < V; ++e) acc[q][e] = fmaf(v[e], w[kx][e], acc[q][e]);
+                        }
+            }
         }
     }
 #pragma unroll
@@ -67,7 +110,7 @@ __device__ __forceinline__ void dw_row_group(
 
 }  // namespace sd
 
-template <int CA, int CB, int COUT, int STRIDE, int DIL, int P, bool RES, bool HEAD>
+template <int CA, int CB, int COUT, int STRIDE, int DIL, int P, bool HOIST, bool RES, bool HEAD>
 __global__ void __launch_bounds__(sd::PW_THREADS) ds_block(
     const __half* __restrict__ x,     // [N, H, W, CA]; with CB > 0: [N, H/2, W/2, CA]
     const __half* __restrict__ skip,  // [N, H, W, CB] (CB > 0 only)
@@ -105,7 +148,7 @@ __global__ void __launch_bounds__(sd::PW_THREADS) ds_block(
             float acc[P][V];
             if (p0 < M && c < CIN) {  // M is a multiple of P: the whole group is valid
                 const int n = p0 / plane, rem = p0 - n * plane, oy = rem / Wo, ox0 = rem - oy * Wo;
-                sd::dw_row_group<V, P, STRIDE, DIL, S::KP>(src, sDw, dw_b, n, oy, ox0, c, acc);
+                sd::dw_row_group<V, P, STRIDE, DIL, HOIST, S::KP>(src, sDw, dw_b, n, oy, ox0, c, acc);
             } else {
 #pragma unroll
                 for (int q = 0; q < P; ++q) sd::fill<V>(acc[q], 0.0f);

@@ -16,6 +16,7 @@ Per ScratchNet block that removes one write and one read of the widest tensor in
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -61,18 +62,30 @@ def _check_fusable(
         raise ValueError(f"{op}: head_w and head_b come together")
 
 
-def _sweep(cin: int, stride: int, wo: int) -> int:
-    """Output pixels one thread's depthwise stage sweeps along a row (``P`` in the kernel).
+# Schedule knobs of the depthwise stage (read at each call, so a benchmark can compare
+# schedules in one process; the defaults are the measured best, see docs/benchmarks.md).
+SWEEP_ENV = "SCRATCHD_DS_SWEEP"  # "auto", or the largest P to use: "1", "2", "4"
+HOIST_ENV = "SCRATCHD_DS_HOIST"  # "1": load all 3 rows before computing (if few); "0": per row
+DEFAULT_SWEEP, DEFAULT_HOIST = "auto", "1"
 
-    Sharing input columns pays where a pixel has many channel groups to load (Cin >= 64,
-    stride 1: measured 1.3-1.5x on the decoder blocks); with few channels, or stride 2
-    (3 of every 2P + 1 columns shared), one pixel per thread keeps more threads busy per
-    tile, which measured faster (H200, 2026-11-30: the 24→48 stride-2 block 141 µs at P=1,
-    335 µs at P=4, batch 16 at 1024²).
+
+def dw_schedule(cin: int, stride: int, wo: int) -> tuple[int, bool]:
+    """``(P, HOIST)`` of the depthwise stage: P output pixels a thread sweeps along a row.
+
+    ``auto``: sharing input columns pays where a pixel has many channel groups to load
+    (Cin >= 64, stride 1: 1.3-1.5x on the decoder blocks, H200 2026-11-30); with few
+    channels or stride 2, one pixel per thread keeps more threads busy per tile (the 24→48
+    stride-2 block: 141 µs at P=1, 335 µs at P=4, batch 16 at 1024²).
     """
-    if stride != 1 or cin < 64:
-        return 1
-    return next(p for p in (4, 2, 1) if wo % p == 0)
+    mode = os.environ.get(SWEEP_ENV, DEFAULT_SWEEP)
+    if mode == "auto":
+        cap = 1 if stride != 1 or cin < 64 else 4
+    elif mode in ("1", "2", "4"):
+        cap = int(mode)
+    else:
+        raise ValueError(f"{SWEEP_ENV} must be auto, 1, 2 or 4, got {mode!r}")
+    sweep = next(p for p in (4, 2, 1) if p <= cap and wo % p == 0)
+    return sweep, os.environ.get(HOIST_ENV, DEFAULT_HOIST) != "0"
 
 
 def ds_block_cuda(
@@ -126,8 +139,8 @@ def ds_block_cuda(
         out = cu.output(op, out, (n, ho, wo, 1), np.float32)
     else:
         out = cu.output(op, out, (n, ho, wo, cout), np.float16)
-    group = _sweep(cin, stride, wo)
-    name = cu.template_name(op, ca, cb, cout, stride, dilation, group, residual, head)
+    sweep, hoist = dw_schedule(cin, stride, wo)
+    name = cu.template_name(op, ca, cb, cout, stride, dilation, sweep, hoist, residual, head)
     func = cu.kernel("ds_block.cu", name)
     args = (
         x, x if skip is None else skip, dw_w, dw_b, pw_w, pw_b,

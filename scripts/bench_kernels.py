@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import re
 import time
 from collections.abc import Callable
@@ -206,6 +207,44 @@ def _torch_event() -> Any:
     return torch.cuda.Event(enable_timing=True)
 
 
+def bench_variants(
+    model: ScratchNet, args: argparse.Namespace, rng: np.random.Generator
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Time our graph (b1 and b16 at 1024²) under each depthwise schedule of ``--variants``
+    (``SWEEP:HOIST``, see ``ds_block.dw_schedule``) and leave the fastest one set."""
+    import cupy as cp
+
+    from scratchd.kernels import ds_block as dsb
+    from scratchd.kernels.cuda_graph import CudaScratchNet
+
+    rows: list[dict[str, Any]] = []
+    specs = [v.split(":") for v in args.variants.split(",") if v]
+    for sweep, hoist in specs:
+        os.environ[dsb.SWEEP_ENV], os.environ[dsb.HOIST_ENV] = sweep, hoist
+        net = CudaScratchNet(model)
+        for batch, size in ((1, 1024), (16, 1024)):
+            med, p99 = summary(bench_ours(net, batch, size, args.reps, rng))
+            rows.append({"sweep": sweep, "hoist": hoist, "batch": batch, "size": size,
+                         "median_ms": round(med, 4), "p99_ms": round(p99, 4)})  # fmt: skip
+            print(f"variant sweep={sweep} hoist={hoist} b{batch} {size}: {med:.4f} ms", flush=True)
+        net.graphs.clear()
+        del net
+        cp.get_default_memory_pool().free_all_blocks()
+    if not rows:
+        return rows, {"sweep": dsb.DEFAULT_SWEEP, "hoist": dsb.DEFAULT_HOIST}
+    best_case = {(r["batch"], r["size"]): min(
+        x["median_ms"] for x in rows if (x["batch"], x["size"]) == (r["batch"], r["size"])
+    ) for r in rows}  # fmt: skip
+
+    def cost(sweep: str, hoist: str) -> float:
+        mine = [r for r in rows if (r["sweep"], r["hoist"]) == (sweep, hoist)]
+        return sum(r["median_ms"] / best_case[(r["batch"], r["size"])] for r in mine)
+
+    sweep, hoist = min(((s, h) for s, h in specs), key=lambda v: cost(*v))
+    os.environ[dsb.SWEEP_ENV], os.environ[dsb.HOIST_ENV] = sweep, hoist
+    return rows, {"sweep": sweep, "hoist": hoist}
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -218,6 +257,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.backends.cudnn.benchmark = True
     rng = np.random.default_rng(0)
     model, which = load_bench_model()
+    variants, policy = bench_variants(model, args, rng)
+    print(f"depthwise schedule used below: {policy}", flush=True)
     net = CudaScratchNet(model)
     ceiling = copy_ceiling()
     print(f"copy ceiling {ceiling:.0f} GB/s; weights: {which}", flush=True)
@@ -255,6 +296,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "ms": round(floor_mb / 1e3 / ceiling * 1e3, 4),
         },
         "compile_errors": compile_errors,
+        "dw_schedule": policy,
+        "dw_schedule_variants": variants,
         "results": results,
         "kernels": kernels,
     }
@@ -323,6 +366,18 @@ def markdown(report: dict[str, Any]) -> str:
             f"| `{k['op']}` (b{k['batch']}, {k['size']}) | {k['us']:.1f} | {k['mb']:.1f} | "
             f"{k['gbps']:.0f} | {pct:.0f} % |"
         )
+    if report.get("dw_schedule_variants"):
+        lines += [
+            "",
+            "Depthwise schedules tried (`ds_block.dw_schedule`: sweep = largest P, hoist = all "
+            f"rows loaded first); the tables above use {report['dw_schedule']}:",
+            "",
+            "| sweep | hoist | batch | size | median ms |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for v in report["dw_schedule_variants"]:
+            row = (v["sweep"], v["hoist"], v["batch"], v["size"], f"{v['median_ms']:.3f}")
+            lines.append("| " + " | ".join(map(str, row)) + " |")
     if report["compile_errors"]:
         lines += ["", "torch.compile: " + "; ".join(report["compile_errors"])]
     return "\n".join(lines) + "\n"
@@ -332,6 +387,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=100)
     parser.add_argument("--compile-budget-s", type=float, default=150.0)
+    parser.add_argument(
+        "--variants", default="",
+        help="depthwise schedules SWEEP:HOIST to compare first, e.g. auto:1,auto:0,4:1,1:1",
+    )  # fmt: skip
     parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "bench")
     parser.add_argument("--md", type=Path, default=ROOT / "docs" / "benchmarks.md")
     parser.add_argument(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scratchd.kernels.ds_block import ds_block_cuda, ds_block_ref
+from scratchd.kernels.ds_block import HOIST_ENV, SWEEP_ENV, ds_block_cuda, ds_block_ref
 
 from .cuda_helpers import assert_close, dev, fresh_rng, half, poisoned
 
@@ -26,11 +26,30 @@ CASES = [
     (1, 30, 34, 96, 48, 48, 1, 1, False, False),
     (2, 34, 30, 48, 24, 24, 1, 1, False, True),
     (1, 6, 10, 3, 5, 7, 1, 1, False, True),
+    (1, 12, 16, 96, 0, 96, 1, 1, True, False),
+    (2, 24, 24, 48, 24, 24, 1, 1, False, True),
 ]
+# The network's kinds of block, run again under every depthwise schedule the benchmark tries.
+SCHEDULE_CASES = [CASES[i] for i in (2, 3, 8, 10, 12)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda s: "x".join(str(int(v)) for v in s))
 def test_ds_block_cuda_matches_ref(case: tuple[int, ...]) -> None:
+    _check_case(case)
+
+
+@pytest.mark.parametrize("schedule", ["auto:0", "4:1", "1:1", "2:0"])
+@pytest.mark.parametrize("case", SCHEDULE_CASES, ids=lambda s: "x".join(str(int(v)) for v in s))
+def test_ds_block_cuda_matches_ref_under_every_schedule(
+    case: tuple[int, ...], schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sweep, hoist = schedule.split(":")
+    monkeypatch.setenv(SWEEP_ENV, sweep)
+    monkeypatch.setenv(HOIST_ENV, hoist)
+    _check_case(case)
+
+
+def _check_case(case: tuple[int, ...]) -> None:
     rng, seed = fresh_rng()
     n, h, w, ca, cb, cout, stride, dil, residual, head = case
     cin = ca + cb
