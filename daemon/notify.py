@@ -4,12 +4,17 @@ No libsystemd: the protocol is one datagram per message on the ``AF_UNIX`` socke
 ``NOTIFY_SOCKET`` (a path, or an abstract name written with a leading ``@``), each message
 newline-separated ``KEY=VALUE`` assignments (sd_notify(3)). What scratchd sends, and when:
 
-    start ──▶ EXTEND_TIMEOUT_USEC=…      while a slow warm-up (CUDA graphs) is still going
-          ──▶ READY=1 + STATUS=…         once the first worker has answered READY
+    start ──▶ READY=1 + STATUS=…         once the pool is up (every worker READY) and the
+                                         socket is open: a worker that cannot boot fails
+                                         the start instead of following a READY
           ──▶ WATCHDOG=1                 every WATCHDOG_USEC / 2, only while the pool is healthy
           ──▶ STATUS=…                   on each change worth one line (workers, reload, drain)
     SIGHUP ─▶ RELOADING=1 + MONOTONIC_USEC=…  … READY=1 when the last worker is replaced
     SIGTERM ▶ STOPPING=1                 before the drain starts
+
+(``EXTEND_TIMEOUT_USEC=`` is available as :meth:`Notifier.extend_timeout` but not sent: the
+unit's ``TimeoutStartSec`` covers a cold CUDA warm-up, and the supervisor's boot timeout
+kills a worker that hangs in it.)
 
 A watchdog ping that is skipped because the health check fails is the point: systemd then
 kills and restarts a daemon whose pool has wedged, instead of a daemon that merely runs.
