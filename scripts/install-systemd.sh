@@ -102,7 +102,8 @@ prune_releases() {
     local current
     current="$(readlink "$root$prefix/venv")"
     # Oldest first by name (UTC stamps sort); never the current one.
-    ls -1 "$releases" | sort | head -n -"$keep" | while read -r old; do
+    find "$releases" -mindepth 1 -maxdepth 1 -type d -printf '%f\n' | sort |
+        head -n -"$keep" | while read -r old; do
         [[ "releases/$old" == "$current" ]] && continue
         rm -rf "${releases:?}/$old"
         echo "removed old release $old"

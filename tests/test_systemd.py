@@ -251,3 +251,14 @@ def test_install_script_refuses_unprivileged_real_installs(tmp_path: Path) -> No
         check=False,
     )
     assert result.returncode != 0 and "root" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_install_script_passes_shellcheck() -> None:
+    result = subprocess.run(
+        ["shellcheck", str(ROOT / "scripts" / "install-systemd.sh")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout
