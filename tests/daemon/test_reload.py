@@ -52,6 +52,11 @@ def test_live_and_restart_only_changes_are_told_apart() -> None:
     assert effective.server.allowed_uids == [7]
     assert effective.queue.slots == old.queue.slots, "geometry is fixed for the process"
     assert config_changes(old, old) == ([], [])
+    limits = _config(**{"server.max_connections": 10, "server.frame_timeout_ms": 50})
+    assert config_changes(old, limits) == (
+        ["server.frame_timeout_ms", "server.max_connections"],
+        [],
+    )
 
 
 def test_classes_change_live() -> None:
