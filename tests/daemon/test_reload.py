@@ -271,6 +271,7 @@ def test_sigterm_drain_under_load_answers_everything_accepted(
         with daemon.client(timeout=60) as client:
             pending = client.map(images, concurrency=48, deadline_ms=60_000)  # all accepted
             first = next(pending)
+            daemon.read_notifications(0.01)  # room in the notify queue for STOPPING=1
             daemon.proc.send_signal(signal.SIGTERM)  # while ~47 are queued or computing
             replies = [first, *pending]
         assert sorted(i for i, _ in replies) == list(range(48)), "a request was lost"
