@@ -160,9 +160,9 @@ class Acceptor:
         self.connections[conn.id] = conn
         try:
             refusal = self.gate.admit(writer.get_extra_info("socket"))
-            limit = self.config.server.max_connections
-            if refusal is None and len(self.connections) > limit:
-                refusal = f"too many connections (limit {limit}); retry later"
+            if refusal is None:
+                limit = self.config.server.max_connections
+                refusal = self.gate.over_capacity(len(self.connections), limit)
             if refusal is not None:  # not on the allow-list, or too many: one reply, closed
                 conn.send(wire.Reply(id=0, status="error", error=refusal))
                 await self.gate.linger(reader, writer)

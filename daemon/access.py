@@ -154,7 +154,9 @@ class AccessGate:
     def __init__(self, policy: AccessPolicy) -> None:
         self.policy = policy
         self.refused = 0
+        self.over_limit = 0
         self._log = Throttle("access_refused", burst=20, window=60.0)
+        self._full_log = Throttle("connections_full", burst=5, window=60.0)
 
     @classmethod
     def from_config(cls, uids: Iterable[int], gids: Iterable[int]) -> AccessGate:
@@ -174,6 +176,15 @@ class AccessGate:
         self._log.log(logging.WARNING, **ids, reason=decision.reason)
         who = f" for uid={peer.uid} gid={peer.gid}" if peer else ""
         return f"access denied{who}: not on this daemon's allow-list"
+
+    def over_capacity(self, open_now: int, limit: int) -> str | None:
+        """None while ``open_now`` (this one included) is within ``limit``, else the reason
+        the newcomer is told; counted and logged (throttled)."""
+        if open_now <= limit:
+            return None
+        self.over_limit += 1
+        self._full_log.log(logging.WARNING, open=open_now, limit=limit)
+        return f"too many connections (limit {limit}); retry later"
 
     @staticmethod
     async def linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

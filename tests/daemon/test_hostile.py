@@ -308,6 +308,8 @@ def test_a_stalled_frame_is_cut_off_and_too_many_connections_are_refused(
                 extra.connect(daemon.socket_path)
                 reply = _read_reply(extra)
                 assert reply.status == "error" and "too many connections" in reply.error
+            (full,) = daemon.events("connections_full")
+            assert full["limit"] == "8"
             assert daemon.proc.poll() is None
         finally:
             for sock in idle:
