@@ -340,6 +340,9 @@ def check_image(request: wire.InferRequest, slot_bytes: int) -> None:
         raise Invalid(f"raw image needs positive height and width, got {h}x{w}")
     if h * w > slot_bytes:
         raise Invalid(f"image of {h}x{w} = {h * w} pixels exceeds the limit of {slot_bytes}")
+    reason = shape_cost_error(h, w, slot_bytes)
+    if reason:
+        raise Invalid(reason)
     if len(request.pixels) != h * w * c:
         raise Invalid(f"'pixels' has {len(request.pixels)} bytes, {h}x{w}x{c} needs {h * w * c}")
 
@@ -365,8 +368,33 @@ def convert_into(payload: memoryview, request: wire.InferRequest) -> tuple[int, 
         rgb = np.frombuffer(request.pixels, np.uint8).reshape(request.height, request.width, 3)
         grey = rgb_to_luma(rgb)
     height, width = grey.shape
+    reason = shape_cost_error(height, width, slot_bytes)
+    if reason:
+        raise ImageError(reason)
     np.frombuffer(payload, dtype=np.uint8, count=grey.size)[:] = grey.ravel()
     return int(height), int(width)
+
+
+PAD_MULTIPLE: Final = 16
+"""The network pads each side to a multiple of 16 (``kernels.net.forward``): its cost and
+memory follow the padded area, not the pixel count."""
+
+
+def shape_cost_error(height: int, width: int, slot_bytes: int) -> str:
+    """Why a frame's shape would cost far more than its pixel count, or "" if it will not.
+
+    A 1 x 4M frame fits a 4 MiB slot but pads to 16 x 4M: sixteen times the largest frame's
+    compute and activation memory, enough to OOM a worker or stall it past its heartbeat.
+    The padded area may be at most twice the slot: room for the padding of any frame that
+    is not extremely elongated (a full-slot frame needs a shorter side of about 8 or more).
+    """
+    padded = -(-height // PAD_MULTIPLE) * PAD_MULTIPLE * (-(-width // PAD_MULTIPLE) * PAD_MULTIPLE)
+    if padded <= 2 * slot_bytes:
+        return ""
+    return (
+        f"image of {height}x{width} pads to {padded} pixels for the network, more than twice "
+        f"the limit of {slot_bytes}; send frames that are less elongated"
+    )
 
 
 def rgb_to_luma(rgb: np.ndarray) -> np.ndarray:

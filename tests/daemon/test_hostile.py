@@ -35,6 +35,7 @@ from .live_daemon import (
 )
 
 PREFIX = struct.Struct(">I")
+SLOT = 256 * 1024  # the test daemon's slot_bytes (daemon_config)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,7 @@ MALFORMED: list[tuple[str, Callable[[random.Random], bytes], bool]] = [
     ("unknown type", lambda r: _frame(msgspec.msgpack.encode({"type": "rm -rf", "id": 1})), True),
     ("pixel count", lambda r: _request(pixels=b"\0" * 10, height=4, width=4), True),
     ("huge shape", lambda r: _request(pixels=b"\0", height=2**31, width=2**31), True),
+    ("elongated", lambda r: _request(pixels=bytes(SLOT), height=1, width=SLOT), True),
     ("both images", lambda r: _request(pixels=b"\0", height=1, width=1, encoded=b"x"), True),
     ("channels", lambda r: _request(pixels=b"\0" * 8, height=2, width=2, channels=2), True),
     ("not an image", lambda r: _request(encoded=b"\x89PNG\r\n\x1a\n" + r.randbytes(64)), True),

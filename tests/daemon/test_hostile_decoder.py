@@ -109,6 +109,8 @@ def _check_never_overflows(request: wire.InferRequest) -> None:
     assert request.pixels is not None
     assert request.channels in (1, 3)
     assert 0 < request.height * request.width <= SLOT_BYTES
+    padded = -(-request.height // 16) * 16 * (-(-request.width // 16) * 16)
+    assert padded <= 2 * SLOT_BYTES, "the network's cost follows the padded area"
     assert len(request.pixels) == request.height * request.width * request.channels
 
 
