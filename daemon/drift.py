@@ -97,16 +97,16 @@ class DriftMonitor:
         return self._samples
 
     def observe(self, histogram: np.ndarray) -> None:
-        """Add one request's input histogram, evicting the oldest when the window is full."""
+        """Add one request's input histogram (counts), evicting the oldest when full.
+
+        The per-request path is one copy into the ring; normalising waits for `score()`.
+        A histogram with no counts (impossible from a real image) is kept but ignored.
+        """
         h = np.asarray(histogram)
-        total = h.sum() if h.shape == (BINS,) else 0
-        if not 0 < total < math.inf or (h.dtype.kind != "u" and (h < 0).any()):
+        if h.shape != (BINS,) or (h.dtype.kind != "u" and not (h >= 0).all()):
             normalise(h, "request histogram")  # raises, naming what is wrong
-        # Straight into the ring row: no temporary arrays on the per-request path.
         slot = self._next
-        row = self._ring[slot]
-        row[:] = h
-        row /= total
+        self._ring[slot] = h
         self._next = (slot + 1) % self.window
         self._samples = min(self._samples + 1, self.window)
         self._score = None
@@ -114,10 +114,13 @@ class DriftMonitor:
     def score(self) -> float:
         """KL(window || training) in nats; 0.0 before the first request."""
         if self._score is None:
-            # Summed afresh (64 x window adds, at scrape time) rather than kept as a running
-            # sum, so float error cannot accumulate over a long-running daemon.
-            mean = self._ring.sum(axis=0) / self._samples
-            self._score = kl_divergence(np.clip(mean, 0.0, None), self.reference)
+            rows = self._ring[: self._samples]
+            totals = rows.sum(axis=1)
+            valid = (totals > 0) & np.isfinite(totals)
+            if not valid.any():
+                return 0.0
+            mean = (rows[valid] / totals[valid, None]).mean(axis=0)
+            self._score = kl_divergence(mean, self.reference)
         return self._score
 
     def snapshot(self) -> dict[str, float | int | bool]:

@@ -80,6 +80,10 @@ def test_bad_histograms_are_refused_with_a_reason() -> None:
     with pytest.raises(ValueError, match="non-negative"):
         monitor.observe(-np.ones(BINS))
     assert monitor.samples == 0
+    monitor.observe(np.zeros(BINS, np.uint32))  # no pixels: kept in the ring, ignored
+    assert monitor.score() == 0.0
+    monitor.observe(np.arange(BINS, dtype=np.uint32))
+    assert monitor.score() == pytest.approx(_direct_kl([np.arange(BINS)], np.ones(BINS)))
 
 
 def test_entropy_monitor_is_a_rolling_mean() -> None:
