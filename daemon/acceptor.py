@@ -48,6 +48,8 @@ from scratchd.ipc.image import ImageError, decode_image, sniff_format
 from scratchd.ipc.queue import Handle, RequestQueue
 
 MS: Final = 1_000_000
+MAX_DEADLINE_MS: Final = 86_400_000
+"""No part waits a day; and a deadline must fit the queue's int64 nanoseconds."""
 DECODE_THREADS: Final = 2
 
 
@@ -320,6 +322,10 @@ class Acceptor:
         deadline_ms = cls.deadline_ms if request.deadline_ms is None else request.deadline_ms
         if deadline_ms <= 0:
             raise Invalid(f"deadline_ms must be positive, got {deadline_ms}")
+        if deadline_ms > MAX_DEADLINE_MS:
+            raise Invalid(
+                f"deadline_ms {deadline_ms} exceeds the maximum {MAX_DEADLINE_MS} (1 day)"
+            )
         index = self._class_index[request.part_class]
         return Admission(request.part_class, index, priority, deadline_ms)
 
