@@ -55,7 +55,7 @@ class WorkerOps(QueueCore):
         ``reclaim_worker`` a dead worker's slot before a replacement registers in it.
         """
         self._check_slot(slot)
-        with self._mutex.held():
+        with self._mutex:
             row = self._seg.workers[slot]
             if row["state"] == ACTIVE:
                 if int(row["pid"]) == pid:
@@ -87,14 +87,14 @@ class WorkerOps(QueueCore):
         if self._ready.total() >= min_ready:  # fast path, lock-free
             return True
         bit = 1 << slot
-        with self._mutex.held():
+        with self._mutex:
             if self._ready.total() >= min_ready:
                 return True
             self._waiting[0] = int(self._waiting[0]) | bit
         bell = self._work[0] if len(self._work) == 1 else self._work[slot]
         if bell.wait(timeout_s):
             return True
-        with self._mutex.held():
+        with self._mutex:
             self._waiting[0] = int(self._waiting[0]) & ~bit
         return self._ready.total() >= min_ready
 
@@ -106,7 +106,7 @@ class WorkerOps(QueueCore):
         """
         d, pid, expired = self._d, os.getpid(), 0
         claims: list[Claim] = []
-        with self._mutex.held():
+        with self._mutex:
             if not self._is_registered(slot, pid):
                 raise QueueError(f"pid {pid} is not the worker registered in slot {slot}")
             while len(claims) < max_n:
@@ -115,7 +115,8 @@ class WorkerOps(QueueCore):
                     break
                 self._ready.remove(i)
                 self._wheel.remove(i)
-                self._fault.reach("claim.unlinked")
+                if self._faulty:
+                    self._fault.reach("claim.unlinked")
                 if d.deadline_ns[i] <= now_ns:
                     self._finish(i, EXPIRED, now_ns)
                     expired += 1
@@ -123,7 +124,8 @@ class WorkerOps(QueueCore):
                 d.worker[i], d.worker_pid[i], d.claim_ns[i] = slot, pid, now_ns
                 d.attempt[i] += 1
                 d.state[i] = CLAIMED
-                self._fault.reach("claim.marked")
+                if self._faulty:
+                    self._fault.reach("claim.marked")
                 claims.append(self._claim_of(i))
             if expired:
                 self._seg.header["expired"] += expired
@@ -133,7 +135,8 @@ class WorkerOps(QueueCore):
             w = self._seg.workers
             w["batches"][slot] += 1
             w["requests"][slot] += len(claims)
-        self._fault.reach("claim.returned")
+        if self._faulty:
+            self._fault.reach("claim.returned")
         return claims
 
     def input_view(self, c: Claim) -> np.ndarray:
@@ -144,7 +147,7 @@ class WorkerOps(QueueCore):
 
     def oldest_ready(self) -> tuple[int, int] | None:
         """``(enqueue_ns, deadline_ns)`` of the request a claim would get next, or None."""
-        with self._mutex.held():
+        with self._mutex:
             i = self._ready.best()
             if i == NIL:
                 return None
@@ -160,13 +163,14 @@ class WorkerOps(QueueCore):
             return False
         write_result(
             self._r, self._seg.masks, i, result, c.height, c.width,
-            between=None if self._fault.name is None else self._die_mid_result,
+            between=self._die_mid_result if self._faulty else None,
         )  # fmt: skip
-        with self._mutex.held():
+        with self._mutex:
             if not self._owns(slot, c):
                 return False
             self._finish(i, DONE, time_ns())
-            self._fault.reach("complete.flipped")
+            if self._faulty:
+                self._fault.reach("complete.flipped")
         self._ring_completion()
         return True
 
@@ -178,9 +182,10 @@ class WorkerOps(QueueCore):
         Call only after the process is known to be gone (pidfd readable / waitpid).
         """
         self._check_slot(slot)
-        with self._mutex.held():
+        with self._mutex:
             report = ReclaimReport(slot=slot, pid=int(self._w_pid[slot]))
-            held = np.flatnonzero((self._d.state == CLAIMED) & (self._d.worker == slot))
+            dn = self._seg.descs
+            held = np.flatnonzero((dn["state"] == CLAIMED) & (dn["worker"] == slot))
             for i in held.tolist():
                 self._return_claim(i, now_ns, max_kills, report)
             self._w_pid[slot], self._w_state[slot] = 0, WorkerSlotState.EMPTY.value
@@ -199,8 +204,9 @@ class WorkerOps(QueueCore):
         """Registered workers (not EMPTY rows), with what each holds right now."""
         w = self._seg.workers
         active = np.flatnonzero(w["state"] != WorkerSlotState.EMPTY.value).tolist()
+        dn = self._seg.descs
         claimed = np.bincount(
-            self._d.worker[self._d.state == CLAIMED].astype(np.int64) + 1,
+            dn["worker"][dn["state"] == CLAIMED].astype(np.int64) + 1,
             minlength=self.geometry.max_workers + 1,
         )
         return [self._row_of(s, int(claimed[s + 1])) for s in active]
@@ -229,7 +235,8 @@ class WorkerOps(QueueCore):
         )  # fmt: skip
 
     def _die_mid_result(self) -> None:
-        self._fault.reach("complete.mid_result")
+        if self._faulty:
+            self._fault.reach("complete.mid_result")
 
     def _claim_of(self, i: int) -> Claim:
         d = self._d

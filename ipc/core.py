@@ -44,33 +44,36 @@ class QueueCore:
         self._seg = seg
         self.geometry = seg.geometry
         self._fault = FaultPoint.from_env()
+        self._faulty = self._fault.name is not None  # one bool test per hook when unarmed
         self._completion = completion
         self._work = work  # creator: one per slot; a worker: [its own] or []
         self._mutex = RobustMutex(seg.mm, MUTEX_OFFSET, repair=self._repair)
-        self._d = d = seg.d
+        self._d = seg.d  # fast scalar views; seg.descs for vector work
         self._r = seg.r
+        dn = seg.descs
         self._ready = ReadyLists(
-            seg.ready_head, seg.ready_tail, seg.ready_count, d.rnext, d.rprev,
-            d.priority, d.deadline_ns, d.seq,
+            seg.ready_head, seg.ready_tail, seg.ready_count, dn["rnext"], dn["rprev"],
+            dn["priority"], dn["deadline_ns"], dn["seq"],
         )  # fmt: skip
         self._wheel = TimingWheel(
-            seg.wheel_head, d.wnext, d.wprev, d.wbucket, d.deadline_ns,
+            seg.wheel_head, dn["wnext"], dn["wprev"], dn["wbucket"], dn["deadline_ns"],
             seg.header_cell("wheel_cursor"),
             base_ns=int(seg.header["clock_base_ns"]), tick_ns=self.geometry.tick_ms * 1_000_000,
         )  # fmt: skip
         self._hseq = seg.header_cell("seq")
         self._waiting = seg.header_cell("waiting")
         self._done_head = seg.header_cell("done_head")
-        self._w_pid, self._w_state = seg.workers["pid"], seg.workers["state"]
+        self._w_pid = seg.workers["pid"].data
+        self._w_state = seg.workers["state"].data
         self._free_list: deque[int] = deque()  # creator only: FREE descriptors
 
     def _initialize(self) -> None:
         """Creator only, before anyone attaches: links empty, mutex initialised."""
         self._mutex.initialize()
-        for column in (self._d.rnext, self._d.rprev, self._d.wnext, self._d.wprev):
-            column[:] = NIL
-        self._d.wbucket[:] = NIL
-        self._d.worker[:] = NIL
+        for link in ("rnext", "rprev", "wnext", "wprev"):
+            self._seg.descs[link] = NIL
+        self._seg.descs["wbucket"] = NIL
+        self._seg.descs["worker"] = NIL
         for index in (self._seg.ready_head, self._seg.ready_tail, self._seg.wheel_head):
             index[:] = NIL
         self._done_head[0] = NIL
@@ -139,7 +142,7 @@ class QueueCore:
         """Rebuild the derived index from the descriptor table (a lock holder died; we hold
         the lock): ready lists and wheel from the QUEUED descriptors, the done stack from the
         finished ones. Runs in whichever process locks next."""
-        state = self._d.state
+        state = self._seg.descs["state"]
         queued = np.flatnonzero(state == QUEUED).tolist()
         self._ready.rebuild(queued)
         self._wheel.rebuild(queued)

@@ -31,8 +31,7 @@ import ctypes.util
 import errno
 import mmap
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 MUTEX_BYTES = 64  # room for pthread_mutex_t on every glibc ABI we run on (40 or 48 bytes)
 _ATTR_BYTES = 16  # pthread_mutexattr_t is 4 bytes on glibc; generous for other ABIs
@@ -154,14 +153,16 @@ class RobustMutex:
         if rc:
             _check(rc, "pthread_mutex_unlock")
 
-    @contextmanager
-    def held(self) -> Iterator[None]:
-        """``with mutex.held(): ...`` — acquire, run the block, release."""
+    def __enter__(self) -> None:
+        """``with mutex: ...`` — acquire, run the block, release (also on exceptions)."""
         self.acquire()
-        try:
-            yield
-        finally:
-            self.release()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def held(self) -> RobustMutex:
+        """``with mutex.held(): ...`` reads better at some call sites; same as ``with mutex``."""
+        return self
 
     def close(self) -> None:
         """Drop the buffer export so the mmap can be closed. The mutex bytes stay as they are."""

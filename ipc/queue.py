@@ -149,7 +149,8 @@ class RequestQueue(WorkerOps):
         state = self._d.state
         while True:
             if not self._free_list:
-                self._free_list.extend(np.flatnonzero(state == FREE).tolist())
+                scan = np.flatnonzero(self._seg.descs["state"] == FREE)
+                self._free_list.extend(scan.tolist())
                 if not self._free_list:
                     return None
             i = self._free_list.popleft()
@@ -160,7 +161,7 @@ class RequestQueue(WorkerOps):
     def payload(self, h: Handle) -> memoryview:
         """The writable input slot (``slot_bytes``) of a WRITTEN descriptor."""
         self._expect(h, WRITTEN)
-        return memoryview(self._seg.inputs[h.index])
+        return self._seg.inputs[h.index].data
 
     def submit(
         self, h: Handle, *, request_id: int, conn_id: int, priority: int, part_class: int,
@@ -179,12 +180,13 @@ class RequestQueue(WorkerOps):
         d.priority[i], d.height[i], d.width[i] = priority, height, width
         d.want_mask[i], d.abandoned[i], d.kills[i], d.attempt[i] = want_mask, 0, 0, 0
         d.enqueue_ns[i], d.deadline_ns[i], d.claim_ns[i] = time_ns(), deadline_ns, 0
-        with self._mutex.held():
+        with self._mutex:
             self._hseq[0] += 1
             d.seq[i] = self._hseq[0]
             self._ready.push(i)
             self._wheel.insert(i)
-            self._fault.reach("submit.linked")
+            if self._faulty:
+                self._fault.reach("submit.linked")
             d.state[i] = QUEUED
             wake = self._pick_waiting(1)
         self._ring_workers(wake)
@@ -202,8 +204,9 @@ class RequestQueue(WorkerOps):
         number of requests dropped.
         """
         d = self._d
-        with self._mutex.held():
-            mine = np.flatnonzero((d.conn_id == conn_id) & (d.state >= QUEUED)).tolist()
+        with self._mutex:
+            dn = self._seg.descs
+            mine = np.flatnonzero((dn["conn_id"] == conn_id) & (dn["state"] >= QUEUED)).tolist()
             for i in mine:
                 if d.state[i] == QUEUED:
                     self._ready.remove(i)
@@ -224,7 +227,7 @@ class RequestQueue(WorkerOps):
         if self._completion is not None:
             self._completion.drain()
         d = self._d
-        with self._mutex.held():
+        with self._mutex:
             finished = self._pop_done()
             keep = [
                 (i, int(d.generation[i]), int(d.state[i])) for i in finished if not d.abandoned[i]
@@ -240,11 +243,12 @@ class RequestQueue(WorkerOps):
     def expire_due(self, now_ns: int) -> list[Completion]:
         """Answer TIMEOUT for every queued request whose deadline is ``≤ now_ns``."""
         d = self._d
-        with self._mutex.held():
+        with self._mutex:
             due = self._wheel.expire_due(now_ns)
             for i in due:
                 self._ready.remove(i)
-            self._fault.reach("expire.unlinked")
+            if self._faulty:
+                self._fault.reach("expire.unlinked")
             for i in due:
                 d.done_ns[i] = now_ns
                 d.state[i] = EXPIRED
@@ -257,12 +261,12 @@ class RequestQueue(WorkerOps):
 
     def next_deadline_ns(self) -> int | None:
         """The earliest deadline among queued requests (when to call ``expire_due``)."""
-        with self._mutex.held():
+        with self._mutex:
             return self._ready.earliest_deadline()
 
     def depth_by_priority(self) -> list[int]:
         """Queued requests per priority, index 0..7."""
-        with self._mutex.held():
+        with self._mutex:
             return [int(n) for n in self._seg.ready_count]
 
     def counters(self) -> dict[str, int]:
@@ -274,7 +278,7 @@ class RequestQueue(WorkerOps):
 
     def counts_by_state(self) -> dict[DescState, int]:
         """Descriptors per state (a lock-free snapshot)."""
-        counts = np.bincount(self._d.state, minlength=len(DescState))
+        counts = np.bincount(self._seg.descs["state"], minlength=len(DescState))
         return {s: int(counts[s.value]) for s in DescState}
 
     # ---------------------------------------------------------------- internals

@@ -43,19 +43,22 @@ class ReadyLists:
         deadline: np.ndarray,
         seq: np.ndarray,
     ) -> None:
-        self.head, self.tail, self.count = head, tail, count
-        self.nxt, self.prv = nxt, prv
-        self.priority, self.deadline, self.seq = priority, deadline, seq
+        # memoryviews for scalar access (~5x faster than numpy scalars); numpy for vectors
+        self._np = (head, tail, count, deadline)
+        self.head, self.tail, self.count = head.data, tail.data, count.data
+        self.nxt, self.prv = nxt.data, prv.data
+        self.priority, self.deadline = priority.data, deadline.data
+        self.seq = seq.data
         self.levels = len(head)
 
     def push(self, i: int) -> None:
         """Insert descriptor ``i`` at its place in the list of its priority."""
-        p = int(self.priority[i])
+        p = self.priority[i]
         d, s = self.deadline[i], self.seq[i]
-        j = int(self.tail[p])
+        j = self.tail[p]
         while j != NIL and (self.deadline[j] > d or (self.deadline[j] == d and self.seq[j] > s)):
-            j = int(self.prv[j])
-        after = int(self.head[p]) if j == NIL else int(self.nxt[j])
+            j = self.prv[j]
+        after = self.head[p] if j == NIL else self.nxt[j]
         self.prv[i] = j
         self.nxt[i] = after
         if after == NIL:
@@ -70,8 +73,8 @@ class ReadyLists:
 
     def remove(self, i: int) -> None:
         """Unlink descriptor ``i`` from the list of its priority."""
-        p = int(self.priority[i])
-        n, q = int(self.nxt[i]), int(self.prv[i])
+        p = self.priority[i]
+        n, q = self.nxt[i], self.prv[i]
         if q == NIL:
             self.head[p] = n
         else:
@@ -96,15 +99,17 @@ class ReadyLists:
 
     def earliest_deadline(self) -> int | None:
         """The smallest deadline among all ready descriptors (each list's head is its min)."""
-        heads = self.head[self.count > 0]
+        head, _, count, deadline = self._np
+        heads = head[count > 0]
         if len(heads) == 0:
             return None
-        return int(self.deadline[heads].min())
+        return int(deadline[heads].min())
 
     def rebuild(self, members: Iterable[int]) -> None:
         """Forget all links and push ``members`` afresh (repair after a dead lock holder)."""
-        self.head[:] = NIL
-        self.tail[:] = NIL
-        self.count[:] = 0
-        for i in sorted(members, key=lambda k: (int(self.deadline[k]), int(self.seq[k]))):
+        head, tail, count, _ = self._np
+        head[:] = NIL
+        tail[:] = NIL
+        count[:] = 0
+        for i in sorted(members, key=lambda k: (self.deadline[k], self.seq[k])):
             self.push(int(i))

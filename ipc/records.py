@@ -30,6 +30,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -100,9 +101,11 @@ class Result:
     mask: np.ndarray | None = None  # uint8 (H, W), 0 or 255; stored one bit per pixel
 
 
-@dataclass(frozen=True, slots=True)
-class Claim:
-    """A request handed to a worker by ``claim_batch``; pass it back to ``complete``."""
+class Claim(NamedTuple):
+    """A request handed to a worker by ``claim_batch``; pass it back to ``complete``.
+
+    A NamedTuple (immutable) because it is built per claimed request on the hot path:
+    several times faster to construct than a frozen dataclass."""
 
     handle: Handle
     request_id: int

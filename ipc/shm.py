@@ -57,6 +57,7 @@ import fcntl
 import mmap
 import os
 import time
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -172,15 +173,21 @@ WORKER_DTYPE = np.dtype(
 
 
 class Columns:
-    """One numpy view per field of a structured table, as attributes (fast scalar access:
-    ``cols.state[i]`` costs ~0.1 µs where ``table[i]["state"]`` costs several times more)."""
+    """Per-field views of a structured table, as attributes, for fast scalar access.
+
+    A scalar field is a strided ``memoryview`` over the numpy column (``cols.state[i]``
+    reads a Python int in ~0.04 µs; a numpy scalar read costs ~0.2 µs and a comparison of
+    a numpy scalar with an IntEnum ~5 µs). Sub-array fields (histogram, boxes, error) stay
+    numpy arrays. Vector work (scans, counts) uses the numpy table itself.
+    """
 
     def __init__(self, table: np.ndarray) -> None:
         assert table.dtype.names is not None
         for name in table.dtype.names:
-            setattr(self, name, table[name])
+            column = table[name]
+            setattr(self, name, column.data if column.ndim == 1 else column)
 
-    def __getattr__(self, name: str) -> np.ndarray:  # for mypy: every field is an ndarray
+    def __getattr__(self, name: str) -> Any:  # for mypy: fields are set dynamically
         raise AttributeError(name)
 
 
@@ -320,12 +327,12 @@ class Segment:
             shm.close_fd()
         return cls(name, mm, lock_fd=None)
 
-    def header_cell(self, field: str) -> np.ndarray:
-        """A one-element array view of a header field (fast scalar reads and writes)."""
+    def header_cell(self, field: str) -> memoryview:
+        """A one-element view of a header field: ``cell[0]`` reads or writes it quickly."""
         fields = HEADER_DTYPE.fields
         assert fields is not None
         dtype, offset = fields[field][:2]
-        return np.ndarray((1,), dtype, buffer=self.mm, offset=offset)
+        return np.ndarray((1,), dtype, buffer=self.mm, offset=offset).data
 
     def close(self) -> None:
         """Unmap (views must be dropped first; the caller owns that) and drop the flock."""

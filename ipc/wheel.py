@@ -43,13 +43,16 @@ class TimingWheel:
         prv: np.ndarray,
         bucket: np.ndarray,
         deadline: np.ndarray,
-        cursor: np.ndarray,
+        cursor: np.ndarray | memoryview,
         *,
         base_ns: int,
         tick_ns: int,
     ) -> None:
-        self.head, self.nxt, self.prv, self.bucket = head, nxt, prv, bucket
-        self.deadline, self.cursor = deadline, cursor
+        # memoryviews for scalar access (~5x faster than numpy scalars); numpy for vectors
+        self._head_np = head
+        self.head, self.nxt, self.prv = head.data, nxt.data, prv.data
+        self.bucket, self.deadline = bucket.data, deadline.data
+        self.cursor = cursor
         self.base_ns, self.tick_ns = base_ns, tick_ns
         self.size = len(head)
 
@@ -58,8 +61,8 @@ class TimingWheel:
 
     def insert(self, i: int) -> None:
         """Link descriptor ``i`` (its ``deadline`` already written) into its bucket."""
-        b = max(self.tick_of(int(self.deadline[i])), int(self.cursor[0])) % self.size
-        first = int(self.head[b])
+        b = max(self.tick_of(self.deadline[i]), int(self.cursor[0])) % self.size
+        first = self.head[b]
         self.bucket[i] = b
         self.prv[i] = NIL
         self.nxt[i] = first
@@ -69,7 +72,7 @@ class TimingWheel:
 
     def remove(self, i: int) -> None:
         """Unlink descriptor ``i`` from its bucket."""
-        n, p = int(self.nxt[i]), int(self.prv[i])
+        n, p = self.nxt[i], self.prv[i]
         if p == NIL:
             self.head[self.bucket[i]] = n
         else:
@@ -87,10 +90,10 @@ class TimingWheel:
         span = min(now_tick - start + 1, self.size)
         buckets = (start + np.arange(span)) % self.size
         due: list[int] = []
-        for b in buckets[self.head[buckets] != NIL].tolist():
-            i = int(self.head[b])
+        for b in buckets[self._head_np[buckets] != NIL].tolist():
+            i = self.head[b]
             while i != NIL:
-                after = int(self.nxt[i])
+                after = self.nxt[i]
                 if self.deadline[i] <= now_ns:
                     self.remove(i)
                     due.append(i)
@@ -101,6 +104,6 @@ class TimingWheel:
 
     def rebuild(self, members: Iterable[int]) -> None:
         """Forget all links and insert ``members`` afresh (repair after a dead lock holder)."""
-        self.head[:] = NIL
+        self._head_np[:] = NIL
         for i in members:
             self.insert(int(i))

@@ -64,18 +64,20 @@ def test_a_failing_repair_still_leaves_a_usable_mutex() -> None:
 
 def test_try_acquire_sees_another_process_holding_it() -> None:
     _mm, mutex = shared_mutex()
-    r, w = os.pipe()
+    held_r, held_w = os.pipe()  # child → parent: "I hold it"
+    done_r, done_w = os.pipe()  # parent → child: "let go"
     pid = os.fork()
     if pid == 0:
         mutex.acquire()
-        os.write(w, b"x")
-        os.read(r, 1)  # hold it until the parent has looked
+        os.write(held_w, b"x")
+        os.read(done_r, 1)
+        mutex.release()
         os._exit(0)
-    assert os.read(r, 1) == b"x"
+    assert os.read(held_r, 1) == b"x"
     try:
         assert not mutex.try_acquire()
     finally:
-        os.write(w, b"y")
+        os.write(done_w, b"y")
         os.waitpid(pid, 0)
     assert mutex.try_acquire()
     mutex.release()

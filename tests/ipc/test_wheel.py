@@ -53,7 +53,7 @@ def test_remove_unlinks_from_the_middle_and_head() -> None:
     w.remove(1)
     w.remove(2)  # the bucket's head (inserted last)
     assert w.expire_due(BASE + 10 * TICK) == [0]
-    assert (w.head == NIL).all()
+    assert (w._head_np == NIL).all()
 
 
 @settings(max_examples=150, deadline=None)
