@@ -347,3 +347,26 @@ def test_a_stalled_frame_is_cut_off_and_too_many_connections_are_refused(
             except ConnectionError:
                 assert attempt < 49, "still refused after the idle connections closed"
                 time.sleep(0.1)
+
+
+def _small_real_image(data_dir: Path, fmt: str) -> bytes:
+    crop = real_crops(data_dir, 1, size=32)[0]
+    buf = io.BytesIO()
+    Image.fromarray(crop).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+@given(data=st.data())
+@settings(max_examples=90, deadline=None, suppress_health_check=list(HealthCheck))
+def test_corrupted_real_images_are_invalid_never_an_error(
+    daemon: LiveDaemon, data_dir: Path, data: st.DataObject
+) -> None:
+    fmt = data.draw(st.sampled_from(["PNG", "BMP", "JPEG"]), label="format")
+    image = bytearray(_small_real_image(data_dir, fmt))
+    for _ in range(data.draw(st.integers(1, 6), label="flips")):
+        at = data.draw(st.integers(0, len(image) - 1), label="at")
+        image[at] = data.draw(st.integers(0, 255), label="byte")
+    cut = data.draw(st.integers(8, len(image)), label="cut")
+    with daemon.client(timeout=60) as client:
+        reply = client.infer(bytes(image[:cut]), deadline_ms=60_000)
+    assert reply.status in ("ok", "invalid"), reply.error
