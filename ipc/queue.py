@@ -14,29 +14,37 @@ Scheduling: strictly higher priority first, earliest deadline first within a pri
 is expired by ``expire_due`` (main, on a timer at ``next_deadline_ns``) or, if a worker gets
 there first, by ``claim_batch`` — either way it is answered TIMEOUT and never computed.
 
-Locking and the order of writes. Every change to a descriptor's ``state``, the ready lists,
-the wheel or the header counters happens under the robust mutex, in an order chosen so that
-a SIGKILL at any instruction leaves a state that ``_repair`` (run by the next locker on
-``EOWNERDEAD``) turns back into a consistent one. The descriptor table is the truth; the
-index is derived: repair re-links exactly the QUEUED descriptors into fresh ready lists and
-wheel buckets.
+Locking and the order of writes. Every change to a descriptor's ``state`` (except FREE ↔
+WRITTEN, main only), the ready lists, the wheel, the done stack or the header counters
+happens under the robust mutex, in an order chosen so that a SIGKILL at any instruction
+leaves a state that ``_repair`` (run by the next locker on ``EOWNERDEAD``) turns back into a
+consistent one. The descriptor table is the truth; the index is derived: repair re-links
+exactly the QUEUED descriptors into fresh ready lists and wheel buckets and the finished
+ones (DONE / EXPIRED / FAILED) into a fresh done stack (``ipc/core.py``).
 
 - submit:   request fields (unlocked, the acceptor owns WRITTEN) → [lock] seq → ready
             list → wheel → state = QUEUED → pick a waiting worker [unlock] → ring it.
-- claim:    [lock] unlink from ready list and wheel → worker, pid, claim_ns → state =
-            CLAIMED [unlock]. Killed before the state write: still QUEUED, repair re-links
-            it. Killed after: CLAIMED by a dead pid, ``reclaim_worker`` requeues it.
+- claim:    [lock] unlink from ready list and wheel → worker, pid, claim_ns, attempt →
+            state = CLAIMED [unlock]. Killed before the state write: still QUEUED, repair
+            re-links it. Killed after: CLAIMED by a dead pid, ``reclaim_worker`` requeues it.
+            A claim that meets a passed deadline pushes the descriptor on the done stack
+            and marks it EXPIRED instead (never computed).
 - complete: result row and mask (unlocked, the worker owns its CLAIMED descriptor) →
-            [lock] re-check ownership → done_ns → state = DONE [unlock] → ring. Killed
-            before the flip: still CLAIMED, requeued; nothing half-written is ever read.
+            [lock] re-check ownership → done_ns → push on the done stack → state = DONE
+            [unlock] → ring. Killed before the flip: still CLAIMED, requeued; nothing
+            half-written is ever read.
 - reclaim:  (only after the worker is known dead) [lock] each claim: kills += 1, then
-            FAILED (kills ≥ max_kills), EXPIRED (deadline passed) or back to the ready list
-            and wheel then state = QUEUED; clear the worker row [unlock] → ring.
+            FAILED (kills ≥ max_kills), EXPIRED (deadline passed) — both via the done
+            stack — or back to the ready list and wheel then state = QUEUED; clear the
+            worker row [unlock] → ring.
+- collect:  [lock] pop the whole done stack → state = FREE for each (same hold, so a
+            repair cannot push them again) [unlock] → read the results (nobody writes a
+            FREE descriptor and only this process reuses one) → generation += 1.
 
 Stale writers: handles carry ``(index, generation)`` and every call checks both; a claim is
-also bound to the worker slot, its pid and the claim time, so a late ``complete`` from a
-worker whose claim was reclaimed returns False and writes nothing. ``reclaim_worker`` must
-only be called once the worker process is gone (pidfd/waitpid said so).
+also bound to the worker slot, its pid and the claim's attempt number, so a late
+``complete`` from a worker whose claim was reclaimed returns False and writes nothing.
+``reclaim_worker`` must only be called once the worker process is gone (pidfd/waitpid).
 
 Doorbells (``ipc/doorbell.py``): the creator makes one completion eventfd and one work
 eventfd per worker slot; hand ``completion_fd`` and ``work_fd(slot)`` to the worker via

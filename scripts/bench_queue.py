@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.queues import Queue as MpQueue
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import msgspec
 import numpy as np
@@ -94,7 +94,7 @@ def redis_worker(socket_path: str) -> None:
     while True:
         item = r.brpop(["req"], timeout=0)
         assert item is not None
-        d = decode(item[1])
+        d = decode(cast(bytes, item[1]))  # no decode_responses: replies are bytes
         r.lpush("resp", encode(Reply(d.request_id, 0, float(d.pixels[0]))))
 
 
@@ -104,6 +104,14 @@ def mp_worker(inbox: MpQueue[Any], outbox: MpQueue[Any]) -> None:
 
 
 # ------------------------------------------------------------------ main-side round trips
+class Bench(Protocol):
+    name: str
+
+    def round_trip(self, i: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class QueueBench:
     name = "scratchd shm queue"
 
@@ -174,7 +182,7 @@ class RedisBench:
         d = Descriptor(i, 1, 0, 0, time.monotonic_ns() + DEADLINE_NS, 4, 4, PAYLOAD)
         self.r.lpush("req", self.encode(d))
         item = self.r.brpop(["resp"], timeout=0)
-        assert item is not None and self.decode(item[1]).request_id == i
+        assert item is not None and self.decode(cast(bytes, item[1])).request_id == i
 
     def close(self) -> None:
         self.worker.terminate()
@@ -230,7 +238,7 @@ def summarize(ns: list[int]) -> dict[str, float]:
 
 
 def run(rounds: int, warmup: int, chunks: int) -> dict[str, dict[str, float]]:
-    benches = [QueueBench(), RedisBench(), MpQueueBench()]
+    benches: list[Bench] = [QueueBench(), RedisBench(), MpQueueBench()]
     samples: dict[str, list[int]] = {b.name: [] for b in benches}
     try:
         for b in benches:
