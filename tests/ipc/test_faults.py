@@ -9,6 +9,7 @@ answered exactly once, with the result computed from its own input, and no descr
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -110,3 +111,86 @@ def test_worker_killed_at_a_fault_point_loses_nothing(queue: RequestQueue, fault
     rescuer.kill()
     rescuer.wait(10)
     check_served_exactly_once(queue, got, 3)
+
+
+def test_main_process_killed_mid_expiry_is_repaired(queue: RequestQueue) -> None:
+    """The main process's own critical sections are repairable too: a process that dies in
+    ``expire_due`` after unlinking the due requests leaves them QUEUED; the next locker
+    re-links them and they are expired (once) by the next ``expire_due``."""
+    now = time.monotonic_ns()
+    for rid in (1, 2):
+        h = queue.reserve()
+        assert h is not None
+        queue.submit(
+            h, request_id=rid, conn_id=1, priority=0, part_class=0,
+            deadline_ns=now + 1_000_000, height=1, width=1, want_mask=False,
+        )  # fmt: skip
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.environ["SCRATCHD_IPC_FAULT"] = "expire.unlinked"
+            RequestQueue.attach(queue.name).expire_due(now + 10**9)
+        finally:
+            os._exit(0)  # not reached: the fault point kills it
+    assert os.WTERMSIG(os.waitpid(pid, 0)[1]) == signal.SIGKILL
+    assert queue.depth_by_priority()[0] == 2  # repaired by this lock
+    assert queue.counters()["repairs"] == 1
+    expired = queue.expire_due(now + 10**9)
+    assert sorted(c.request_id for c in expired) == [1, 2]
+    assert all(c.status == Status.TIMEOUT for c in expired)
+    assert queue.counts_by_state()[DescState.FREE] == GEOMETRY.slots
+
+
+STRESS_WORKER = """
+import os, sys, time
+from scratchd.ipc.queue import RequestQueue, Result, Status
+name, slot = sys.argv[1], int(sys.argv[2])
+q = RequestQueue.attach(name, work_fd=int(sys.argv[3]), completion_fd=int(sys.argv[4]))
+q.register_worker(slot, os.getpid())
+os.write(1, b"R")
+while True:
+    q.wait_for_work(slot, 1.0)
+    for c in q.claim_batch(slot, 2, time.monotonic_ns()):
+        q.complete(slot, c, Result(Status.OK, score=float(q.input_view(c)[0, 0])))
+"""
+
+
+def test_random_kill_9_of_busy_workers_loses_nothing(queue: RequestQueue) -> None:
+    """Workers busy claiming and completing are SIGKILLed at random moments (often inside
+    the lock); after each death the slot is reclaimed and a replacement starts. In the end
+    every request is answered exactly once with its own result."""
+    rng = np.random.default_rng(7)
+    total, sent, answers = 120, 0, []
+    for round_ in range(8):
+        slot = round_ % 2
+        fds = (queue.work_fd(slot), queue.completion_fd)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", STRESS_WORKER, queue.name, str(slot), *map(str, fds)],
+            pass_fds=fds, stdout=subprocess.PIPE,
+        )  # fmt: skip
+        assert proc.stdout is not None and proc.stdout.read(1) == b"R"  # registered
+        end = time.monotonic() + rng.uniform(0.005, 0.05)
+        while time.monotonic() < end:
+            while sent < total and (h := queue.reserve()) is not None:
+                sent += 1
+                queue.payload(h)[:1] = bytes([sent % 251])
+                queue.submit(
+                    h, request_id=sent, conn_id=1, priority=sent % 8, part_class=0,
+                    deadline_ns=time.monotonic_ns() + 60 * 10**9, height=1, width=1,
+                    want_mask=False,
+                )  # fmt: skip
+            answers += queue.collect_completed()
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        queue.reclaim_worker(slot, time.monotonic_ns(), max_kills=100)
+    rescuer = spawn(queue, 3, total, None)
+    answers += collect(queue, total - len(answers))
+    rescuer.kill()
+    rescuer.wait()
+    assert sent == total
+    assert sorted(c.request_id for c in answers) == list(range(1, total + 1))
+    for c in answers:
+        assert c.status == Status.OK and c.result is not None
+        assert c.result.score == c.request_id % 251
+    assert queue.counts_by_state()[DescState.FREE] == GEOMETRY.slots
