@@ -155,16 +155,35 @@ def pw_smem_bytes(cin: int, cout: int) -> int:
     return (np_ * ks + area) * 2
 
 
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory one block may opt in to (sm_90)
+MAX_SLICE = 192  # output channels per block: 96 fp32 accumulators a thread in the GEMM
+
+
+def pw_slices(cin: int, cout: int, extra_smem: int = 0) -> int:
+    """The fewest slices of the output channels (blockIdx.y) whose tile fits: each slice a
+    whole number of 8-channel groups, at most ``MAX_SLICE`` wide, its shared memory under
+    ``SMEM_LIMIT``. ScratchNet's default widths (up to 192) all take one slice."""
+    for ns in range(1, cout + 1):
+        cs = cout // ns
+        if cout % ns or (ns > 1 and cs % 8) or cs > MAX_SLICE:
+            continue
+        if pw_smem_bytes(cin, cs) + extra_smem <= SMEM_LIMIT:
+            return ns
+    raise ValueError(f"pointwise {cin}->{cout}: no slicing of the output channels fits")
+
+
 def launch_pw(
-    func: Any, cin: int, cout: int, pixels: int, args: tuple[Any, ...], extra_smem: int = 0
-) -> None:
-    """Launch a pw_tile.cuh kernel over ``pixels`` output pixels (persistent grid)."""
-    smem = pw_smem_bytes(cin, cout) + extra_smem
-    if smem > 227 * 1024:
+    func: Any, cin: int, cout: int, pixels: int, args: tuple[Any, ...], extra_smem: int = 0,
+    slices: int = 1,
+) -> None:  # fmt: skip
+    """Launch a pw_tile.cuh kernel over ``pixels`` output pixels: a persistent grid of
+    tiles in x, ``slices`` slices of the output channels in y."""
+    smem = pw_smem_bytes(cin, cout // slices) + extra_smem
+    if smem > SMEM_LIMIT:
         raise ValueError(f"pointwise {cin}->{cout} needs {smem} B of shared memory (> 227 KB)")
     tiles = -(-pixels // PW_BM)
-    grid = persistent_grid(func, PW_THREADS, smem, tiles)
-    launch(func, (grid,), (PW_THREADS,), args, smem)
+    grid = max(1, min(tiles, persistent_grid(func, PW_THREADS, smem, tiles) // slices))
+    launch(func, (grid, slices), (PW_THREADS,), args, smem)
 
 
 def i32(v: int) -> np.int32:

@@ -110,7 +110,7 @@ __device__ __forceinline__ void dw_row_group(
 
 }  // namespace sd
 
-template <int CA, int CB, int COUT, int STRIDE, int DIL, int P, bool HOIST, bool RES, bool HEAD>
+template <int CA, int CB, int COUT, int NS, int STRIDE, int DIL, int P, bool HOIST, bool RES, bool HEAD>
 __global__ void __launch_bounds__(sd::PW_THREADS) ds_block(
     const __half* __restrict__ x,     // [N, H, W, CA]; with CB > 0: [N, H/2, W/2, CA]
     const __half* __restrict__ skip,  // [N, H, W, CB] (CB > 0 only)
@@ -123,7 +123,11 @@ __global__ void __launch_bounds__(sd::PW_THREADS) ds_block(
     void* __restrict__ out,           // [N, Ho, Wo, COUT] half; HEAD: [N, Ho, Wo, 1] float
     int N, int H, int W, int Ho, int Wo) {  // Wo % P == 0
     constexpr int CIN = CA + CB;
-    using S = sd::PwShape<CIN, COUT>;
+    constexpr int CO = COUT / NS;  // this block's slice of the output channels (blockIdx.y)
+    static_assert(COUT % NS == 0 && (NS == 1 || CO % 8 == 0), "slices of whole 8-channel groups");
+    static_assert(!HEAD || NS == 1, "the head needs every channel of a pixel in one block");
+    using S = sd::PwShape<CIN, CO>;
+    const int n0 = blockIdx.y * CO;
     constexpr int V = (CA % 8 == 0 && CB % 8 == 0) ? 8 : 1;
     constexpr int GROUPS = S::KP / V;
     static_assert(!RES || (STRIDE == 1 && CB == 0 && CA == COUT), "residual needs matching shapes");
@@ -136,7 +140,7 @@ __global__ void __launch_bounds__(sd::PW_THREADS) ds_block(
         const int t = i / S::KP, c = i - t * S::KP;
         sDw[i] = c < CIN ? __half2float(dw_w[t * CIN + c]) : 0.0f;
     }
-    sd::stage_weight<CIN, COUT>(pw_w, sW);
+    sd::stage_weight<CIN, CO>(pw_w, sW, COUT, n0);
     const sd::DwSource<CA, CB> src{x, skip, H, W};
     const int plane = Ho * Wo, M = N * plane;
     const int tiles = (M + sd::PW_BM - 1) / sd::PW_BM;
@@ -157,11 +161,11 @@ __global__ void __launch_bounds__(sd::PW_THREADS) ds_block(
             for (int q = 0; q < P; ++q) sd::store_h<V>(sA + (r0 + q) * S::KS + c, acc[q]);
         }
         __syncthreads();
-        sd::gemm_tile<CIN, COUT>(sW, sA, pw_b);
+        sd::gemm_tile<CIN, CO>(sW, sA, pw_b + n0);
         if constexpr (HEAD) {
-            sd::store_tile_head<COUT, RES, true>(sA, x, head_w, head_b[0], static_cast<float*>(out), base, M);
+            sd::store_tile_head<CO, RES, true>(sA, x, head_w, head_b[0], static_cast<float*>(out), base, M);
         } else {
-            sd::store_tile<COUT, RES, true>(sA, x, static_cast<__half*>(out), base, M);
+            sd::store_tile<CO, RES, true>(sA, x, static_cast<__half*>(out), base, M, COUT, n0);
         }
     }
 }

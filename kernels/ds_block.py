@@ -140,13 +140,16 @@ def ds_block_cuda(
     else:
         out = cu.output(op, out, (n, ho, wo, cout), np.float16)
     sweep, hoist = dw_schedule(cin, stride, wo)
-    name = cu.template_name(op, ca, cb, cout, stride, dilation, sweep, hoist, residual, head)
+    dw_smem = 9 * (-(-cin // 16) * 16) * 4  # sDw: [9][KP] fp32
+    slices = 1 if head else cu.pw_slices(cin, cout, dw_smem)
+    name = cu.template_name(
+        op, ca, cb, cout, slices, stride, dilation, sweep, hoist, residual, head
+    )
     func = cu.kernel("ds_block.cu", name)
     args = (
         x, x if skip is None else skip, dw_w, dw_b, pw_w, pw_b,
         head_w if head else pw_b, head_b if head else pw_b, out,
         *map(cu.i32, (n, height, width, ho, wo)),
     )  # fmt: skip
-    dw_smem = 9 * (-(-cin // 16) * 16) * 4  # sDw: [9][KP] fp32
-    cu.launch_pw(func, cin, cout, n * ho * wo, args, dw_smem)
+    cu.launch_pw(func, cin, cout, n * ho * wo, args, dw_smem, slices)
     return out

@@ -12,6 +12,11 @@
 //   the 8 rows a fragment load touches fall in distinct banks); NP = Cout rounded up to 8;
 //   CS = NP + 8 or + 16, whichever is 8 mod 16.
 //
+// Wide layers are split over blockIdx.y into slices of the output channels (the host picks
+// the fewest slices whose tile fits in shared memory): each block stages only its slice of
+// W and writes only its slice of out; the A operand (and its depthwise work) is recomputed
+// per slice.
+//
 // Per tile: (1) produce A (MODE 0: copy the input rows; MODE 1: depthwise 3x3 + bias + ReLU
 // computed here, so its output never reaches device memory), (2) each of the 4 warps
 // multiplies 16 rows of A by all of W with mma.sync m16n8k16 (fp32 accumulators),
@@ -44,7 +49,9 @@ struct PwShape {
 // channels, so the eight 2-byte shared stores of a warp land in consecutive words (no bank
 // conflicts; the opposite order put all 32 lanes of a store in one bank).
 template <int CIN, int COUT>
-__device__ __forceinline__ void stage_weight(const __half* __restrict__ w, __half* sW) {
+__device__ __forceinline__ void stage_weight(
+    const __half* __restrict__ w,  // [CIN, ldw]: this block's slice is columns [n0, n0 + COUT)
+    __half* sW, int ldw, int n0) {
     using S = PwShape<CIN, COUT>;
     constexpr int V = VecWidth<COUT>::value;
     static_assert((S::NP * S::KS) % 8 == 0, "sW is a whole number of 16-byte vectors");
@@ -56,12 +63,12 @@ __device__ __forceinline__ void stage_weight(const __half* __restrict__ w, __hal
     for (int i = threadIdx.x; i < CIN * COUT / V; i += PW_THREADS) {
         const int n = (i / CIN) * V, k = i - (i / CIN) * CIN;
         if constexpr (V == 8) {
-            const uint4 u = __ldg(reinterpret_cast<const uint4*>(w + k * COUT + n));
+            const uint4 u = __ldg(reinterpret_cast<const uint4*>(w + k * ldw + n0 + n));
             const __half* h = reinterpret_cast<const __half*>(&u);
 #pragma unroll
             for (int j = 0; j < 8; ++j) sW[(n + j) * S::KS + k] = h[j];
         } else {
-            sW[n * S::KS + k] = w[k * COUT + n];
+            sW[n * S::KS + k] = w[k * ldw + n0 + n];
         }
     }
 }
@@ -105,10 +112,12 @@ __device__ __forceinline__ void gemm_tile(const __half* sW, __half* sA, const fl
     __syncthreads();
 }
 
-// (4) out[p, :] = act(sC[r, :] (+ res[p, :])) for the tile's pixels p = base + r < M.
+// (4) out[p, n0 + c] = act(sC[r, c] (+ res[p, n0 + c])) for the tile's pixels p = base + r < M
+// and this block's COUT channels (rows of out and res are ld channels long).
 template <int COUT, bool RES, bool RELU>
 __device__ __forceinline__ void store_tile(
-    const __half* sC, const __half* __restrict__ res, __half* __restrict__ out, int base, int M) {
+    const __half* sC, const __half* __restrict__ res, __half* __restrict__ out, int base, int M,
+    int ld, int n0) {
     using S = PwShape<COUT, COUT>;
     constexpr int V = VecWidth<COUT>::value;
     constexpr int GROUPS = COUT / V;
@@ -119,7 +128,7 @@ __device__ __forceinline__ void store_tile(
         load_h_smem<V>(sC + r * S::CS + c, v);
         if constexpr (RES) {
             float rv[V];
-            load_h<V>(res + p * COUT + c, rv);
+            load_h<V>(res + p * ld + n0 + c, rv);
 #pragma unroll
             for (int j = 0; j < V; ++j) v[j] += rv[j];
         }
@@ -127,7 +136,7 @@ __device__ __forceinline__ void store_tile(
 #pragma unroll
             for (int j = 0; j < V; ++j) v[j] = fmaxf(v[j], 0.0f);
         }
-        store_h<V>(out + p * COUT + c, v);
+        store_h<V>(out + p * ld + n0 + c, v);
     }
 }
 
@@ -137,7 +146,7 @@ __device__ __forceinline__ void store_tile(
 template <int COUT, bool RES, bool RELU>
 __device__ __forceinline__ void store_tile_head(
     const __half* sC, const __half* __restrict__ res, const float* __restrict__ hw, float hb,
-    float* __restrict__ logits, int base, int M) {
+    float* __restrict__ logits, int base, int M) {  // res rows: COUT channels (no slicing)
     using S = PwShape<COUT, COUT>;
     static_assert(PW_THREADS == 2 * PW_BM, "two threads per tile row");
     constexpr int HALF = (COUT + 1) / 2;

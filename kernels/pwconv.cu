@@ -2,7 +2,7 @@
 // with bias, optional residual add and activation in the epilogue (see pw_tile.cuh).
 #include "pw_tile.cuh"
 
-template <int CIN, int COUT, bool RES, bool RELU>
+template <int CIN, int COUT, int NS, bool RES, bool RELU>
 __global__ void __launch_bounds__(sd::PW_THREADS) pwconv(
     const __half* __restrict__ x,         // [N, H, W, CIN]
     const __half* __restrict__ w,         // [CIN, COUT]
@@ -10,13 +10,16 @@ __global__ void __launch_bounds__(sd::PW_THREADS) pwconv(
     const __half* __restrict__ residual,  // [N, H, W, COUT] (read only when RES)
     __half* __restrict__ out,             // [N, H, W, COUT]
     int M) {                              // N * H * W
-    using S = sd::PwShape<CIN, COUT>;
+    constexpr int CO = COUT / NS;         // this block's slice of the output channels
+    static_assert(COUT % NS == 0 && (NS == 1 || CO % 8 == 0), "slices of whole 8-channel groups");
+    using S = sd::PwShape<CIN, CO>;
+    const int n0 = blockIdx.y * CO;
     constexpr int V = sd::VecWidth<CIN>::value;
     constexpr int GROUPS = S::KP / V;
     extern __shared__ __align__(16) unsigned char smem[];
     __half* sW = reinterpret_cast<__half*>(smem);
     __half* sA = sW + S::NP * S::KS;
-    sd::stage_weight<CIN, COUT>(w, sW);
+    sd::stage_weight<CIN, CO>(w, sW, COUT, n0);
     const int tiles = (M + sd::PW_BM - 1) / sd::PW_BM;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         const int base = tile * sd::PW_BM;
@@ -29,7 +32,7 @@ __global__ void __launch_bounds__(sd::PW_THREADS) pwconv(
             sd::store_h<V>(sA + r * S::KS + c, v);
         }
         __syncthreads();
-        sd::gemm_tile<CIN, COUT>(sW, sA, b);
-        sd::store_tile<COUT, RES, RELU>(sA, residual, out, base, M);
+        sd::gemm_tile<CIN, CO>(sW, sA, b + n0);
+        sd::store_tile<CO, RES, RELU>(sA, residual, out, base, M, COUT, n0);
     }
 }

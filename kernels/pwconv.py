@@ -66,9 +66,10 @@ def pwconv_cuda(
         cu.check_device_array("pwconv", "residual", residual, ndim=4, dtype=np.float16)
         cu.check_shape("pwconv", "residual", residual, (n, h, wd, cout))
     out = cu.output("pwconv", out, (n, h, wd, cout), np.float16)
-    func = cu.kernel(
-        "pwconv.cu", cu.template_name("pwconv", cin, cout, residual is not None, act == "relu")
-    )
+    slices = cu.pw_slices(cin, cout)
+    name = cu.template_name("pwconv", cin, cout, slices, residual is not None, act == "relu")
+    func = cu.kernel("pwconv.cu", name)
     res = x if residual is None else residual
-    cu.launch_pw(func, cin, cout, n * h * wd, (x, w, b, res, out, cu.i32(n * h * wd)))
+    args = (x, w, b, res, out, cu.i32(n * h * wd))
+    cu.launch_pw(func, cin, cout, n * h * wd, args, slices=slices)
     return out

@@ -21,10 +21,13 @@ from scratchd.kernels.normalize_pad import normalize_pad_ref
 PROB_ATOL = 2e-2
 
 
-def test_fused_plan_matches_the_numpy_forward() -> None:
+@pytest.mark.parametrize(
+    "cfg", [NetConfig(), NetConfig(widths=(40, 80, 160, 320), dec_depth=2)],
+    ids=["default", "shipped-shape"],
+)  # fmt: skip
+def test_fused_plan_matches_the_numpy_forward(cfg: NetConfig) -> None:
     from scratchd.kernels.cuda_net import fused_logits_ref
 
-    cfg = NetConfig()
     weights = random_weights(cfg, seed=3)
     rng = np.random.default_rng()
     images = rng.integers(0, 256, (2, 37, 50), dtype=np.uint8)

@@ -28,6 +28,10 @@ CASES = [
     (1, 6, 10, 3, 5, 7, 1, 1, False, True),
     (1, 12, 16, 96, 0, 96, 1, 1, True, False),
     (2, 24, 24, 48, 24, 24, 1, 1, False, True),
+    # The shipped model's widest blocks: output channels split over blockIdx.y.
+    (1, 16, 20, 320, 160, 160, 1, 1, False, False),
+    (2, 9, 12, 320, 0, 320, 1, 4, True, False),
+    (1, 18, 14, 160, 0, 320, 2, 1, False, False),
 ]
 # The network's kinds of block, run again under every depthwise schedule the benchmark tries.
 SCHEDULE_CASES = [CASES[i] for i in (2, 3, 8, 10, 12)]

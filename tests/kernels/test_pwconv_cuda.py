@@ -22,6 +22,8 @@ SHAPES = [  # (N, H, W, Cin, Cout)
     (1, 31, 37, 288, 96),
     (1, 5, 9, 17, 1),
     (2, 65, 67, 72, 24),
+    (1, 9, 11, 320, 320),  # wider than one block's shared memory: two output slices
+    (2, 5, 13, 480, 160),
 ]
 
 
