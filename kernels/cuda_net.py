@@ -1,22 +1,26 @@
 """ScratchNet's forward on the GPU: fp16 weights and activations, fp32 accumulation, NHWC.
 
-The numpy forward (``net.py``) runs ~30 ops; this one runs 14 launches and 2 memsets for the
-default architecture, every one a ``<op>_cuda`` of this package, fused where it pays::
+The numpy forward (``net.py``) runs ~3 ops per block; this one runs one launch per block,
+every launch a ``<op>_cuda`` of this package, fused where it pays::
 
     images uint8 [N, H, W]
       stem                     uint8 → normalise, edge pad (clamped reads),   1 kernel
-                               conv3x3 s2 1→24 + bias + ReLU
-      ds_block × 11            dw3x3 + bias + ReLU → pw GEMM (tensor cores)   1 kernel each
+                               conv3x3 s2 1→c1 + bias + ReLU
+      ds_block × blocks        dw3x3 + bias + ReLU → pw GEMM (tensor cores)   1 kernel each
                                + bias (+ residual) + ReLU; the decoder's
                                upsample+concat read inside the dw stage;
                                the last block also does the 1x1 head → logits fp32
       output_path              prob, raw mask, entropy, input histogram,      2 kernels
                                window score (+ 2 memsets of its accumulators)
 
+That is 11 + 3 launches and 2 memsets for the default ``NetConfig`` (14 blocks + 3 for the
+shipped 40..320-wide model with two blocks per decoder stage). Blocks wider than one
+block's shared memory split their output channels over ``blockIdx.y`` (``_cuda.pw_slices``).
+
 Buffers (:class:`Buffers`) are allocated once per (batch, height, width) and every launch
 writes into them (``out=``), so the same launch sequence can be recorded and captured into a
 CUDA graph (``cuda_graph.py``). Each block's output has its own buffer: the skips must live
-until the decoder reads them, and the whole set is ≈ 60 MB per 1024² image.
+until the decoder reads them (≈ 60 MB per 1024² frame at the default widths).
 """
 
 from __future__ import annotations

@@ -15,7 +15,13 @@ import pytest
 from scratchd.dataset.folders import scan_dataset, split_of
 from scratchd.ipc.image import decode_image
 from scratchd.kernels.model import DEFAULT_PATH, ModelMeta, ScratchNet, load_model
-from scratchd.kernels.net import NetConfig, count_params, forward_logits, random_weights
+from scratchd.kernels.net import (
+    NetConfig,
+    block_plan,
+    count_params,
+    forward_logits,
+    random_weights,
+)
 from scratchd.kernels.normalize_pad import normalize_pad_ref
 
 PROB_ATOL = 2e-2
@@ -126,3 +132,23 @@ def test_graph_replays_new_frames_and_partial_buckets() -> None:
         assert got["prob"].shape == (n, 48, 80)
         assert np.abs(got["prob"] - model.prob(images)).max() <= PROB_ATOL
     assert list(net.graphs) == [(4, 48, 80)]
+
+
+@pytest.mark.parametrize(
+    "cfg", [NetConfig(), NetConfig(widths=(40, 80, 160, 320), dec_depth=2)],
+    ids=["default", "shipped-shape"],
+)  # fmt: skip
+def test_every_block_gets_a_launch_that_fits_shared_memory(cfg: NetConfig) -> None:
+    """Host-side launch planning (no GPU needed): each fused block's tile, sliced over the
+    output channels where needed, stays within the 227 KB a block may use, and the block
+    that carries the head is never sliced."""
+    from scratchd.kernels._cuda import SMEM_LIMIT, pw_slices, pw_smem_bytes
+
+    plan = block_plan(cfg)
+    for b in plan:
+        dw_smem = 9 * (-(-b.cin // 16) * 16) * 4
+        slices = pw_slices(b.cin, b.cout, dw_smem)
+        assert b.cout % slices == 0
+        assert pw_smem_bytes(b.cin, b.cout // slices) + dw_smem <= SMEM_LIMIT, b.name
+        if b is plan[-1]:
+            assert slices == 1, "the head block must keep every channel in one block"
