@@ -17,7 +17,7 @@ head      pwconv 24→1 (no activation): logits             [N, Hp/2,  Wp/2,  1]
 prob_head bilinear 2x, crop to H x W, sigmoid             [N, H, W] float32
 ```
 
-The shipped model (``scratchd model info``) uses widths ``(40, 80, 160, 320)`` and two DS
+The shipped model (``scratchd model info``) uses widths ``(48, 96, 192, 384)`` and two DS
 blocks per decoder stage (``dec_depth=2``); the sketch above is the default config.
 
 A DS (depthwise-separable) block is ``dwconv3x3`` (stride, dilation; + bias, ReLU) then

@@ -273,7 +273,7 @@ def main() -> None:
     ap.add_argument("--wd", type=float, default=1e-4)
     ap.add_argument("--ema", type=float, default=0.999)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--widths", type=int, nargs=4, default=[40, 80, 160, 320])
+    ap.add_argument("--widths", type=int, nargs=4, default=[48, 96, 192, 384])
     ap.add_argument("--dec-depth", type=int, default=2)
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--min-area", type=int, default=16)

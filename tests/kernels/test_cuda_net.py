@@ -28,7 +28,7 @@ PROB_ATOL = 2e-2
 
 
 @pytest.mark.parametrize(
-    "cfg", [NetConfig(), NetConfig(widths=(40, 80, 160, 320), dec_depth=2)],
+    "cfg", [NetConfig(), NetConfig(widths=(48, 96, 192, 384), dec_depth=2)],
     ids=["default", "shipped-shape"],
 )  # fmt: skip
 def test_fused_plan_matches_the_numpy_forward(cfg: NetConfig) -> None:
@@ -135,7 +135,7 @@ def test_graph_replays_new_frames_and_partial_buckets() -> None:
 
 
 @pytest.mark.parametrize(
-    "cfg", [NetConfig(), NetConfig(widths=(40, 80, 160, 320), dec_depth=2)],
+    "cfg", [NetConfig(), NetConfig(widths=(48, 96, 192, 384), dec_depth=2)],
     ids=["default", "shipped-shape"],
 )  # fmt: skip
 def test_every_block_gets_a_launch_that_fits_shared_memory(cfg: NetConfig) -> None:
