@@ -18,7 +18,9 @@ rebuilds it from the descriptor states.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 from collections import deque
 
 import numpy as np
@@ -47,7 +49,13 @@ class QueueCore:
         self._faulty = self._fault.name is not None  # one bool test per hook when unarmed
         self._completion = completion
         self._work = work  # creator: one per slot; a worker: [its own] or []
-        self._mutex = RobustMutex(seg.mm, MUTEX_OFFSET, repair=self._repair)
+        # Only the main process watches for a wedged holder: it is the one that must never
+        # block for good (its event loop serves every client), and it may kill workers.
+        self._mutex = RobustMutex(
+            seg.mm, MUTEX_OFFSET, repair=self._repair,
+            on_stuck=self._kill_stuck_holder if seg.owner else None,
+        )  # fmt: skip
+        self.stuck_kills = 0  # workers this process killed for sitting on the lock
         self._d = seg.d  # fast scalar views; seg.descs for vector work
         self._r = seg.r
         dn = seg.descs
@@ -154,9 +162,33 @@ class QueueCore:
             self._done_head[0] = i
         self._seg.header["repairs"] += 1
 
+    def _kill_stuck_holder(self, tid: int) -> None:
+        """The lock has been held for ``stuck_after_s``: SIGKILL the holder if it is one of
+        our workers (stopped or wedged inside a microsecond critical section). The kill makes
+        the pending lock return EOWNERDEAD; the supervisor then reaps and reclaims it."""
+        pid = _process_of(tid)
+        if pid and pid in self._w_pid.tolist():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                self.stuck_kills += 1
+
     def _is_registered(self, slot: int, pid: int) -> bool:
         return bool(self._w_state[slot] == ACTIVE and self._w_pid[slot] == pid)
 
     @staticmethod
     def _pid() -> int:
         return os.getpid()
+
+
+def _process_of(tid: int) -> int:
+    """The process (thread group) a thread id belongs to; 0 if it is gone or unknown."""
+    if tid <= 0:
+        return 0
+    try:
+        with open(f"/proc/{tid}/status") as status:
+            for line in status:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except OSError:
+        return 0
+    return 0

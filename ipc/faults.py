@@ -1,7 +1,8 @@
 """Test-only fault injection: SIGKILL this process at a named point of the queue's code.
 
-``SCRATCHD_IPC_FAULT=<point>`` or ``<point>@<n>`` (die on the n-th time the point is
-reached, default 1) is read once, when a :class:`~scratchd.ipc.queue.RequestQueue` is
+``SCRATCHD_IPC_FAULT=<point>[@<n>][:stop]`` (die on the n-th time the point is reached,
+default 1; with ``:stop`` the process SIGSTOPs itself instead, to play a wedged holder) is
+read once, when a :class:`~scratchd.ipc.queue.RequestQueue` is
 created or attached, so a test can start a worker process with it in its environment. With
 the variable unset every hook is one attribute comparison.
 
@@ -43,13 +44,18 @@ POINTS = frozenset(
 class FaultPoint:
     """The armed point from the environment (if any) and how often it has been reached."""
 
-    __slots__ = ("hits", "name", "on_hit")
+    __slots__ = ("hits", "name", "on_hit", "signal")
 
     def __init__(self, spec: str | None) -> None:
         self.name: str | None = None
         self.on_hit = 1
         self.hits = 0
+        self.signal = signal.SIGKILL
         if spec:
+            spec, _, action = spec.partition(":")
+            if action not in ("", "stop"):
+                raise ValueError(f"{ENV}: unknown action {action!r} (only 'stop')")
+            self.signal = signal.SIGSTOP if action == "stop" else signal.SIGKILL
             name, _, nth = spec.partition("@")
             if name not in POINTS:
                 raise ValueError(f"{ENV}={spec!r}: unknown point {name!r}; known: {sorted(POINTS)}")
@@ -61,9 +67,9 @@ class FaultPoint:
         return cls(os.environ.get(ENV))
 
     def reach(self, point: str) -> None:
-        """Die by SIGKILL if ``point`` is armed and this is its n-th hit."""
+        """Die by SIGKILL (or stop) if ``point`` is armed and this is its n-th hit."""
         if point != self.name:
             return
         self.hits += 1
-        if self.hits >= self.on_hit:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.hits == self.on_hit:
+            os.kill(os.getpid(), self.signal)

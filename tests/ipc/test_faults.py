@@ -194,3 +194,32 @@ def test_random_kill_9_of_busy_workers_loses_nothing(queue: RequestQueue) -> Non
         assert c.status == Status.OK and c.result is not None
         assert c.result.score == c.request_id % 251
     assert queue.counts_by_state()[DescState.FREE] == GEOMETRY.slots
+
+
+def wait_until_stopped(pid: int, timeout_s: float = 20.0) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"pid {pid} never stopped")
+
+
+def test_a_stopped_lock_holder_is_killed_so_the_main_process_never_blocks_for_good(
+    queue: RequestQueue,
+) -> None:
+    submit_images(queue, 3)
+    victim = spawn(queue, 0, 3, "claim.marked:stop")  # SIGSTOPs itself holding the lock
+    wait_until_stopped(victim.pid)
+    start = time.monotonic()
+    assert sum(queue.depth_by_priority()) == 2  # waited ~0.5 s, killed it, repaired
+    assert time.monotonic() - start < 5.0
+    assert victim.wait(10) == -9 and queue.stuck_kills == 1
+    report = queue.reclaim_worker(0, time.monotonic_ns())
+    assert len(report.requeued) == 1
+    rescuer = spawn(queue, 1, 3, None)
+    got = collect(queue, 3)
+    rescuer.kill()
+    rescuer.wait(10)
+    check_served_exactly_once(queue, got, 3)

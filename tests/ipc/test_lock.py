@@ -117,3 +117,28 @@ def test_offset_must_be_aligned() -> None:
     mm = mmap.mmap(-1, 4096)
     with pytest.raises(LockError, match="aligned"):
         RobustMutex(mm, 8)
+
+
+def test_a_stopped_holder_is_reported_with_its_thread_id() -> None:
+    reported: list[int] = []
+
+    def kill_it(tid: int) -> None:
+        reported.append(tid)
+        os.kill(tid, signal.SIGKILL)
+
+    mm = mmap.mmap(-1, 4096)
+    mutex = RobustMutex(mm, 0, on_stuck=kill_it, stuck_after_s=0.1)
+    mutex.initialize()
+    held_r, held_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        mutex.acquire()
+        os.write(held_w, b"x")
+        os.kill(os.getpid(), signal.SIGSTOP)
+        os._exit(0)
+    assert os.read(held_r, 1) == b"x"
+    assert mutex.holder_tid() == pid
+    mutex.acquire()  # waits 0.1 s, reports the holder (killed), then EOWNERDEAD: held
+    assert reported == [pid] and mutex.repairs == 1
+    mutex.release()
+    assert os.WTERMSIG(os.waitpid(pid, 0)[1]) == signal.SIGKILL
