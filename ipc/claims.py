@@ -131,10 +131,9 @@ class WorkerOps(QueueCore):
                 self._seg.header["expired"] += expired
         if expired:
             self._ring_completion()
-        if claims:
-            w = self._seg.workers
-            w["batches"][slot] += 1
-            w["requests"][slot] += len(claims)
+        if claims:  # this worker's own counters: no lock
+            self._w_batches[slot] += 1
+            self._w_requests[slot] += len(claims)
         if self._faulty:
             self._fault.reach("claim.returned")
         return claims

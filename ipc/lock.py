@@ -128,6 +128,8 @@ class RobustMutex:
         self._stuck_after_ns = int(stuck_after_s * 1e9)
         self._lock = _LIB.pthread_mutex_lock
         self._unlock = _LIB.pthread_mutex_unlock
+        # A watching process tries first and only then waits with a time limit.
+        self._first_try = _LIB.pthread_mutex_trylock if on_stuck else _LIB.pthread_mutex_lock
         self.repairs = 0  # times this process repaired after a dead holder
 
     def initialize(self) -> None:
@@ -149,17 +151,17 @@ class RobustMutex:
 
     def acquire(self) -> None:
         """Lock; on ``EOWNERDEAD`` run ``repair`` and mark the mutex consistent."""
-        if self._on_stuck is not None:
-            if not self.try_acquire():
-                self._acquire_watching()
-            return
-        rc = self._lock(self._ptr)
-        if rc == 0:
-            return
-        if rc == errno.EOWNERDEAD:
+        rc = self._first_try(self._ptr)
+        if rc:
+            self._acquire_slowly(rc)
+
+    def _acquire_slowly(self, rc: int) -> None:
+        if rc == errno.EBUSY and self._on_stuck is not None:  # trylock lost: wait, watching
+            self._acquire_watching()
+        elif rc == errno.EOWNERDEAD:
             self._recover()
-            return
-        _check(rc, "pthread_mutex_lock")
+        else:
+            _check(rc, "pthread_mutex_lock")
 
     def try_acquire(self) -> bool:
         """Lock if free (repairing after a dead holder); False if another process holds it."""
@@ -200,11 +202,17 @@ class RobustMutex:
             _check(rc, "pthread_mutex_unlock")
 
     def __enter__(self) -> None:
-        """``with mutex: ...`` — acquire, run the block, release (also on exceptions)."""
-        self.acquire()
+        """``with mutex: ...`` — acquire, run the block, release (also on exceptions).
+
+        The hot path of every queue operation: one ctypes call when uncontended."""
+        rc = self._first_try(self._ptr)
+        if rc:
+            self._acquire_slowly(rc)
 
     def __exit__(self, *exc: object) -> None:
-        self.release()
+        rc = self._unlock(self._ptr)
+        if rc:
+            _check(rc, "pthread_mutex_unlock")
 
     def held(self) -> RobustMutex:
         """``with mutex.held(): ...`` reads better at some call sites; same as ``with mutex``."""

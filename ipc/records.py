@@ -65,6 +65,9 @@ class Status(enum.IntEnum):
     ERROR = 4
 
 
+_STATUSES = tuple(Status)  # code → member without the (slow) enum call
+
+
 class WorkerSlotState(enum.IntEnum):
     EMPTY = 0  # no worker (never registered, or reclaimed)
     ACTIVE = 1  # registered; may claim
@@ -231,7 +234,7 @@ def read_result(r: Columns, masks: np.ndarray, i: int, height: int, width: int) 
     n_error = int(r.error_len[i])
     error = r.error[i, :n_error].tobytes().decode("utf-8", "replace") if n_error else ""
     return Result(
-        status=Status(int(r.status[i])),
+        status=_STATUSES[r.status[i]],
         verdict_defect=bool(r.verdict[i]),
         score=float(r.score[i]),
         boxes=boxes,
