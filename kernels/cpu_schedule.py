@@ -1,35 +1,49 @@
-"""The CPU backend's schedule for a DS block: fused per band of rows, bands over threads.
+"""The CPU backend's schedule: each layer fused per band of rows, bands over threads.
 
 Op by op (``dwconv3x3_ref`` then ``pwconv_ref``), every intermediate of a block at H/2 is
-tens of MB: each of the nine depthwise taps and the pointwise epilogue stream it through
-memory again. Here a block runs band by band instead — a band is a few output rows of one
-image, sized so its depthwise result (``BAND_BYTES``) stays in the core's L2 cache:
+tens of MB and each of the nine depthwise taps streams it through memory again. Here a block
+runs band by band instead — a band is a few output rows of one image, sized so its depthwise
+result (``BAND_BYTES``) stays in the core's L2 cache:
 
 ```
 for each band (i, rows r0..r1), in parallel over a thread pool:
-    xp  = the zero-padded input rows the band reads        # decoder blocks: joined here
-          (nearest-upsampled x rows, then skip rows)       #   (upsample_concat, per band)
-    y   = bias;  y += tap * w[ky, kx] for the 9 taps      # [R, Wo, Cin], in cache
-    y   = relu(y)
+    y   = x(centre tap) * w[1, 1]                          # [R, Wo, Cin], in cache
+    y  += x(tap) * w[ky, kx] for the 8 other taps          # on the unpadded input: each tap
+                                                           #   covers the rows/cols it reaches
+    y   = max(y, -dw_b)                                    # = relu(y + dw_b) - dw_b
     out[i, r0:r1] = y @ pw_w                               # BLAS, written once
-    out[i, r0:r1] += pw_b (+ residual rows); relu
+    out[i, r0:r1] = relu(out + (pw_b + dw_b @ pw_w) (+ residual rows))
 ```
 
-It computes exactly the composition ``pwconv_ref(dwconv3x3_ref(x, ...), ...)`` (same taps in
-the same order per pixel; only the matmul's blocking differs, well under 1e-5), which
-``tests/kernels/test_net.py`` checks. numpy's ufuncs and BLAS release the GIL, so the bands
-of one block run on all cores — but OpenBLAS would also start its own threads for every
-band's small matmul and fight ours for the cores (2-6x slower, measured), so the network runs
-under :func:`single_threaded_blas` (threadpoolctl; it caps BLAS threads process-wide for the
-duration of a forward). Without threadpoolctl, :func:`available` is False and the network
-runs op by op.
+Exact rewrites of ``pwconv_ref(dwconv3x3_ref(x, ...), ...)`` used here (only float32
+rounding differs, well under 1e-5; ``tests/kernels/test_net.py`` checks the whole network):
+
+- zero padding is never materialised: a tap only adds into the output pixels whose input
+  pixel lies inside the image (the padded zeros would add nothing);
+- the depthwise bias moves through the ReLU into the pointwise bias:
+  ``relu(y + b) @ W = max(y, -b) @ W + b @ W`` (one pass over ``y`` instead of two);
+- decoder blocks never build ``upsample_concat``'s tensor. Their depthwise weights split
+  into the upsampled part and the skip part (and so does ``pw_w = [W_up; W_skip]``). A 3x3
+  tap on a nearest-2x-upsampled image reads, for output row ``2i + a``, low-res rows
+  ``i - 1, i, i`` (``a = 0``) or ``i, i, i + 1`` (``a = 1``): each of the four output phases
+  ``(a, b)`` is a 2x2 convolution AT LOW RESOLUTION with summed weights (4 taps on a quarter
+  of the pixels instead of 9 on all). The phases are kept phase-major
+  ``[2, 2, R/2, W/2, C1]`` so every op is contiguous; their matmul with ``W_up`` is added to
+  the skip part's ``y_skip @ W_skip`` through a strided view that interleaves the phases.
+
+numpy's ufuncs and BLAS release the GIL, so the bands of one layer run on all cores — but
+OpenBLAS would also start its own threads for every band's matmul and fight ours for the
+cores, so the network runs under :func:`single_threaded_blas` (threadpoolctl; it caps BLAS
+threads process-wide for the duration of a forward). Without threadpoolctl, :func:`available`
+is False and the network runs op by op. Per-channel vectors are tiled along the row
+(``[Wo, C]``) so that every ufunc call runs one long contiguous inner loop.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -40,9 +54,12 @@ try:
 except ImportError:  # pragma: no cover - optional: the GPU image need not have it
     ThreadpoolController = None
 
-BAND_BYTES = 256 * 1024
+BAND_BYTES = 512 * 1024
 _POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="scratchd-cpu")
 _CONTROLLER: Any = None
+_CACHE: dict[tuple[int, ...], tuple[tuple[np.ndarray, ...], Any]] = {}
+
+Tap = tuple[int, int, np.ndarray]  # (row offset, col offset, weight tiled [Wo, C])
 
 
 def available() -> bool:
@@ -60,66 +77,107 @@ def single_threaded_blas() -> Iterator[None]:
         yield
 
 
-def dw_rows(
-    xp: np.ndarray,  # [R', Wp, C] padded input rows of one image, first row = band's first tap row
-    w: np.ndarray,  # [3, 3, C]
-    b: np.ndarray,  # [C]
-    stride: int,
-    d: int,
-    out: np.ndarray,  # [R, Wo, C], written: the band's depthwise output (no activation)
+def run_bands(
+    fn: Callable[[tuple[int, int, int]], None], tasks: list[tuple[int, int, int]]
 ) -> None:
-    """The depthwise conv of one band from its padded input rows (taps in ky, kx order)."""
-    rows, wo = out.shape[0], out.shape[1]
-    out[...] = b
-    tmp = np.empty_like(out)
-    s = stride
-    for ky in range(3):
-        for kx in range(3):
-            tap = xp[
-                d * ky : d * ky + s * (rows - 1) + 1 : s, d * kx : d * kx + s * (wo - 1) + 1 : s
-            ]
-            np.multiply(tap, w[ky, kx], out=tmp)
-            out += tmp
+    """Run ``fn`` on every ``(image, r0, r1)`` task: on the pool when there are several."""
+    if len(tasks) == 1:
+        fn(tasks[0])
+    else:
+        list(_POOL.map(fn, tasks))
 
 
-def band_input(
-    x: np.ndarray,  # [H, W, C1] one image (H/2, W/2 when joined)
-    skip: np.ndarray | None,  # [H, W, C2] or None
-    r0: int,
-    r1: int,
-    stride: int,
-    d: int,
-) -> np.ndarray:  # [(r1 - r0 - 1) * stride + 2d + 1, W + 2d, C1 (+ C2)]
-    """The zero-padded input rows that output rows ``r0..r1`` read, joined with ``skip``
-    (nearest 2x upsampling of ``x``, then ``skip``'s channels) when it is given."""
-    joined = skip is not None
-    h, w = (skip.shape[0], skip.shape[1]) if skip is not None else (x.shape[0], x.shape[1])
-    c = x.shape[2] + (skip.shape[2] if skip is not None else 0)
-    lo, hi = r0 * stride - d, (r1 - 1) * stride + d + 1  # input rows, may stick out
-    buf = np.empty((hi - lo, w + 2 * d, c), dtype=np.float32)
-    buf[:, :d] = 0.0
-    buf[:, d + w :] = 0.0
-    top, bottom = max(lo, 0), min(hi, h)
-    buf[: top - lo] = 0.0
-    buf[bottom - lo :] = 0.0
-    body = buf[top - lo : bottom - lo, d : d + w]
-    if not joined:
-        body[...] = x[top:bottom]
-        return buf
-    assert skip is not None
-    c1 = x.shape[2]
-    # Row y of the joined tensor is row y // 2 of x, column j is column j // 2.
-    src = x[top // 2 : (bottom + 1) // 2]
-    up = np.repeat(np.repeat(src, 2, axis=0), 2, axis=1)
-    body[..., :c1] = up[top % 2 : top % 2 + bottom - top]
-    body[..., c1:] = skip[top:bottom]
-    return buf
-
-
-def bands(n: int, rows: int, row_bytes: int) -> list[tuple[int, int, int]]:
-    """``(image, r0, r1)`` tasks covering ``n`` images of ``rows`` rows."""
+def bands(n: int, rows: int, row_bytes: int, step: int = 1) -> list[tuple[int, int, int]]:
+    """``(image, r0, r1)`` tasks covering ``n`` images of ``rows`` rows (``r0`` a multiple
+    of ``step``), at least two per image when the image has rows enough (both cores busy)."""
     per = max(1, BAND_BYTES // max(row_bytes, 1))
+    if n == 1:
+        per = min(per, (rows + 1) // 2)
+    per = max(step, per // step * step)
     return [(i, r0, min(r0 + per, rows)) for i in range(n) for r0 in range(0, rows, per)]
+
+
+def cached(arrays: tuple[np.ndarray, ...], key: tuple[int, ...], make: Callable[[], Any]) -> Any:
+    """``make()``, memoised per layer (the weight arrays, by identity) and ``key`` (widths):
+    the tiled weights of a layer are built once per frame width, not once per forward."""
+    full = (*map(id, arrays), *key)
+    hit = _CACHE.get(full)
+    if hit is not None and all(a is b for a, b in zip(hit[0], arrays, strict=True)):
+        return hit[1]
+    if len(_CACHE) >= 64:
+        _CACHE.clear()
+    value = make()
+    _CACHE[full] = (arrays, value)
+    return value
+
+
+def tiled(v: np.ndarray, width: int) -> np.ndarray:  # [..., C] → [..., width, C] contiguous
+    """A per-channel vector repeated along a row of ``width`` pixels."""
+    return np.ascontiguousarray(
+        np.broadcast_to(v[..., None, :], (*v.shape[:-1], width, v.shape[-1]))
+    )
+
+
+def _reach(r0: int, r1: int, n_in: int, s: int, off: int) -> tuple[int, int]:
+    """Output indices ``r0 <= y < r1`` whose input index ``s*y + off`` is inside ``[0, n_in)``."""
+    lo = max(r0, -(off // s) if off < 0 else 0)
+    hi = min(r1, (n_in - 1 - off) // s + 1 if n_in - 1 - off >= 0 else 0)
+    return lo, hi
+
+
+def conv_taps(
+    x: np.ndarray,  # [H, W, C] one image, unpadded
+    taps: list[Tap],  # taps[0] has offsets (0, 0): it covers every output pixel
+    s: int,
+    r0: int,
+    y: np.ndarray,  # [R, Wo, C], written: rows r0..r0+R of sum_t x[s*r + oy, s*c + ox] * w_t
+    tmp: np.ndarray,  # [R, Wo, C] scratch
+) -> None:
+    """A depthwise convolution of one band as shifted multiply-adds; zeros outside ``x``."""
+    h, w = x.shape[:2]
+    rows, wo = y.shape[:2]
+    _, _, w0 = taps[0]
+    np.multiply(x[s * r0 : s * (r0 + rows - 1) + 1 : s, : s * (wo - 1) + 1 : s], w0, out=y)
+    for oy, ox, wt in taps[1:]:
+        a, b = _reach(r0, r0 + rows, h, s, oy)
+        c, e = _reach(0, wo, w, s, ox)
+        if a >= b or c >= e:
+            continue
+        src = x[s * a + oy : s * (b - 1) + oy + 1 : s, s * c + ox : s * (e - 1) + ox + 1 : s]
+        t = tmp[: b - a, : e - c]
+        np.multiply(src, wt[c:e], out=t)
+        dst = y[a - r0 : b - r0, c:e]
+        np.add(dst, t, out=dst)
+
+
+def dw_taps(w: np.ndarray, d: int, wo: int) -> list[Tap]:
+    """The nine taps of a depthwise 3x3 (dilation ``d``), centre first."""
+    order = [(1, 1)] + [(ky, kx) for ky in range(3) for kx in range(3) if (ky, kx) != (1, 1)]
+    wt = tiled(w, wo)  # [3, 3, Wo, C]
+    return [(d * (ky - 1), d * (kx - 1), wt[ky, kx]) for ky, kx in order]
+
+
+# Nearest-2x-upsampled 3x3 taps for output parity a: (low-res offset, the ky that land there).
+_PHASE = {0: ((0, (1, 2)), (-1, (0,))), 1: ((0, (0, 1)), (1, (2,)))}
+
+
+def phase_taps(w: np.ndarray, a: int, b: int, wo: int) -> list[Tap]:
+    """The 2x2 low-res taps giving output phase ``(a, b)`` of a 3x3 depthwise conv on the
+    nearest-2x-upsampled input (offset-0 tap first)."""
+    taps: list[Tap] = []
+    for oy, kys in _PHASE[a]:
+        for ox, kxs in _PHASE[b]:
+            wsum = np.asarray(w[np.ix_(kys, kxs)].sum(axis=(0, 1)), dtype=np.float32)
+            taps.append((oy, ox, tiled(wsum, wo)))
+    return taps
+
+
+def epilogue(o: np.ndarray, bias: np.ndarray, res: np.ndarray | None) -> None:
+    """``o = relu(o + bias (+ res))`` in place; ``o`` is ``[R, Wo, Cout]``, bias tiled."""
+    np.add(o, bias, out=o)
+    if res is not None:
+        np.add(o, res, out=o)
+    np.maximum(o, 0.0, out=o)
 
 
 def ds_block_cpu(
@@ -134,24 +192,105 @@ def ds_block_cpu(
     skip: np.ndarray | None = None,  # [N, H, W, C2]: the decoder join, Cin = C1 + C2
 ) -> np.ndarray:  # [N, Ho, Wo, Cout] float32
     """``relu(pwconv(relu(dwconv3x3(join(x, skip))), + x if residual))`` band by band."""
-    src = skip if skip is not None else x
-    n, h, w = src.shape[:3]
-    cin, cout = pw_w.shape
+    if skip is not None:
+        return _join_block(x, skip, dw_w, dw_b, pw_w, pw_b)
+    n, h, w, cin = x.shape
+    cout = pw_w.shape[1]
     ho, wo = (h - 1) // stride + 1, (w - 1) // stride + 1
+    out = np.empty((n, ho, wo, cout), dtype=np.float32)
+    taps, neg_b, bias = cached(
+        (dw_w, dw_b, pw_w, pw_b),
+        (dilation, wo),
+        lambda: (dw_taps(dw_w, dilation, wo), tiled(-dw_b, wo), tiled(pw_b + dw_b @ pw_w, wo)),
+    )
+
+    def run(task: tuple[int, int, int]) -> None:
+        i, r0, r1 = task
+        y = np.empty((r1 - r0, wo, cin), dtype=np.float32)
+        conv_taps(x[i], taps, stride, r0, y, np.empty_like(y))
+        np.maximum(y, neg_b, out=y)
+        o = out[i, r0:r1]
+        np.matmul(y.reshape(-1, cin), pw_w, out=o.reshape(-1, cout))
+        epilogue(o, bias, x[i, r0:r1] if residual else None)
+
+    run_bands(run, bands(n, ho, wo * cin * 4))
+    return out
+
+
+def _join_block(
+    x: np.ndarray,  # [N, h, w, C1] the decoder input (upsampled 2x by the join)
+    skip: np.ndarray,  # [N, 2h, 2w, C2]
+    dw_w: np.ndarray,  # [3, 3, C1 + C2]
+    dw_b: np.ndarray,  # [C1 + C2]
+    pw_w: np.ndarray,  # [C1 + C2, Cout]
+    pw_b: np.ndarray,  # [Cout]
+) -> np.ndarray:  # [N, 2h, 2w, Cout]
+    """A decoder block on ``upsample_concat(x, skip)`` without building it (module doc)."""
+    n, _h, w, c1 = x.shape
+    c2, cout = skip.shape[3], pw_w.shape[1]
+    ho, wo = skip.shape[1], skip.shape[2]
+    out = np.empty((n, ho, wo, cout), dtype=np.float32)
+    phases, skip_taps, neg_up, neg_skip, w_up, w_skip, bias = cached(
+        (dw_w, dw_b, pw_w, pw_b),
+        (c1, w),
+        lambda: (
+            [phase_taps(dw_w[..., :c1], a, b, w) for a in (0, 1) for b in (0, 1)],
+            dw_taps(dw_w[..., c1:], 1, wo),
+            tiled(-dw_b[:c1], w),
+            tiled(-dw_b[c1:], wo),
+            np.ascontiguousarray(pw_w[:c1]),
+            np.ascontiguousarray(pw_w[c1:]),
+            tiled(pw_b + dw_b @ pw_w, wo),
+        ),
+    )
+
+    def run(task: tuple[int, int, int]) -> None:
+        i, r0, r1 = task
+        rows = r1 - r0  # even: bands start on even rows and ho = 2h
+        y = np.empty((rows, wo, c2), dtype=np.float32)
+        conv_taps(skip[i], skip_taps, 1, r0, y, np.empty_like(y))
+        np.maximum(y, neg_skip, out=y)
+        o = out[i, r0:r1]
+        np.matmul(y.reshape(-1, c2), w_skip, out=o.reshape(-1, cout))
+        p = np.empty((4, rows // 2, w, c1), dtype=np.float32)  # phase-major (a, b)
+        tmp = np.empty_like(p[0])
+        for k, taps in enumerate(phases):
+            conv_taps(x[i], taps, 1, r0 // 2, p[k], tmp)
+        np.maximum(p, neg_up, out=p)
+        t = np.matmul(p.reshape(-1, c1), w_up).reshape(2, 2, rows // 2, w, cout)
+        o5 = o.reshape(rows // 2, 2, w, 2, cout)  # [i, a, j, b] = output pixel (2i+a, 2j+b)
+        np.add(o5, t.transpose(2, 0, 3, 1, 4), out=o5)
+        epilogue(o, bias, None)
+
+    run_bands(run, bands(n, ho, wo * (c1 + c2) * 4, step=2))
+    return out
+
+
+def stem_cpu(
+    x: np.ndarray,  # [N, H, W, 1] float32
+    w: np.ndarray,  # [3, 3, 1, Cout]
+    b: np.ndarray,  # [Cout]
+) -> np.ndarray:  # [N, Ho, Wo, Cout]: conv3x3_ref(x, w, b, stride=2, act="relu")
+    """The stride-2 stem convolution (one input channel) band by band: im2col + matmul."""
+    n, h, wd, _ = x.shape
+    cout = w.shape[3]
+    ho, wo = (h - 1) // 2 + 1, (wd - 1) // 2 + 1
+    xp = np.zeros((n, h + 2, wd + 2), dtype=np.float32)
+    xp[:, 1:-1, 1:-1] = x[..., 0]
+    wm = w.reshape(9, cout)
+    bias = tiled(b, wo)
     out = np.empty((n, ho, wo, cout), dtype=np.float32)
 
     def run(task: tuple[int, int, int]) -> None:
         i, r0, r1 = task
-        xp = band_input(x[i], None if skip is None else skip[i], r0, r1, stride, dilation)
-        y = np.empty((r1 - r0, wo, cin), dtype=np.float32)
-        dw_rows(xp, dw_w, dw_b, stride, dilation, y)
-        np.maximum(y, 0.0, out=y)
-        o = out[i, r0:r1].reshape(-1, cout)
-        np.matmul(y.reshape(-1, cin), pw_w, out=o)
-        o += pw_b
-        if residual:
-            o += x[i, r0:r1].reshape(-1, cout)
-        np.maximum(o, 0.0, out=o)
+        cols = np.empty((9, r1 - r0, wo), dtype=np.float32)  # tap-major: contiguous copies
+        for ky in range(3):
+            rows = xp[i, 2 * r0 + ky : 2 * (r1 - 1) + ky + 1 : 2]
+            for kx in range(3):
+                cols[ky * 3 + kx] = rows[:, kx : kx + 2 * (wo - 1) + 1 : 2]
+        o = out[i, r0:r1]
+        np.matmul(cols.reshape(9, -1).T, wm, out=o.reshape(-1, cout))
+        epilogue(o, bias, None)
 
-    list(_POOL.map(run, bands(n, ho, wo * cin * 4)))
+    run_bands(run, bands(n, ho, wo * cout * 4))
     return out

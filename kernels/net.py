@@ -196,7 +196,7 @@ def forward_logits(weights: Weights, cfg: NetConfig, x: np.ndarray) -> np.ndarra
     if not cpu_schedule.available():
         return forward_logits_ref(weights, cfg, x)
     with cpu_schedule.single_threaded_blas():
-        h = conv3x3_ref(x, weights["stem.w"], weights["stem.b"], stride=2, act="relu")
+        h = cpu_schedule.stem_cpu(x, weights["stem.w"], weights["stem.b"])
         skips: dict[str, np.ndarray] = {"skip0": h}
         for b in block_plan(cfg):
             h = cpu_schedule.ds_block_cpu(
