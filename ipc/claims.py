@@ -161,7 +161,7 @@ class WorkerOps(QueueCore):
         if not self._owns(slot, c):
             return False
         write_result(
-            self._r, self._seg.masks, i, result, c.height, c.width,
+            self._seg.result_block, self._r, self._seg.masks, i, result, c.height, c.width,
             between=self._die_mid_result if self._faulty else None,
         )  # fmt: skip
         with self._mutex:
@@ -239,12 +239,10 @@ class WorkerOps(QueueCore):
 
     def _claim_of(self, i: int) -> Claim:
         d = self._d
+        rid, _, enqueued, deadline, part, h, w, prio, want, _, _ = self._seg.request_block.unpack(i)
         return Claim(
-            handle=Handle(i, int(d.generation[i])), request_id=int(d.request_id[i]),
-            priority=int(d.priority[i]), deadline_ns=int(d.deadline_ns[i]),
-            height=int(d.height[i]), width=int(d.width[i]), want_mask=bool(d.want_mask[i]),
-            enqueue_ns=int(d.enqueue_ns[i]), part_class=int(d.part_class[i]),
-            claim_ns=int(d.claim_ns[i]), attempt=int(d.attempt[i]),
+            Handle(i, d.generation[i]), rid, prio, deadline, h, w, bool(want), enqueued, part,
+            d.claim_ns[i], d.attempt[i],
         )  # fmt: skip
 
     def _return_claim(self, i: int, now_ns: int, max_kills: int, report: ReclaimReport) -> None:

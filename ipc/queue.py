@@ -184,10 +184,11 @@ class RequestQueue(WorkerOps):
                 f"image {height}x{width} does not fit a {self.geometry.slot_bytes} B slot"
             )
         i, d = h.index, self._d
-        d.request_id[i], d.conn_id[i], d.part_class[i] = request_id, conn_id, part_class
-        d.priority[i], d.height[i], d.width[i] = priority, height, width
-        d.want_mask[i], d.abandoned[i], d.kills[i], d.attempt[i] = want_mask, 0, 0, 0
-        d.enqueue_ns[i], d.deadline_ns[i], d.claim_ns[i] = time_ns(), deadline_ns, 0
+        self._seg.request_block.pack(
+            i, request_id, conn_id, time_ns(), deadline_ns, part_class, height, width,
+            priority, 1 if want_mask else 0, 0, 0,  # abandoned, kills
+        )  # fmt: skip
+        d.attempt[i] = d.claim_ns[i] = 0
         with self._mutex:
             self._hseq[0] += 1
             d.seq[i] = self._hseq[0]
@@ -292,19 +293,17 @@ class RequestQueue(WorkerOps):
     # ---------------------------------------------------------------- internals
     def _completion_of(self, i: int, generation: int, state: int) -> Completion:
         d, result, error = self._d, None, ""
-        h, w = int(d.height[i]), int(d.width[i])
+        rid, conn, enqueued, _, part, h, w, prio, _, _, kills = self._seg.request_block.unpack(i)
         if state == DONE:
-            result = read_result(self._r, self._seg.masks, i, h, w)
+            result = read_result(self._seg.result_block, self._r, self._seg.masks, i, h, w)
             status = result.status
         elif state == EXPIRED:
             status, error = Status.TIMEOUT, _TIMEOUT_REASON
         else:
             status = Status.ERROR
-            error = f"quarantined: {int(d.kills[i])} workers died while processing this request"
+            error = f"quarantined: {kills} workers died while processing this request"
         return Completion(
-            handle=Handle(i, generation), request_id=int(d.request_id[i]),
-            conn_id=int(d.conn_id[i]), part_class=int(d.part_class[i]),
-            priority=int(d.priority[i]), status=status, result=result,
-            enqueue_ns=int(d.enqueue_ns[i]), claim_ns=int(d.claim_ns[i]),
-            done_ns=int(d.done_ns[i]), worker=int(d.worker[i]), error=error,
+            handle=Handle(i, generation), request_id=rid, conn_id=conn, part_class=part,
+            priority=prio, status=status, result=result, enqueue_ns=enqueued,
+            claim_ns=d.claim_ns[i], done_ns=d.done_ns[i], worker=d.worker[i], error=error,
         )  # fmt: skip

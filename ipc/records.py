@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from scratchd.ipc.shm import ERROR_BYTES, HISTOGRAM_BINS, MAX_BOXES, Columns
+from scratchd.ipc.shm import ERROR_BYTES, HISTOGRAM_BINS, MAX_BOXES, Block, Columns
 
 
 class QueueError(RuntimeError):
@@ -173,6 +173,7 @@ def _clip_utf8(text: str, limit: int) -> bytes:
 
 
 def write_result(
+    fixed: Block,
     r: Columns,
     masks: np.ndarray,
     i: int,
@@ -198,20 +199,15 @@ def write_result(
     if mask is not None and mask.shape != (height, width):
         raise ValueError(f"mask shape {mask.shape} != request shape {(height, width)}")
     error = _clip_utf8(result.error, ERROR_BYTES) if result.error else b""
-    r.status[i] = int(result.status)
-    r.verdict[i] = 1 if result.verdict_defect else 0
-    r.score[i] = result.score
-    r.entropy[i] = result.entropy
-    r.compute_ns[i] = result.compute_ns
-    r.batch_size[i] = result.batch_size
+    fixed.pack(
+        i, int(result.status), 1 if result.verdict_defect else 0, 0,  # has_mask: below
+        n_boxes, len(error), result.batch_size, result.score, result.entropy, result.compute_ns,
+    )  # fmt: skip
     r.histogram[i] = hist
-    r.n_boxes[i] = n_boxes
     if boxes is not None:
         r.boxes[i, :n_boxes] = boxes
     if error:
         r.error[i, : len(error)] = np.frombuffer(error, np.uint8)
-    r.error_len[i] = len(error)
-    r.has_mask[i] = 0
     if between is not None:
         between()
     if mask is not None:
@@ -220,28 +216,21 @@ def write_result(
         r.has_mask[i] = 1
 
 
-def read_result(r: Columns, masks: np.ndarray, i: int, height: int, width: int) -> Result:
+def read_result(
+    fixed: Block, r: Columns, masks: np.ndarray, i: int, height: int, width: int
+) -> Result:
     """The :class:`Result` stored by :func:`write_result` (mask unpacked to 0/255 uint8)."""
-    n_boxes = int(r.n_boxes[i])
+    status, verdict, has_mask, n_boxes, n_error, batch, score, entropy, compute = fixed.unpack(i)
     boxes: list[Box] = []
     if n_boxes:
         boxes = [(b[0], b[1], b[2], b[3], b[4]) for b in r.boxes[i, :n_boxes].tolist()]
     mask = None
-    if r.has_mask[i]:
+    if has_mask:
         n = height * width
         bits = np.unpackbits(masks[i, : (n + 7) // 8], count=n)
         mask = (bits * np.uint8(255)).reshape(height, width)
-    n_error = int(r.error_len[i])
     error = r.error[i, :n_error].tobytes().decode("utf-8", "replace") if n_error else ""
     return Result(
-        status=_STATUSES[r.status[i]],
-        verdict_defect=bool(r.verdict[i]),
-        score=float(r.score[i]),
-        boxes=boxes,
-        entropy=float(r.entropy[i]),
-        histogram=r.histogram[i].copy(),
-        compute_ns=int(r.compute_ns[i]),
-        batch_size=int(r.batch_size[i]),
-        error=error,
-        mask=mask,
-    )
+        _STATUSES[status], bool(verdict), score, boxes, entropy, r.histogram[i].copy(),
+        compute, batch, error, mask,
+    )  # fmt: skip

@@ -56,6 +56,7 @@ import contextlib
 import fcntl
 import mmap
 import os
+import struct
 import time
 from typing import Any
 
@@ -66,7 +67,7 @@ import posix_ipc
 from scratchd.ipc.lock import MUTEX_BYTES
 
 MAGIC = b"SCRATCHQ"
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 PRIORITIES = 8  # 0 (normal) .. 7 (most urgent)
 MAX_BOXES = 64
 HISTOGRAM_BINS = 64
@@ -112,34 +113,40 @@ assert MUTEX_OFFSET + MUTEX_BYTES <= HEADER_BYTES
 
 DESC_DTYPE = np.dtype(
     [
-        ("state", "u1"),  # DescState
+        # The request block: written by the acceptor while it owns the descriptor (WRITTEN),
+        # in one struct call (REQUEST_FIELDS); read back the same way by claims/completions.
+        ("request_id", "<u8"),
+        ("conn_id", "<u8"),
+        ("enqueue_ns", "<i8"),
+        ("deadline_ns", "<i8"),
+        ("part_class", "<i4"),
+        ("height", "<u4"),
+        ("width", "<u4"),
         ("priority", "u1"),
         ("want_mask", "u1"),
         ("abandoned", "u1"),  # client gone: free instead of completing
         ("kills", "u1"),  # workers that died holding this request
+        # Lifecycle (under the lock, except FREE <-> WRITTEN by the main process).
+        ("state", "u1"),  # DescState
         ("generation", "<u4"),  # bumped on every move to FREE (so on every reuse)
         ("attempt", "<u4"),  # claims of this request so far; binds a Claim to one claim
-        ("part_class", "<i4"),
-        ("height", "<u4"),
-        ("width", "<u4"),
+        ("seq", "<u8"),  # enqueue sequence number: FIFO among equal deadlines
+        # Ownership (claim, reclaim) and completion time.
         ("worker", "<i4"),  # claiming worker slot, NIL when not claimed
         ("worker_pid", "<i4"),
+        ("claim_ns", "<i8"),
+        ("done_ns", "<i8"),
+        # Index links (derived; rebuilt by repair).
         ("rnext", "<i4"),  # ready list links (per priority, deadline then seq order);
         # for a finished descriptor, rnext links the done stack instead
         ("rprev", "<i4"),
         ("wnext", "<i4"),  # timing-wheel bucket links
         ("wprev", "<i4"),
         ("wbucket", "<i4"),  # the wheel bucket it is linked into
-        ("request_id", "<u8"),
-        ("conn_id", "<u8"),
-        ("seq", "<u8"),
-        ("enqueue_ns", "<i8"),
-        ("deadline_ns", "<i8"),
-        ("claim_ns", "<i8"),
-        ("done_ns", "<i8"),
     ],
     align=True,
 )
+REQUEST_FIELDS = ("request_id", "kills")  # first and last field of the request block
 
 RESULT_DTYPE = np.dtype(
     [
@@ -158,6 +165,7 @@ RESULT_DTYPE = np.dtype(
     ],
     align=True,
 )
+RESULT_FIELDS = ("status", "compute_ns")  # the fixed-size scalars, one struct call
 
 WORKER_DTYPE = np.dtype(
     [
@@ -189,6 +197,37 @@ class Columns:
 
     def __getattr__(self, name: str) -> Any:  # for mypy: fields are set dynamically
         raise AttributeError(name)
+
+
+_STRUCT_CODES = {
+    ("u", 1): "B", ("u", 2): "H", ("u", 4): "I", ("u", 8): "Q",
+    ("i", 1): "b", ("i", 2): "h", ("i", 4): "i", ("i", 8): "q", ("f", 4): "f", ("f", 8): "d",
+}  # fmt: skip
+
+
+class Block:
+    """Consecutive scalar fields of a table row, packed or unpacked with one struct call
+    (~0.1 µs for the lot, where each field through a view costs ~0.1–0.2 µs)."""
+
+    def __init__(self, buf: mmap.mmap, table_offset: int, dtype: np.dtype, span: tuple[str, str]):
+        names, fields = list(dtype.names or ()), dtype.fields
+        assert fields is not None
+        chosen = names[names.index(span[0]) : names.index(span[1]) + 1]
+        start = pos = fields[span[0]][1]
+        fmt = "<"
+        for name in chosen:
+            dt, off = fields[name][:2]
+            fmt += "x" * (off - pos) + _STRUCT_CODES[(dt.kind, dt.itemsize)]
+            pos = off + dt.itemsize
+        self.names = tuple(chosen)
+        self._struct = struct.Struct(fmt)
+        self._buf, self._start, self._stride = buf, table_offset + start, dtype.itemsize
+
+    def pack(self, i: int, *values: int | float) -> None:
+        self._struct.pack_into(self._buf, self._start + i * self._stride, *values)
+
+    def unpack(self, i: int) -> tuple[Any, ...]:
+        return self._struct.unpack_from(self._buf, self._start + i * self._stride)
 
 
 class SegmentError(RuntimeError):
@@ -270,6 +309,8 @@ class Segment:
         self.results = np.ndarray((g.slots,), RESULT_DTYPE, buffer=mm, offset=int(h["result_off"]))
         self.d = Columns(self.descs)
         self.r = Columns(self.results)
+        self.request_block = Block(mm, int(h["desc_off"]), DESC_DTYPE, REQUEST_FIELDS)
+        self.result_block = Block(mm, int(h["result_off"]), RESULT_DTYPE, RESULT_FIELDS)
         self.workers = np.ndarray(
             (g.max_workers,), WORKER_DTYPE, buffer=mm, offset=int(h["worker_off"])
         )
