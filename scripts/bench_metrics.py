@@ -162,7 +162,11 @@ def main_process_cost(requests: int, rounds: int, model: str) -> dict[str, Any]:
                     per_request[label].append(used / requests / 1e3)
                 finally:
                     proc.send_signal(signal.SIGTERM)
-                    proc.wait(60)
+                    try:
+                        proc.wait(60)
+                    except subprocess.TimeoutExpired:  # a wedged daemon must not outlive us
+                        proc.kill()
+                        proc.wait()
     med = {k: round(float(np.median(v)), 1) for k, v in per_request.items()}
     return {
         "requests_per_round": requests,
