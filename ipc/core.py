@@ -131,7 +131,9 @@ class QueueCore:
 
     def _pick_waiting(self, n: int) -> list[int]:
         """Take up to ``n`` waiting worker slots off the waiting mask (lock held)."""
-        mask, picked = int(self._waiting[0]), list[int]()
+        mask, picked = self._waiting[0], list[int]()
+        if not mask:
+            return picked
         while mask and len(picked) < n:
             low = mask & -mask
             picked.append(low.bit_length() - 1)

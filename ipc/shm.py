@@ -12,7 +12,8 @@ daemon's main process, mapped by every worker. Every region starts on a 64-byte 
     │   wheel cursor, done-stack head, counters                                │
     │   · robust pthread mutex at MUTEX_OFFSET (64 B)                          │
     ├──────────────────────────────────────────────────────────────────────────┤
-    │ descriptor table   slots × DESC_DTYPE   state machine + intrusive links  │
+    │ descriptor table   slots × DESC_DTYPE   request block (packed by one     │
+    │                    struct call), state, generation, owner, links         │
     ├──────────────────────────────────────────────────────────────────────────┤
     │ result table       slots × RESULT_DTYPE fixed-size results (worker out)  │
     ├──────────────────────────────────────────────────────────────────────────┤
@@ -43,8 +44,9 @@ Who writes what (the queue module's docstring gives the order of writes inside t
 - a worker row's heartbeat and counters: that worker only (single writer, no lock); its
   ``pid``/``state``: ``register_worker`` and ``reclaim_worker`` under the mutex.
 
-Lifecycle: :meth:`Segment.create` replaces a stale segment (wrong magic or version, or an
-owner that is gone) and refuses one whose owner is alive. Liveness is an exclusive
+Lifecycle: :meth:`Segment.create` replaces an existing segment that nobody owns any more (a
+dead daemon's, whatever its layout version, or a foreign one) and refuses one whose owner is
+alive, naming its pid. Liveness is an exclusive
 ``flock`` the owner holds on the segment's file for its whole life: the kernel drops it when
 the owner dies, so no pid-reuse guesswork is involved. :meth:`Segment.attach` maps an
 existing segment after checking magic, version and size.

@@ -10,6 +10,9 @@ One round trip is what a request costs the daemon beyond the model itself:
   the script starts itself (temporary config, no persistence) and stops at the end.
 - **mp.Queue**: ``put`` / ``get`` both ways (pickle over a pipe; allowed here only as a
   comparison — never on any scratchd wire).
+- **scratchd, one process**: the same queue calls with no second process and no doorbell
+  wait: the CPU the queue itself costs per round trip (the rest of the first row is the two
+  cross-process wake-ups, i.e. the scheduler).
 
 Each worker is a separate process started by exec. The systems run interleaved in chunks so
 that noise from other load on the machine falls on all of them alike. Reported: p50, p90,
@@ -99,6 +102,8 @@ def redis_worker(socket_path: str) -> None:
 
 
 def mp_worker(inbox: MpQueue[Any], outbox: MpQueue[Any]) -> None:
+    if os.environ.get("SCRATCHD_BENCH_PIN"):
+        os.sched_setaffinity(0, {1})
     while (d := inbox.get()) is not None:
         outbox.put(Reply(d.request_id, 0, float(d.pixels[0])))
 
@@ -142,6 +147,34 @@ class QueueBench:
     def close(self) -> None:
         self.worker.terminate()
         self.worker.wait()
+        self.q.close()
+
+
+class InProcessQueueBench:
+    """The same operations with the worker's half in this process: the queue's own CPU cost
+    per round trip, without the two cross-process wake-ups."""
+
+    name = "scratchd queue, one process"
+
+    def __init__(self) -> None:
+        self.q = RequestQueue.create(f"/scratchd-bench-inproc-{os.getpid()}", GEOMETRY)
+        self.q.register_worker(1, os.getpid())
+
+    def round_trip(self, i: int) -> None:
+        q = self.q
+        h = q.reserve()
+        assert h is not None
+        q.payload(h)[:16] = PAYLOAD
+        q.submit(
+            h, request_id=i, conn_id=1, priority=0, part_class=0,
+            deadline_ns=time.monotonic_ns() + DEADLINE_NS, height=4, width=4, want_mask=False,
+        )  # fmt: skip
+        for c in q.claim_batch(1, 1, time.monotonic_ns()):
+            q.complete(1, c, Result(Status.OK, score=float(q.input_view(c)[0, 0]), batch_size=1))
+        (done,) = q.collect_completed()
+        assert done.request_id == i
+
+    def close(self) -> None:
         self.q.close()
 
 
@@ -238,7 +271,7 @@ def summarize(ns: list[int]) -> dict[str, float]:
 
 
 def run(rounds: int, warmup: int, chunks: int) -> dict[str, dict[str, float]]:
-    benches: list[Bench] = [QueueBench(), RedisBench(), MpQueueBench()]
+    benches: list[Bench] = [QueueBench(), RedisBench(), MpQueueBench(), InProcessQueueBench()]
     samples: dict[str, list[int]] = {b.name: [] for b in benches}
     try:
         for b in benches:
@@ -266,8 +299,17 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1_000)
     ap.add_argument("--chunks", type=int, default=10, help="interleaving chunks")
     ap.add_argument("--json", type=Path, default=ROOT / "docs" / "bench" / "queue.json")
+    ap.add_argument(
+        "--pin", action="store_true", help="main process on CPU 0, workers on CPU 1 (Linux)"
+    )
     ap.add_argument("--role", nargs="+", help=argparse.SUPPRESS)  # exec'd worker roles
     args = ap.parse_args()
+    if args.pin and (os.cpu_count() or 1) > 1:
+        os.sched_setaffinity(0, {1} if args.role else {0})
+        if not args.role:
+            os.environ["SCRATCHD_BENCH_PIN"] = "1"  # the exec'd workers pin themselves
+    if os.environ.get("SCRATCHD_BENCH_PIN") and args.role:
+        os.sched_setaffinity(0, {1})
     if args.role:
         role, *rest = args.role
         if role == "queue-worker":
@@ -283,6 +325,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "kernel": platform.release(), "load_avg_1m": os.getloadavg()[0]},
         "rounds_per_system": args.rounds,
+        "pinned": bool(args.pin),
         "results": results,
         "targets": {"p50_us": 20, "p99_us": 100, "vs_redis": 10},
         "speedup_vs_redis": {
