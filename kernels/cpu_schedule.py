@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -54,12 +55,51 @@ try:
 except ImportError:  # pragma: no cover - optional: the GPU image need not have it
     ThreadpoolController = None
 
-BAND_BYTES = 512 * 1024
-_POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="scratchd-cpu")
+BAND_BYTES = 2 * 1024 * 1024
+_THREADS = os.cpu_count() or 1
+_POOL = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="scratchd-cpu")
 _CONTROLLER: Any = None
 _CACHE: dict[tuple[int, ...], tuple[tuple[np.ndarray, ...], Any]] = {}
 
-Tap = tuple[int, int, np.ndarray]  # (row offset, col offset, weight tiled [Wo, C])
+Tap = tuple[int, int, int, np.ndarray]  # (source, row offset, col offset, weight [Wo, C])
+
+
+class Workspace:
+    """Layer outputs recycled from one forward to the next (per thread; see :func:`workspace`).
+
+    A fresh 50 MB ``np.empty`` is a fresh ``mmap``: its first write page-faults every 4 KB
+    (about 4 ms per 50 MB here, a tenth of a 1024x1024 forward over all layers). The forward
+    hands each activation back once no later layer reads it, and the next layer (or the next
+    forward) of that shape takes it again. At most ``limit`` bytes are kept."""
+
+    def __init__(self, limit: int = 1 << 30) -> None:
+        self.limit = limit
+        self.kept = 0
+        self.free: dict[tuple[int, ...], list[np.ndarray]] = {}
+
+    def take(self, shape: tuple[int, ...]) -> np.ndarray:  # float32, contents undefined
+        stack = self.free.get(shape)
+        if stack:
+            arr = stack.pop()
+            self.kept -= arr.nbytes
+            return arr
+        return np.empty(shape, dtype=np.float32)
+
+    def give(self, arr: np.ndarray) -> None:
+        if self.kept + arr.nbytes <= self.limit:
+            self.free.setdefault(arr.shape, []).append(arr)
+            self.kept += arr.nbytes
+
+
+_LOCAL = threading.local()
+
+
+def workspace() -> Workspace:
+    """The calling thread's :class:`Workspace` (forwards on other threads never share it)."""
+    ws: Workspace | None = getattr(_LOCAL, "ws", None)
+    if ws is None:
+        ws = _LOCAL.ws = Workspace()
+    return ws
 
 
 def available() -> bool:
@@ -88,12 +128,15 @@ def run_bands(
 
 
 def bands(n: int, rows: int, row_bytes: int, step: int = 1) -> list[tuple[int, int, int]]:
-    """``(image, r0, r1)`` tasks covering ``n`` images of ``rows`` rows (``r0`` a multiple
-    of ``step``), at least two per image when the image has rows enough (both cores busy)."""
-    per = max(1, BAND_BYTES // max(row_bytes, 1))
-    if n == 1:
-        per = min(per, (rows + 1) // 2)
-    per = max(step, per // step * step)
+    """``(image, r0, r1)`` tasks covering ``n`` images of ``rows`` rows: about
+    ``BAND_BYTES`` each, their number a multiple of the pool's threads where rows allow (so
+    every core gets an equal share); ``r0`` is a multiple of ``step``."""
+    total = n * rows * row_bytes
+    k = max(1, -(-total // BAND_BYTES), _THREADS)
+    k = -(-k // _THREADS) * _THREADS
+    per_image = -(-k // n)
+    per = -(-rows // per_image)
+    per = max(step, -(-per // step) * step)
     return [(i, r0, min(r0 + per, rows)) for i in range(n) for r0 in range(0, rows, per)]
 
 
@@ -126,35 +169,43 @@ def _reach(r0: int, r1: int, n_in: int, s: int, off: int) -> tuple[int, int]:
 
 
 def conv_taps(
-    x: np.ndarray,  # [H, W, C] one image, unpadded
+    srcs: list[np.ndarray],  # [rows, Wk, C] input rows row0.. of an image (its column phases)
+    row0: int,
+    h: int,  # the image's height (rows past it are zero padding)
     taps: list[Tap],  # taps[0] has offsets (0, 0): it covers every output pixel
-    s: int,
+    s: int,  # row stride
     r0: int,
-    y: np.ndarray,  # [R, Wo, C], written: rows r0..r0+R of sum_t x[s*r + oy, s*c + ox] * w_t
+    y: np.ndarray,  # [R, Wo, C], written: rows r0..r0+R of sum_t src_k[s*r + oy, c + ox] * w_t
     tmp: np.ndarray,  # [R, Wo, C] scratch
 ) -> None:
-    """A depthwise convolution of one band as shifted multiply-adds; zeros outside ``x``."""
-    h, w = x.shape[:2]
+    """A depthwise convolution of one band as shifted multiply-adds; zeros outside the image."""
     rows, wo = y.shape[:2]
-    _, _, w0 = taps[0]
-    np.multiply(x[s * r0 : s * (r0 + rows - 1) + 1 : s, : s * (wo - 1) + 1 : s], w0, out=y)
-    for oy, ox, wt in taps[1:]:
+    k0, _, _, w0 = taps[0]
+    np.multiply(srcs[k0][s * r0 - row0 : s * (r0 + rows - 1) - row0 + 1 : s, :wo], w0, out=y)
+    for k, oy, ox, wt in taps[1:]:
         a, b = _reach(r0, r0 + rows, h, s, oy)
-        c, e = _reach(0, wo, w, s, ox)
+        c, e = _reach(0, wo, srcs[k].shape[1], 1, ox)
         if a >= b or c >= e:
             continue
-        src = x[s * a + oy : s * (b - 1) + oy + 1 : s, s * c + ox : s * (e - 1) + ox + 1 : s]
+        src = srcs[k][s * a + oy - row0 : s * (b - 1) + oy - row0 + 1 : s, c + ox : e + ox]
         t = tmp[: b - a, : e - c]
         np.multiply(src, wt[c:e], out=t)
         dst = y[a - r0 : b - r0, c:e]
         np.add(dst, t, out=dst)
 
 
-def dw_taps(w: np.ndarray, d: int, wo: int) -> list[Tap]:
-    """The nine taps of a depthwise 3x3 (dilation ``d``), centre first."""
+def dw_taps(w: np.ndarray, d: int, s: int, wo: int) -> list[Tap]:
+    """The nine taps of a depthwise 3x3 (dilation ``d``), centre first. With stride 2 the
+    input's columns come split into even and odd ones (source 0 and 1): input column
+    ``2c + o`` is column ``c + o // 2`` of source ``o % 2``."""
     order = [(1, 1)] + [(ky, kx) for ky in range(3) for kx in range(3) if (ky, kx) != (1, 1)]
     wt = tiled(w, wo)  # [3, 3, Wo, C]
-    return [(d * (ky - 1), d * (kx - 1), wt[ky, kx]) for ky, kx in order]
+    taps: list[Tap] = []
+    for ky, kx in order:
+        ox = d * (kx - 1)
+        src, ox = (0, ox) if s == 1 else (ox % 2, ox // 2)
+        taps.append((src, d * (ky - 1), ox, wt[ky, kx]))
+    return taps
 
 
 # Nearest-2x-upsampled 3x3 taps for output parity a: (low-res offset, the ky that land there).
@@ -168,7 +219,7 @@ def phase_taps(w: np.ndarray, a: int, b: int, wo: int) -> list[Tap]:
     for oy, kys in _PHASE[a]:
         for ox, kxs in _PHASE[b]:
             wsum = np.asarray(w[np.ix_(kys, kxs)].sum(axis=(0, 1)), dtype=np.float32)
-            taps.append((oy, ox, tiled(wsum, wo)))
+            taps.append((0, oy, ox, tiled(wsum, wo)))
     return taps
 
 
@@ -190,24 +241,35 @@ def ds_block_cpu(
     dilation: int,
     residual: bool,
     skip: np.ndarray | None = None,  # [N, H, W, C2]: the decoder join, Cin = C1 + C2
+    ws: Workspace | None = None,  # where the output comes from (default: a new array)
 ) -> np.ndarray:  # [N, Ho, Wo, Cout] float32
     """``relu(pwconv(relu(dwconv3x3(join(x, skip))), + x if residual))`` band by band."""
+    ws = ws or Workspace(limit=0)
     if skip is not None:
-        return _join_block(x, skip, dw_w, dw_b, pw_w, pw_b)
+        return _join_block(x, skip, dw_w, dw_b, pw_w, pw_b, ws)
     n, h, w, cin = x.shape
     cout = pw_w.shape[1]
     ho, wo = (h - 1) // stride + 1, (w - 1) // stride + 1
-    out = np.empty((n, ho, wo, cout), dtype=np.float32)
+    out = ws.take((n, ho, wo, cout))
     taps, neg_b, bias = cached(
         (dw_w, dw_b, pw_w, pw_b),
         (dilation, wo),
-        lambda: (dw_taps(dw_w, dilation, wo), tiled(-dw_b, wo), tiled(pw_b + dw_b @ pw_w, wo)),
+        lambda: (
+            dw_taps(dw_w, dilation, stride, wo),
+            tiled(-dw_b, wo),
+            tiled(pw_b + dw_b @ pw_w, wo),
+        ),
     )
 
     def run(task: tuple[int, int, int]) -> None:
         i, r0, r1 = task
         y = np.empty((r1 - r0, wo, cin), dtype=np.float32)
-        conv_taps(x[i], taps, stride, r0, y, np.empty_like(y))
+        if stride == 1:
+            srcs, row0 = [x[i]], 0
+        else:  # even and odd columns apart, so that every tap reads contiguous pixels
+            row0, hi = max(0, 2 * r0 - dilation), min(h, 2 * r1 - 2 + dilation + 1)
+            srcs = [np.ascontiguousarray(x[i, row0:hi, p::2]) for p in (0, 1)]
+        conv_taps(srcs, row0, h, taps, stride, r0, y, np.empty_like(y))
         np.maximum(y, neg_b, out=y)
         o = out[i, r0:r1]
         np.matmul(y.reshape(-1, cin), pw_w, out=o.reshape(-1, cout))
@@ -224,18 +286,19 @@ def _join_block(
     dw_b: np.ndarray,  # [C1 + C2]
     pw_w: np.ndarray,  # [C1 + C2, Cout]
     pw_b: np.ndarray,  # [Cout]
+    ws: Workspace,
 ) -> np.ndarray:  # [N, 2h, 2w, Cout]
     """A decoder block on ``upsample_concat(x, skip)`` without building it (module doc)."""
     n, _h, w, c1 = x.shape
     c2, cout = skip.shape[3], pw_w.shape[1]
     ho, wo = skip.shape[1], skip.shape[2]
-    out = np.empty((n, ho, wo, cout), dtype=np.float32)
+    out = ws.take((n, ho, wo, cout))
     phases, skip_taps, neg_up, neg_skip, w_up, w_skip, bias = cached(
         (dw_w, dw_b, pw_w, pw_b),
         (c1, w),
         lambda: (
             [phase_taps(dw_w[..., :c1], a, b, w) for a in (0, 1) for b in (0, 1)],
-            dw_taps(dw_w[..., c1:], 1, wo),
+            dw_taps(dw_w[..., c1:], 1, 1, wo),
             tiled(-dw_b[:c1], w),
             tiled(-dw_b[c1:], wo),
             np.ascontiguousarray(pw_w[:c1]),
@@ -248,14 +311,14 @@ def _join_block(
         i, r0, r1 = task
         rows = r1 - r0  # even: bands start on even rows and ho = 2h
         y = np.empty((rows, wo, c2), dtype=np.float32)
-        conv_taps(skip[i], skip_taps, 1, r0, y, np.empty_like(y))
+        conv_taps([skip[i]], 0, ho, skip_taps, 1, r0, y, np.empty_like(y))
         np.maximum(y, neg_skip, out=y)
         o = out[i, r0:r1]
         np.matmul(y.reshape(-1, c2), w_skip, out=o.reshape(-1, cout))
         p = np.empty((4, rows // 2, w, c1), dtype=np.float32)  # phase-major (a, b)
         tmp = np.empty_like(p[0])
         for k, taps in enumerate(phases):
-            conv_taps(x[i], taps, 1, r0 // 2, p[k], tmp)
+            conv_taps([x[i]], 0, x.shape[1], taps, 1, r0 // 2, p[k], tmp)
         np.maximum(p, neg_up, out=p)
         t = np.matmul(p.reshape(-1, c1), w_up).reshape(2, 2, rows // 2, w, cout)
         o5 = o.reshape(rows // 2, 2, w, 2, cout)  # [i, a, j, b] = output pixel (2i+a, 2j+b)
@@ -270,6 +333,7 @@ def stem_cpu(
     x: np.ndarray,  # [N, H, W, 1] float32
     w: np.ndarray,  # [3, 3, 1, Cout]
     b: np.ndarray,  # [Cout]
+    ws: Workspace | None = None,
 ) -> np.ndarray:  # [N, Ho, Wo, Cout]: conv3x3_ref(x, w, b, stride=2, act="relu")
     """The stride-2 stem convolution (one input channel) band by band: im2col + matmul."""
     n, h, wd, _ = x.shape
@@ -279,7 +343,7 @@ def stem_cpu(
     xp[:, 1:-1, 1:-1] = x[..., 0]
     wm = w.reshape(9, cout)
     bias = tiled(b, wo)
-    out = np.empty((n, ho, wo, cout), dtype=np.float32)
+    out = (ws or Workspace(limit=0)).take((n, ho, wo, cout))
 
     def run(task: tuple[int, int, int]) -> None:
         i, r0, r1 = task

@@ -195,18 +195,27 @@ def forward_logits(weights: Weights, cfg: NetConfig, x: np.ndarray) -> np.ndarra
     the op-by-op path where BLAS threads cannot be limited (no threadpoolctl)."""
     if not cpu_schedule.available():
         return forward_logits_ref(weights, cfg, x)
+    ws = cpu_schedule.workspace()
     with cpu_schedule.single_threaded_blas():
-        h = cpu_schedule.stem_cpu(x, weights["stem.w"], weights["stem.b"])
+        h = cpu_schedule.stem_cpu(x, weights["stem.w"], weights["stem.b"], ws)
         skips: dict[str, np.ndarray] = {"skip0": h}
         for b in block_plan(cfg):
-            h = cpu_schedule.ds_block_cpu(
+            skip = None if b.join is None else skips.pop(b.join)
+            out = cpu_schedule.ds_block_cpu(
                 h, weights[f"{b.name}.dw.w"], weights[f"{b.name}.dw.b"],
                 weights[f"{b.name}.pw.w"], weights[f"{b.name}.pw.b"],
-                b.stride, b.dilation, b.residual, None if b.join is None else skips[b.join],
+                b.stride, b.dilation, b.residual, skip, ws,
             )  # fmt: skip
+            prev, h = h, out
             if b.saves is not None:
                 skips[b.saves] = h
-        return pwconv_ref(h, weights["head.w"], weights["head.b"], act="none")
+            # Hand back what no later layer reads (skips are read by their join).
+            for dead in (prev, skip):
+                if dead is not None and all(dead is not s for s in skips.values()):
+                    ws.give(dead)
+        logits = pwconv_ref(h, weights["head.w"], weights["head.b"], act="none")
+        ws.give(h)
+        return logits
 
 
 def forward(
