@@ -53,6 +53,7 @@ eventfd per worker slot; hand ``completion_fd`` and ``work_fd(slot)`` to the wor
 
 from __future__ import annotations
 
+import struct
 from time import monotonic_ns as time_ns
 
 import numpy as np
@@ -184,10 +185,16 @@ class RequestQueue(WorkerOps):
                 f"image {height}x{width} does not fit a {self.geometry.slot_bytes} B slot"
             )
         i, d = h.index, self._d
-        self._seg.request_block.pack(
-            i, request_id, conn_id, time_ns(), deadline_ns, part_class, height, width,
-            priority, 1 if want_mask else 0, 0, 0,  # abandoned, kills
-        )  # fmt: skip
+        try:
+            self._seg.request_block.pack(
+                i, request_id, conn_id, time_ns(), deadline_ns, part_class, height, width,
+                priority, 1 if want_mask else 0, 0, 0,  # abandoned, kills
+            )  # fmt: skip
+        except struct.error as exc:  # nothing was written; the descriptor stays WRITTEN
+            raise ValueError(
+                f"request field out of range (request_id and conn_id are u64, part_class "
+                f"i32, deadline_ns i64): {exc}"
+            ) from exc
         d.attempt[i] = d.claim_ns[i] = 0
         with self._mutex:
             self._hseq[0] += 1

@@ -44,6 +44,9 @@ Who writes what (the queue module's docstring gives the order of writes inside t
 - a worker row's heartbeat and counters: that worker only (single writer, no lock); its
   ``pid``/``state``: ``register_worker`` and ``reclaim_worker`` under the mutex.
 
+Memory is reserved when the segment is created (``posix_fallocate``): a full ``/dev/shm`` is
+a clear :class:`SegmentError` at start-up, never a SIGBUS while serving.
+
 Lifecycle: :meth:`Segment.create` replaces an existing segment that nobody owns any more (a
 dead daemon's, whatever its layout version, or a foreign one) and refuses one whose owner is
 alive, naming its pid. Liveness is an exclusive
@@ -348,6 +351,7 @@ class Segment:
             # Liveness first: hold the flock before anything else can look at the segment.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.fchmod(fd, 0o600)  # independent of the umask
+            _reserve_memory(name, fd, offsets["total_bytes"])
             mm = mmap.mmap(fd, offsets["total_bytes"])
             _write_header(mm, geometry, offsets)
             return cls(name, mm, lock_fd=fd)
@@ -394,6 +398,23 @@ class Segment:
         """Remove the name (mapped copies stay valid until unmapped). Idempotent."""
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory(self.name)
+
+
+def _reserve_memory(name: str, fd: int, size: int) -> None:
+    """Allocate every page now. A sparse tmpfs file that later cannot get a page (``/dev/shm``
+    full, e.g. a container's 64 MiB default) kills whoever touches it with SIGBUS; reserving
+    up front turns that into a clear error at start-up instead."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        os.close(fd)
+        posix_ipc.unlink_shared_memory(name)
+        free = os.statvfs("/dev/shm")
+        raise SegmentError(
+            f"shared memory {name}: cannot reserve {size} bytes ({exc.strerror}); /dev/shm has "
+            f"{free.f_bavail * free.f_frsize} bytes free — lower [queue] slots or slot_bytes, "
+            "or enlarge /dev/shm"
+        ) from exc
 
 
 def _write_header(mm: mmap.mmap, g: Geometry, offsets: dict[str, int]) -> None:

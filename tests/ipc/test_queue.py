@@ -373,3 +373,26 @@ def test_submit_wakes_a_waiting_worker(queue: RequestQueue) -> None:
     submit(queue, 1, deadline_ns=time.monotonic_ns() + 10**9)
     thread.join(5.0)
     assert woke and woke[0] - submitted < 1.0  # woken by the ring, not by the timeout
+
+
+def test_out_of_range_request_fields_are_refused_and_nothing_is_written(
+    queue: RequestQueue,
+) -> None:
+    h = queue.reserve()
+    assert h is not None
+    now = time.monotonic_ns()
+    bad: list[dict[str, int]] = [{"request_id": -1}, {"conn_id": 2**64}, {"priority": 8}]
+    for fields in bad:
+        args = {"request_id": 1, "conn_id": 1, "priority": 0, **fields}
+        with pytest.raises(ValueError):
+            queue.submit(
+                h, part_class=0, deadline_ns=now, height=1, width=1, want_mask=False, **args
+            )
+    with pytest.raises(ValueError, match="does not fit"):
+        queue.submit(
+            h, request_id=1, conn_id=1, priority=0, part_class=0, deadline_ns=now,
+            height=5, width=5, want_mask=False,
+        )  # fmt: skip
+    assert queue.counts_by_state()[DescState.WRITTEN] == 1  # still the acceptor's to release
+    queue.release(h)
+    assert queue.counts_by_state()[DescState.FREE] == SLOTS
