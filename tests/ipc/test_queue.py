@@ -220,6 +220,19 @@ class QueueModel(RuleBasedStateMachine):
         self.abandoned |= {rid for rid, (_, _, r) in self.claimed.items() if r.conn == conn}
 
     @rule()
+    def lock_holder_died(self) -> None:
+        """A process died mid-critical-section with the index in any state: wipe the whole
+        derived index and let the repair rebuild it from the descriptor table alone. Every
+        later observation (claim order, expiry, collection) must be unaffected."""
+        seg = self.q._seg
+        with self.q._mutex:
+            for index in (seg.ready_head, seg.ready_tail, seg.wheel_head):
+                index[:] = -1
+            seg.ready_count[:] = 0
+            self.q._done_head[0] = -1
+            self.q._repair()
+
+    @rule()
     def collect(self) -> None:
         completions = self.q.collect_completed()
         got = {c.request_id: c.status for c in completions}
