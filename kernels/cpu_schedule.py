@@ -50,6 +50,8 @@ from typing import Any
 
 import numpy as np
 
+from scratchd.kernels.sigmoid import sigmoid_ref
+
 try:
     from threadpoolctl import ThreadpoolController
 except ImportError:  # pragma: no cover - optional: the GPU image need not have it
@@ -60,6 +62,7 @@ _THREADS = os.cpu_count() or 1
 _POOL = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="scratchd-cpu")
 _CONTROLLER: Any = None
 _CACHE: dict[tuple[int, ...], tuple[tuple[np.ndarray, ...], Any]] = {}
+_PLANS: dict[tuple[int, ...], tuple[list[Any], list[Any]]] = {}
 
 Tap = tuple[int, int, int, np.ndarray]  # (source, row offset, col offset, weight [Wo, C])
 
@@ -120,11 +123,20 @@ def single_threaded_blas() -> Iterator[None]:
 def run_bands(
     fn: Callable[[tuple[int, int, int]], None], tasks: list[tuple[int, int, int]]
 ) -> None:
-    """Run ``fn`` on every ``(image, r0, r1)`` task: on the pool when there are several."""
-    if len(tasks) == 1:
-        fn(tasks[0])
-    else:
-        list(_POOL.map(fn, tasks))
+    """Run ``fn`` on every ``(image, r0, r1)`` task: the calling thread and up to
+    ``threads - 1`` pool threads take the next task until none is left."""
+    todo = iter(tasks)
+
+    def drain() -> None:
+        for task in todo:  # a list iterator hands each task to exactly one thread
+            fn(task)
+
+    helpers = [_POOL.submit(drain) for _ in range(min(_THREADS, len(tasks)) - 1)]
+    try:
+        drain()
+    finally:
+        for f in helpers:
+            f.result()
 
 
 def bands(n: int, rows: int, row_bytes: int, step: int = 1) -> list[tuple[int, int, int]]:
@@ -180,18 +192,38 @@ def conv_taps(
 ) -> None:
     """A depthwise convolution of one band as shifted multiply-adds; zeros outside the image."""
     rows, wo = y.shape[:2]
-    k0, _, _, w0 = taps[0]
-    np.multiply(srcs[k0][s * r0 - row0 : s * (r0 + rows - 1) - row0 + 1 : s, :wo], w0, out=y)
-    for k, oy, ox, wt in taps[1:]:
+    key = (id(taps), row0, h, s, r0, rows, wo, *(x.shape[1] for x in srcs))
+    plan = _PLANS.get(key)
+    if plan is None or plan[0] is not taps:
+        plan = (taps, tap_plan(taps, row0, h, s, r0, rows, wo, [x.shape[1] for x in srcs]))
+        if len(_PLANS) >= 4096:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    (k0, src0, w0, _), *rest = plan[1]
+    np.multiply(srcs[k0][src0], w0, out=y)
+    for k, src, wt, dst in rest:
+        t = tmp[dst]
+        np.multiply(srcs[k][src], wt, out=t)
+        np.add(y[dst], t, out=y[dst])
+
+
+Slices = tuple[slice, slice]
+
+
+def tap_plan(
+    taps: list[Tap], row0: int, h: int, s: int, r0: int, rows: int, wo: int, widths: list[int]
+) -> list[tuple[int, Slices, np.ndarray, Slices]]:
+    """Per tap of one band: (source, its slice, the weight's columns, the output's slice);
+    taps that reach no pixel of the band are left out."""
+    plan = []
+    for i, (k, oy, ox, wt) in enumerate(taps):
         a, b = _reach(r0, r0 + rows, h, s, oy)
-        c, e = _reach(0, wo, srcs[k].shape[1], 1, ox)
-        if a >= b or c >= e:
+        c, e = _reach(0, wo, widths[k], 1, ox)
+        if i > 0 and (a >= b or c >= e):
             continue
-        src = srcs[k][s * a + oy - row0 : s * (b - 1) + oy - row0 + 1 : s, c + ox : e + ox]
-        t = tmp[: b - a, : e - c]
-        np.multiply(src, wt[c:e], out=t)
-        dst = y[a - r0 : b - r0, c:e]
-        np.add(dst, t, out=dst)
+        src = (slice(s * a + oy - row0, s * (b - 1) + oy - row0 + 1, s), slice(c + ox, e + ox))
+        plan.append((k, src, wt[c:e], (slice(a - r0, b - r0), slice(c, e))))
+    return plan
 
 
 def dw_taps(w: np.ndarray, d: int, s: int, wo: int) -> list[Tap]:
@@ -357,4 +389,39 @@ def stem_cpu(
         epilogue(o, bias, None)
 
     run_bands(run, bands(n, ho, wo * cout * 4))
+    return out
+
+
+def prob_head_cpu(
+    logits: np.ndarray,  # [N, h, w, 1] float32
+    height: int,
+    width: int,
+) -> np.ndarray:  # [N, height, width]: prob_head_ref(logits, height, width)
+    """Bilinear 2x upsampling, crop and sigmoid, band by band over the logit rows."""
+    n, h, w, _ = logits.shape
+    lg = logits[..., 0]
+    out = np.empty((n, height, width), dtype=np.float32)
+    q, three = np.float32(0.25), np.float32(0.75)
+
+    def twice(src: np.ndarray, prev: np.ndarray, nxt: np.ndarray, axis: int) -> np.ndarray:
+        up = np.empty((*src.shape[:axis], src.shape[axis], 2, *src.shape[axis + 1 :]), np.float32)
+        even, odd = np.moveaxis(up, axis + 1, 0)  # out[2i] and out[2i + 1]
+        np.multiply(src, three, out=even)
+        even += q * prev
+        np.multiply(src, three, out=odd)
+        odd += q * nxt
+        return up.reshape(*src.shape[:axis], 2 * src.shape[axis], *src.shape[axis + 1 :])
+
+    def run(task: tuple[int, int, int]) -> None:
+        i, a, b = task  # logit rows a..b give output rows 2a..2b
+        idx = np.arange(a, b)
+        rows = twice(
+            lg[i, a:b], lg[i, np.maximum(idx - 1, 0)], lg[i, np.minimum(idx + 1, h - 1)], 0
+        )
+        cols = np.arange(w)
+        up = twice(rows, rows[:, np.maximum(cols - 1, 0)], rows[:, np.minimum(cols + 1, w - 1)], 1)
+        top, bottom = 2 * a, min(2 * b, height)
+        out[i, top:bottom] = sigmoid_ref(np.ascontiguousarray(up[: bottom - top, :width]))
+
+    run_bands(run, bands(n, (height + 1) // 2, w * 64))
     return out

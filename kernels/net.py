@@ -228,4 +228,7 @@ def forward(
     """The whole network on a batch of same-size uint8 frames."""
     _n, height, width = images.shape
     x = normalize_pad_ref(images, mean, std, multiple=16)
-    return prob_head_ref(forward_logits(weights, cfg, x), height, width)
+    logits = forward_logits(weights, cfg, x)
+    if not cpu_schedule.available():
+        return prob_head_ref(logits, height, width)
+    return cpu_schedule.prob_head_cpu(logits, height, width)
