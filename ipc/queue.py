@@ -9,6 +9,22 @@ Processes and roles (layout in ``ipc/shm.py``, value types in ``ipc/records.py``
 - **workers** (``attach``): ``register_worker``, ``wait_for_work``, ``claim_batch``,
   ``input_view``, ``complete``, ``heartbeat``.
 
+The main process against the queue (the worker side is sketched in ``ipc/claims.py``)::
+
+    q = RequestQueue.create(f"/scratchd-{instance}", Geometry(slots=256, ...))
+    loop.add_reader(q.completion_fd, on_completions)        # eventfd: no polling
+    # spawn worker w with pass_fds=(q.completion_fd, q.work_fd(w))
+    h = q.reserve()                                         # None → answer 'overloaded'
+    q.payload(h)[: h_px * w_px] = pixels                    # raw uint8 greyscale, row-major
+    q.submit(h, request_id=..., conn_id=..., priority=..., part_class=...,
+             deadline_ns=time.monotonic_ns() + budget, height=h_px, width=w_px, want_mask=...)
+    def on_completions():                                   # also on a timer at next_deadline_ns()
+        for c in q.collect_completed() + q.expire_due(time.monotonic_ns()):
+            reply(c)                                        # exactly one Completion per request
+    # on a worker's death (pidfd): q.reclaim_worker(w, time.monotonic_ns(), max_kills)
+    # on a client's disconnect: q.abandon_connection(conn_id); release() its WRITTEN handles
+    q.close()                                               # the creator also unlinks
+
 Scheduling: strictly higher priority first, earliest deadline first within a priority, FIFO
 (enqueue sequence) among equals (``ipc/ready.py``). A queued request whose deadline passes
 is expired by ``expire_due`` (main, on a timer at ``next_deadline_ns``) or, if a worker gets
