@@ -31,6 +31,7 @@ from time import monotonic_ns as time_ns
 import numpy as np
 
 from scratchd.ipc.core import ACTIVE, CLAIMED, DONE, EXPIRED, FAILED, QUEUED, QueueCore
+from scratchd.ipc.layout import NIL
 from scratchd.ipc.records import (
     Claim,
     Handle,
@@ -41,7 +42,6 @@ from scratchd.ipc.records import (
     WorkerSlotState,
     write_result,
 )
-from scratchd.ipc.shm import NIL
 
 
 class WorkerOps(QueueCore):

@@ -27,10 +27,11 @@ import numpy as np
 
 from scratchd.ipc.doorbell import Doorbell
 from scratchd.ipc.faults import FaultPoint
+from scratchd.ipc.layout import MUTEX_OFFSET, NIL
 from scratchd.ipc.lock import RobustMutex
 from scratchd.ipc.ready import ReadyLists
 from scratchd.ipc.records import DescState, Handle, StaleHandle
-from scratchd.ipc.shm import MUTEX_OFFSET, NIL, Segment
+from scratchd.ipc.shm import Segment
 from scratchd.ipc.wheel import TimingWheel
 
 FREE, WRITTEN, QUEUED, CLAIMED = 0, 1, 2, 3

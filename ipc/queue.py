@@ -77,6 +77,7 @@ import numpy as np
 from scratchd.ipc.claims import WorkerOps
 from scratchd.ipc.core import DONE, EXPIRED, FREE, QUEUED, WRITTEN
 from scratchd.ipc.doorbell import Doorbell
+from scratchd.ipc.layout import PRIORITIES, Geometry
 from scratchd.ipc.records import (
     Claim,
     Completion,
@@ -91,7 +92,7 @@ from scratchd.ipc.records import (
     WorkerSlotState,
     read_result,
 )
-from scratchd.ipc.shm import PRIORITIES, Geometry, Segment
+from scratchd.ipc.shm import Segment
 
 __all__ = [
     "Claim",

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from scratchd.ipc.shm import ERROR_BYTES, HISTOGRAM_BINS, MAX_BOXES, Block, Columns
+from scratchd.ipc.layout import ERROR_BYTES, HISTOGRAM_BINS, MAX_BOXES, Block, Columns
 
 
 class QueueError(RuntimeError):

@@ -11,14 +11,9 @@ from collections.abc import Iterator
 import posix_ipc
 import pytest
 
+from scratchd.ipc.layout import HEADER_BYTES, Geometry
 from scratchd.ipc.queue import RequestQueue
-from scratchd.ipc.shm import (
-    HEADER_BYTES,
-    Geometry,
-    Segment,
-    SegmentError,
-    layout,
-)
+from scratchd.ipc.shm import Segment, SegmentError
 
 SMALL = Geometry(slots=4, slot_bytes=100, tick_ms=2, max_workers=2, wheel_ticks=32)
 
@@ -89,16 +84,6 @@ def test_a_foreign_segment_is_replaced_and_never_attached(name: str) -> None:
         RequestQueue.attach(name)
     q = RequestQueue.create(name, SMALL)
     q.close()
-
-
-def test_regions_are_aligned_and_inside_the_segment() -> None:
-    off = layout(Geometry(slots=3, slot_bytes=1000, max_workers=5, wheel_ticks=7))
-    names = ["desc_off", "result_off", "worker_off", "index_off", "input_off", "mask_off"]
-    starts = [off[n] for n in names]
-    assert starts == sorted(starts) and starts[0] >= HEADER_BYTES
-    assert all(s % 64 == 0 for s in starts)
-    assert off["input_off"] % 4096 == 0 and off["mask_off"] % 4096 == 0
-    assert off["mask_off"] + 3 * 125 <= off["total_bytes"]
 
 
 def test_geometry_errors_name_the_field(name: str) -> None:
