@@ -2,11 +2,12 @@
 
 Op by op (``dwconv3x3_ref`` then ``pwconv_ref``), every intermediate of a block at H/2 is
 tens of MB and each of the nine depthwise taps streams it through memory again. Here a block
-runs band by band instead — a band is a few output rows of one image, sized so its depthwise
-result (``BAND_BYTES``) stays in the core's L2 cache:
+runs band by band instead — a band is a run of output rows of one image (``BAND_BYTES`` of
+depthwise result, so it stays in the shared L3 cache; the bands of a layer are split evenly
+over the cores):
 
 ```
-for each band (i, rows r0..r1), in parallel over a thread pool:
+for each band (i, rows r0..r1), on the calling thread and the pool's threads:
     y   = x(centre tap) * w[1, 1]                          # [R, Wo, Cin], in cache
     y  += x(tap) * w[ky, kx] for the 8 other taps          # on the unpadded input: each tap
                                                            #   covers the rows/cols it reaches
@@ -22,6 +23,9 @@ rounding differs, well under 1e-5; ``tests/kernels/test_net.py`` checks the whol
   pixel lies inside the image (the padded zeros would add nothing);
 - the depthwise bias moves through the ReLU into the pointwise bias:
   ``relu(y + b) @ W = max(y, -b) @ W + b @ W`` (one pass over ``y`` instead of two);
+- stride 2: the band's input rows are copied once as even and odd columns, so that every
+  tap reads contiguous pixels (input column ``2c + o`` is column ``c + o // 2`` of phase
+  ``o % 2``) — numpy's loops over one pixel's channels at a time were 3x slower;
 - decoder blocks never build ``upsample_concat``'s tensor. Their depthwise weights split
   into the upsampled part and the skip part (and so does ``pw_w = [W_up; W_skip]``). A 3x3
   tap on a nearest-2x-upsampled image reads, for output row ``2i + a``, low-res rows
@@ -30,6 +34,13 @@ rounding differs, well under 1e-5; ``tests/kernels/test_net.py`` checks the whol
   of the pixels instead of 9 on all). The phases are kept phase-major
   ``[2, 2, R/2, W/2, C1]`` so every op is contiguous; their matmul with ``W_up`` is added to
   the skip part's ``y_skip @ W_skip`` through a strided view that interleaves the phases.
+  (The pointwise conv itself cannot move to low resolution: the depthwise conv and ReLU
+  sit between the upsampling and it, and the phases differ.)
+
+Costs that are not arithmetic: every ufunc call costs about 1-2 us and holds the GIL that
+long, so bands are large (2 MB; per-band tap slices are cached in ``_PLANS``, a layer's
+tiled weights in ``_CACHE``); a fresh large array page-faults on first write, so layer
+outputs come from a per-thread :class:`Workspace` that the forward recycles.
 
 numpy's ufuncs and BLAS release the GIL, so the bands of one layer run on all cores — but
 OpenBLAS would also start its own threads for every band's matmul and fight ours for the
@@ -373,6 +384,8 @@ def stem_cpu(
     ho, wo = (h - 1) // 2 + 1, (wd - 1) // 2 + 1
     xp = np.zeros((n, h + 2, wd + 2), dtype=np.float32)
     xp[:, 1:-1, 1:-1] = x[..., 0]
+    # Padded column 2c + kx is column c + kx // 2 of the even (kx even) or odd columns.
+    phases = [np.ascontiguousarray(xp[:, :, p::2]) for p in (0, 1)]
     wm = w.reshape(9, cout)
     bias = tiled(b, wo)
     out = (ws or Workspace(limit=0)).take((n, ho, wo, cout))
@@ -381,9 +394,9 @@ def stem_cpu(
         i, r0, r1 = task
         cols = np.empty((9, r1 - r0, wo), dtype=np.float32)  # tap-major: contiguous copies
         for ky in range(3):
-            rows = xp[i, 2 * r0 + ky : 2 * (r1 - 1) + ky + 1 : 2]
             for kx in range(3):
-                cols[ky * 3 + kx] = rows[:, kx : kx + 2 * (wo - 1) + 1 : 2]
+                src = phases[kx % 2][i, 2 * r0 + ky : 2 * (r1 - 1) + ky + 1 : 2]
+                cols[ky * 3 + kx] = src[:, kx // 2 : kx // 2 + wo]
         o = out[i, r0:r1]
         np.matmul(cols.reshape(9, -1).T, wm, out=o.reshape(-1, cout))
         epilogue(o, bias, None)
