@@ -46,6 +46,7 @@ _ATTR_BYTES = 16  # pthread_mutexattr_t is 4 bytes on glibc; generous for other 
 
 _PTHREAD_PROCESS_SHARED = 1
 _PTHREAD_MUTEX_ROBUST = 1
+_PTHREAD_MUTEX_ERRORCHECK = 2  # relocking by the holder is EDEADLK, not a silent deadlock
 _FUTEX_TID_MASK = 0x3FFFFFFF  # the robust futex word is the holder's TID plus two flag bits
 _CLOCK_MONOTONIC = time.CLOCK_MONOTONIC
 
@@ -75,6 +76,7 @@ for _fn in (
     "pthread_mutexattr_init",
     "pthread_mutexattr_setpshared",
     "pthread_mutexattr_setrobust",
+    "pthread_mutexattr_settype",
     "pthread_mutexattr_destroy",
     "pthread_mutex_init",
     "pthread_mutex_lock",
@@ -85,6 +87,7 @@ for _fn in (
     getattr(_LIB, _fn).restype = ctypes.c_int
 _LIB.pthread_mutexattr_setpshared.argtypes = [ctypes.c_void_p, ctypes.c_int]
 _LIB.pthread_mutexattr_setrobust.argtypes = [ctypes.c_void_p, ctypes.c_int]
+_LIB.pthread_mutexattr_settype.argtypes = [ctypes.c_void_p, ctypes.c_int]
 for _fn in (
     "pthread_mutexattr_init",
     "pthread_mutexattr_destroy",
@@ -133,7 +136,8 @@ class RobustMutex:
         self.repairs = 0  # times this process repaired after a dead holder
 
     def initialize(self) -> None:
-        """Initialise the mutex as robust and process-shared. Creator only, before sharing."""
+        """Initialise the mutex: robust, process-shared, error-checking (a holder that locks
+        again gets LockError EDEADLK instead of hanging). Creator only, before sharing."""
         attr = ctypes.create_string_buffer(_ATTR_BYTES)
         _check(_LIB.pthread_mutexattr_init(attr), "pthread_mutexattr_init")
         try:
@@ -144,6 +148,10 @@ class RobustMutex:
             _check(
                 _LIB.pthread_mutexattr_setrobust(attr, _PTHREAD_MUTEX_ROBUST),
                 "pthread_mutexattr_setrobust",
+            )
+            _check(
+                _LIB.pthread_mutexattr_settype(attr, _PTHREAD_MUTEX_ERRORCHECK),
+                "pthread_mutexattr_settype",
             )
             _check(_LIB.pthread_mutex_init(self._ptr, attr), "pthread_mutex_init")
         finally:

@@ -142,3 +142,11 @@ def test_a_stopped_holder_is_reported_with_its_thread_id() -> None:
     assert reported == [pid] and mutex.repairs == 1
     mutex.release()
     assert os.WTERMSIG(os.waitpid(pid, 0)[1]) == signal.SIGKILL
+
+
+def test_relocking_by_the_holder_is_an_error_not_a_hang() -> None:
+    _mm, mutex = shared_mutex()
+    with mutex, pytest.raises(LockError, match="deadlock avoided"):
+        mutex.acquire()
+    assert mutex.try_acquire()  # released by the with block
+    mutex.release()
