@@ -8,9 +8,11 @@ pass of the network (``ScratchNet.forward``: normalise + pad, network, head; no 
 views, no post-processing) and the same weights exported to ONNX from the fused PyTorch
 mirror, run by onnxruntime with ``intra_op_num_threads`` = the thread count numpy's BLAS
 uses (``--threads``; default: all cores). The ONNX graph starts from the normalised, padded
-input (onnxruntime gets that work for free). Reports the median of ``--repeats`` runs after
-one warm-up and the largest probability difference between the two. Also times the full
-``predict`` (post-processing and the model's test-time views included) per image.
+input (onnxruntime gets that work for free). The two take turns, ``--repeats`` runs each
+after one warm-up; the table shows the fastest run of each (``*_median_ms`` in the JSON:
+the medians) and the largest probability difference between the two. Also times the full
+``predict`` (post-processing and the model's test-time views included, median) per image.
+Time it on an otherwise idle machine (``uptime`` load well under 1).
 """
 
 from __future__ import annotations
@@ -65,14 +67,18 @@ def onnx_session(model: ScratchNet, h: int, w: int, threads: int) -> ort.Inferen
     return ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
 
 
-def median_seconds(fn: Any, repeats: int) -> float:
-    fn()  # warm-up: page faults, BLAS thread start, onnxruntime's first-run allocations
-    times = []
+def paired_seconds(fns: list[Any], repeats: int) -> list[list[float]]:
+    """Each function's run times, the functions taking turns every repeat (so a burst of
+    load from elsewhere on the machine hits both sides alike)."""
+    for fn in fns:
+        fn()  # warm-up: page faults, thread start, onnxruntime's first-run allocations
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for fn, out in zip(fns, times, strict=True):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    return times
 
 
 def bench_size(model: ScratchNet, h: int, w: int, threads: int, repeats: int) -> dict[str, Any]:
@@ -82,16 +88,20 @@ def bench_size(model: ScratchNet, h: int, w: int, threads: int, repeats: int) ->
     x = normalize_pad_ref(image, model.meta.mean, model.meta.std).transpose(0, 3, 1, 2).copy()
     ours = model.forward(image)
     theirs = sess.run(["prob"], {"x": x})[0]
-    t_np = median_seconds(lambda: model.forward(image), repeats)
-    t_ort = median_seconds(lambda: sess.run(["prob"], {"x": x}), repeats)
-    t_pred = median_seconds(lambda: model.predict([image[0]]), max(1, repeats // 2))
+    t_np, t_ort = paired_seconds(
+        [lambda: model.forward(image), lambda: sess.run(["prob"], {"x": x})], repeats
+    )
+    (t_pred,) = paired_seconds([lambda: model.predict([image[0]])], max(1, repeats // 2))
     return {
         "size": f"{h}x{w}",
-        "numpy_ms": round(t_np * 1000, 2),
-        "onnxruntime_ms": round(t_ort * 1000, 2),
-        "ratio": round(t_np / t_ort, 2),
+        "numpy_ms": round(min(t_np) * 1000, 2),
+        "onnxruntime_ms": round(min(t_ort) * 1000, 2),
+        "ratio": round(min(t_np) / min(t_ort), 2),
+        "numpy_median_ms": round(statistics.median(t_np) * 1000, 2),
+        "onnxruntime_median_ms": round(statistics.median(t_ort) * 1000, 2),
+        "ratio_median": round(statistics.median(t_np) / statistics.median(t_ort), 2),
         "max_abs_prob_diff": float(np.abs(ours - theirs).max()),
-        "predict_ms": round(t_pred * 1000, 2),
+        "predict_ms": round(statistics.median(t_pred) * 1000, 2),
         "predict_views": len(model.views),
     }
 
@@ -105,15 +115,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", type=Path, default=Path("docs/bench/cpu.json"))
     args = ap.parse_args()
+    load_before = os.getloadavg()[0]
     torch.set_num_threads(args.threads)
     model = load_model(args.model)
     rows = [bench_size(model, h, w, args.threads, args.repeats) for h, w in SIZES]
-    head = ("size", "numpy ms", "ort ms", "ratio", "max diff", "predict ms")
-    print("{:>10} {:>10} {:>10} {:>6} {:>9} {:>11}".format(*head))
+    head = ("size", "numpy ms", "ort ms", "ratio", "(median)", "max diff", "predict ms")
+    print("{:>10} {:>10} {:>10} {:>6} {:>9} {:>9} {:>11}".format(*head))
     for r in rows:
         print(
             f"{r['size']:>10} {r['numpy_ms']:>10.1f} {r['onnxruntime_ms']:>10.1f} "
-            f"{r['ratio']:>6.2f} {r['max_abs_prob_diff']:>9.1e} {r['predict_ms']:>11.1f}"
+            f"{r['ratio']:>6.2f} {r['ratio_median']:>9.2f} {r['max_abs_prob_diff']:>9.1e} "
+            f"{r['predict_ms']:>11.1f}"
         )
     report = {
         "machine": {
@@ -123,6 +135,7 @@ def main() -> None:
         "model": model.version,
         "params": model.meta.params,
         "repeats": args.repeats,
+        "load_average_1min": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
         "rows": rows,
     }  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
