@@ -135,7 +135,7 @@ def main() -> None:
         "model": model.version,
         "params": model.meta.params,
         "repeats": args.repeats,
-        "load_average_1min": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
+        "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # before, after
         "rows": rows,
     }  # fmt: skip
     args.json.parent.mkdir(parents=True, exist_ok=True)
