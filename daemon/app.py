@@ -288,6 +288,18 @@ class Daemon:
                     **self.obs.worker_fields(name),
                 )
             )
+        spare = self.supervisor.standby
+        standby = None
+        if spare is not None:
+            standby = wire.WorkerStatus(
+                id=-1,
+                name=spare.name,
+                pid=spare.proc.pid,
+                state=spare.state.value,
+                device=spare.device,
+                restarts=max(0, self.supervisor.standby_line.spawned - 1),
+                model_version=spare.version,
+            )
         counts = self.queue.counts_by_state()
         queue = wire.QueueStatus(
             depth=self.queue.depth_by_priority(),
@@ -308,6 +320,7 @@ class Daemon:
             reloads=self.service.reloader.count,
             reload_error=self.service.reloader.last_error,
             refused_connections=self.acceptor.gate.refused,
+            standby=standby,
             **self.obs.status_fields(),
         )
 

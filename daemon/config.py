@@ -77,6 +77,9 @@ class WorkersConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     cpu_max_queue_delay_ms: NonNegative = 0
     """How long a CPU worker waits for a batch to fill (at most ``queue.max_queue_delay_ms``).
     0: a batch costs numpy as much per image as single images, so waiting only adds latency."""
+    standby: bool = True
+    """Keep one warm spare worker (model loaded, warmed up) that takes over a dead worker's
+    slot in milliseconds; its replacement spare then boots in the background."""
     heartbeat_ms: Positive = 250
     hang_timeout_ms: Positive = 30_000
     """A worker whose heartbeat is older than this is SIGTERMed (a batch on CPU can be slow)."""

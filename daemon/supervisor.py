@@ -43,12 +43,13 @@ from scratchd.daemon.worker_process import (
     Worker,
     WorkerState,
     describe_exit,
+    hand_over,
     launch,
     restart_delay,
     worker_env,
 )
 from scratchd.ipc.queue import ReclaimReport, RequestQueue
-from scratchd.workers.protocol import ExitCode, WorkerSpec
+from scratchd.workers.protocol import STANDBY_SLOT, ExitCode, WorkerSpec
 
 NS: Final = 1_000_000_000
 MAX_CONSECUTIVE_BOOT_FAILURES: Final = 5
@@ -100,6 +101,8 @@ class Supervisor:
         self._death_r, self._death_w = os.pipe()  # workers get the read end; we keep the write
         self._watchdog: asyncio.TimerHandle | None = None
         self._changed = asyncio.Event()  # set whenever a worker becomes READY or exits
+        self.standby: Worker | None = None  # warm, not serving: the next replacement
+        self.standby_line = Lineage()
 
     # ---- starting ---------------------------------------------------------------------
 
@@ -114,10 +117,27 @@ class Supervisor:
         if self.state is PoolState.HALTED:
             raise PoolHalted(self.halt_reason)
         self.state = PoolState.RUNNING
+        self.spawn_standby()  # after the pool: its boot does not slow the pool's
 
     def spawn_worker(self, wid: int) -> Worker:
         """Start the process for logical worker ``wid`` in a free worker-table slot."""
-        slot = self._free_slot()
+        worker = self._launch(wid, self._free_slot())
+        self.workers[worker.slot] = worker
+        self.names_by_slot[worker.slot] = worker.name
+        self.lineage[wid].spawned += 1
+        return worker
+
+    def spawn_standby(self) -> None:
+        """Start a warm spare (``workers.standby``) unless there is one or we are stopping."""
+        self.standby_line.pending = None
+        if self.config.workers.standby and self.standby is None and self._running():
+            self.standby = self._launch(STANDBY_SLOT, STANDBY_SLOT)
+            self.standby_line.spawned += 1
+
+    def _running(self) -> bool:
+        return self.state in (PoolState.STARTING, PoolState.RUNNING)
+
+    def _launch(self, wid: int, slot: int) -> Worker:
         spec = WorkerSpec(
             queue=self.queue_name,
             slot=slot,
@@ -131,9 +151,6 @@ class Supervisor:
             parent_pid=os.getpid(),
         )
         worker = launch(wid, self.device, spec, self.queue, self._death_r, self._worker_env(wid))
-        self.workers[slot] = worker
-        self.names_by_slot[slot] = worker.name
-        self.lineage[wid].spawned += 1
         self._loop.add_reader(worker.ready_fd, self._on_ready_pipe, worker)
         self._loop.add_reader(worker.pidfd, self._on_exit, worker)
         return worker
@@ -146,7 +163,7 @@ class Supervisor:
         raise RuntimeError("no free worker-table slot (more workers than queue max_workers)")
 
     def _worker_env(self, wid: int) -> dict[str, str]:
-        first = self.lineage[wid].spawned == 0
+        first = wid >= 0 and self.lineage[wid].spawned == 0
         return worker_env(f"{self.device}{wid}", self.count, arm_fault=first)
 
     def _on_ready_pipe(self, worker: Worker) -> None:
@@ -177,6 +194,9 @@ class Supervisor:
         code = worker.proc.wait()
         was_ready = worker.ready_ns > 0
         worker.state = WorkerState.EXITED
+        if worker.standby:
+            self._on_standby_exit(worker, code, was_ready)
+            return
         report = self.queue.reclaim_worker(
             worker.slot, time.monotonic_ns(), max_kills=self.config.workers.max_kills
         )
@@ -220,7 +240,51 @@ class Supervisor:
                 lineage.failures = 0
         lineage.failures += 1
         delay = restart_delay(lineage.failures)
+        if delay == 0.0 and self._promote_standby(worker.id):
+            return
         lineage.pending = self._loop.call_later(delay, self._respawn, worker.id)
+
+    def _promote_standby(self, wid: int) -> bool:
+        """Hand a free slot to the warm standby as worker ``wid``; False if there is none."""
+        standby = self.standby
+        if standby is None or standby.state is not WorkerState.READY:
+            return False
+        self.standby = None
+        slot = self._free_slot()
+        if not hand_over(standby, slot, self.queue.work_fd(slot)):
+            standby.retiring = True  # dying anyway; its exit is a non-event
+            return False
+        standby.id, standby.slot, standby.ready_ns = wid, slot, time.monotonic_ns()
+        self.workers[slot] = standby
+        self.names_by_slot[slot] = standby.name
+        lineage = self.lineage[wid]
+        lineage.restarts += 1
+        lineage.spawned += 1
+        lineage.last_restart_s = time.time()
+        log_event("worker_restart", worker=standby.name, pid=standby.proc.pid, slot=slot,
+                  standby=True)  # fmt: skip
+        self._loop.call_soon(self.spawn_standby)
+        return True
+
+    def _on_standby_exit(self, worker: Worker, code: int, was_ready: bool) -> None:
+        if worker.control is not None:
+            worker.control.close()
+            worker.control = None
+        if worker is not self.standby:
+            return  # a standby retired, or one that died while being handed a slot
+        self.standby = None
+        log_event("standby_exited", logging.WARNING, pid=worker.proc.pid, cause=describe_exit(code))
+        if not self._running():
+            return
+        line = self.standby_line
+        if not was_ready and code == ExitCode.BOOT_ERROR:
+            self.halt(f"standby worker failed to boot: {worker.boot_reason()}")
+            return
+        line.failures = 0 if was_ready else line.failures + 1
+        if line.failures >= MAX_CONSECUTIVE_BOOT_FAILURES:
+            self.halt(f"standby worker died {line.failures} times during boot")
+            return
+        line.pending = self._loop.call_later(restart_delay(line.failures + 1), self.spawn_standby)
 
     def _respawn(self, wid: int) -> None:
         lineage = self.lineage[wid]
@@ -251,13 +315,16 @@ class Supervisor:
         now = time.monotonic_ns()
         cfg = self.config.workers
         beats = {row.slot: row.heartbeat_ns for row in self.queue.worker_rows()}
-        for worker in list(self.workers.values()):
+        standby = [self.standby] if self.standby is not None else []
+        for worker in [*self.workers.values(), *standby]:
             if worker.state is WorkerState.STOPPING:
                 if now - worker.term_ns > cfg.kill_grace_ms * 1_000_000:
                     self._signal(worker, signal.SIGKILL)
             elif worker.state is WorkerState.STARTING:
                 if now - worker.started_ns > cfg.boot_timeout_ms * 1_000_000:
                     self._signal(worker, signal.SIGKILL)
+            elif worker.standby:
+                continue  # idle by design: no slot, no heartbeat
             elif now - max(beats.get(worker.slot, 0), worker.ready_ns) > (
                 cfg.hang_timeout_ms * 1_000_000
             ):
@@ -301,15 +368,22 @@ class Supervisor:
             old.retiring = True
             self.terminate(old)
             await old.exited.wait()
+        if self.standby is not None:  # the spare must carry the new config and model too
+            old_standby, self.standby = self.standby, None
+            old_standby.retiring = True
+            self.terminate(old_standby)
+            self.spawn_standby()
 
     async def stop_all(self, grace_s: float) -> None:
         """SIGTERM every worker, wait up to ``grace_s``, SIGKILL the rest, wait for them."""
         if self.state is not PoolState.HALTED:
             self.state = PoolState.STOPPING
-        for lineage in self.lineage:
+        for lineage in [*self.lineage, self.standby_line]:
             if lineage.pending is not None:
                 lineage.pending.cancel()
         workers = list(self.workers.values())
+        if self.standby is not None:
+            workers.append(self.standby)
         for worker in workers:
             self.terminate(worker)
         waits = [w.exited.wait() for w in workers]
@@ -317,7 +391,7 @@ class Supervisor:
             _, pending = await asyncio.wait(
                 [asyncio.ensure_future(w) for w in waits], timeout=grace_s
             )
-            for worker in list(self.workers.values()):
+            for worker in workers:
                 self._signal(worker, signal.SIGKILL)
             if pending:
                 await asyncio.wait(pending)

@@ -18,6 +18,7 @@ import asyncio
 import enum
 import os
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -25,7 +26,13 @@ from typing import Final
 
 from scratchd.ipc.faults import ENV as FAULT_ENV
 from scratchd.ipc.queue import RequestQueue
-from scratchd.workers.protocol import ExitCode, WorkerSpec, parse_ready
+from scratchd.workers.protocol import (
+    STANDBY_SLOT,
+    ExitCode,
+    WorkerSpec,
+    parse_ready,
+    take_message,
+)
 
 WORKER_FAULT_ENV: Final = "SCRATCHD_WORKER_FAULT"
 MAX_BACKOFF_S: Final = 10.0
@@ -59,9 +66,16 @@ class Worker:
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
+    control: socket.socket | None = None
+    """Our end of a standby's control socketpair (None once it serves, or for others)."""
+
     @property
     def name(self) -> str:
-        return f"{self.device}{self.id}"
+        return f"{self.device}{self.id}" if self.id >= 0 else f"{self.device}-standby"
+
+    @property
+    def standby(self) -> bool:
+        return self.slot == STANDBY_SLOT
 
     def take_boot_output(self, chunk: bytes) -> bool:
         """Add what the READY pipe delivered; True once a whole READY line has arrived."""
@@ -102,22 +116,36 @@ def launch(
     death_r: int,
     env: dict[str, str],
 ) -> Worker:
-    """Exec the worker process described by ``spec``; its READY pipe is non-blocking."""
+    """Exec the worker process described by ``spec`` (``spec.slot == STANDBY_SLOT``: a
+    standby, given a control socket instead of a work doorbell); READY pipe non-blocking."""
     ready_r, ready_w = os.pipe()
-    work_fd, done_fd = queue.work_fd(spec.slot), queue.completion_fd
-    argv = spec.argv(ready_fd=ready_w, death_fd=death_r, work_fd=work_fd, done_fd=done_fd)
+    done_fd = queue.completion_fd
+    control, child_control = None, None
+    if spec.slot == STANDBY_SLOT:
+        control, child_control = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        work_fd, extra = -1, child_control.fileno()
+    else:
+        work_fd = extra = queue.work_fd(spec.slot)
+    argv = spec.argv(
+        ready_fd=ready_w,
+        death_fd=death_r,
+        work_fd=work_fd,
+        done_fd=done_fd,
+        control_fd=child_control.fileno() if child_control else -1,
+    )
     try:
         proc = subprocess.Popen(
-            argv,
-            pass_fds=(ready_w, death_r, work_fd, done_fd),
-            env=env,
-            stdin=subprocess.DEVNULL,
+            argv, pass_fds=(ready_w, death_r, extra, done_fd), env=env, stdin=subprocess.DEVNULL
         )
     except BaseException:
         os.close(ready_r)
+        if control is not None:
+            control.close()
         raise
     finally:
         os.close(ready_w)
+        if child_control is not None:
+            child_control.close()
     os.set_blocking(ready_r, False)
     return Worker(
         id=wid,
@@ -126,7 +154,22 @@ def launch(
         proc=proc,
         pidfd=os.pidfd_open(proc.pid),
         ready_fd=ready_r,
+        control=control,
     )
+
+
+def hand_over(standby: Worker, slot: int, work_fd: int) -> bool:
+    """Tell a warm standby to serve ``slot`` (its work eventfd travels with the message);
+    False if it is gone. The standby registers in the slot itself."""
+    assert standby.control is not None
+    try:
+        socket.send_fds(standby.control, [take_message(slot)], [work_fd])
+    except OSError:
+        return False
+    finally:
+        standby.control.close()
+        standby.control = None
+    return True
 
 
 def worker_env(name: str, workers: int, *, arm_fault: bool) -> dict[str, str]:

@@ -200,6 +200,8 @@ class StatusReply(msgspec.Struct, frozen=True, tag="status_reply", tag_field="ty
     """The bound /livez /readyz port (the kernel's choice when configured as 0)."""
     metrics_port: int = 0
     """The bound /metrics port."""
+    standby: WorkerStatus | None = None
+    """The warm spare worker (``workers.standby``), not serving until a worker dies."""
 
 
 ClientMessage = InferRequest | StatusRequest

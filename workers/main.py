@@ -3,7 +3,8 @@
 Boot, in order: ask for SIGKILL on parent death (``prctl(PR_SET_PDEATHSIG)``) and check the
 parent is still the one that started us (it may have died before the prctl); attach the
 queue; register in the worker table; build the backend and run one forward pass (warm-up);
-then write READY. Any failure up to there writes ``BOOT_ERROR <reason>`` on the READY pipe
+then write READY. A standby worker (protocol.py) registers only when it is told which slot
+to take over, after READY. Any failure up to there writes ``BOOT_ERROR <reason>`` on the READY pipe
 and exits ``ExitCode.BOOT_ERROR``: the supervisor halts the pool with that reason.
 
 The loop (all waiting is on the work doorbell, with the heartbeat interval as timeout)::
@@ -27,6 +28,7 @@ import ctypes
 import os
 import select
 import signal
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -36,7 +38,7 @@ import numpy as np
 
 from scratchd.ipc.queue import Claim, QueueError, RequestQueue, Result
 from scratchd.workers.batching import BatchPolicy
-from scratchd.workers.protocol import ExitCode, ready_line
+from scratchd.workers.protocol import STANDBY_SLOT, ExitCode, parse_take, ready_line
 
 PR_SET_PDEATHSIG: Final = 1
 
@@ -56,7 +58,7 @@ class StopFlag:
 
     def __init__(self, wake_fd: int) -> None:
         self.requested = False
-        self._wake_fd = wake_fd
+        self.wake_fd = wake_fd  # -1 while a standby has no doorbell yet
 
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -65,7 +67,7 @@ class StopFlag:
     def _on_signal(self, signum: int, frame: object) -> None:
         self.requested = True
         with contextlib.suppress(OSError):
-            os.eventfd_write(self._wake_fd, 1)
+            os.eventfd_write(self.wake_fd, 1)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -78,8 +80,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-delay-ms", type=int, default=10)
     p.add_argument("--heartbeat-ms", type=int, default=250)
     p.add_argument("--parent-pid", type=int, required=True)
-    for fd in ("ready", "death", "work", "done"):
+    for fd in ("ready", "death", "done"):
         p.add_argument(f"--{fd}-fd", type=int, required=True)
+    p.add_argument("--work-fd", type=int, default=-1, help="-1: standby (see protocol.py)")
+    p.add_argument("--control-fd", type=int, default=-1)
     return p.parse_args(argv)
 
 
@@ -96,12 +100,40 @@ def make_backend(args: argparse.Namespace) -> Backend:
     return CpuBackend(args.model or None, args.max_batch)
 
 
-def boot(args: argparse.Namespace) -> tuple[RequestQueue, Backend]:
-    queue = RequestQueue.attach(args.queue, completion_fd=args.done_fd, work_fd=args.work_fd)
-    queue.register_worker(args.slot, os.getpid())
+def boot(args: argparse.Namespace) -> tuple[RequestQueue | None, Backend]:
+    """Attach and register (a standby only checks the queue is there), load, warm up."""
+    queue = None
+    if args.slot == STANDBY_SLOT:
+        RequestQueue.attach(args.queue).close()
+    else:
+        queue = attach_slot(args.queue, args.slot, args.done_fd, args.work_fd)
     backend = make_backend(args)
     backend.warm_up()
     return queue, backend
+
+
+def attach_slot(name: str, slot: int, done_fd: int, work_fd: int) -> RequestQueue:
+    queue = RequestQueue.attach(name, completion_fd=done_fd, work_fd=work_fd)
+    queue.register_worker(slot, os.getpid())
+    return queue
+
+
+def await_takeover(control_fd: int, death_fd: int, stop: StopFlag) -> tuple[int, int] | None:
+    """Standby: wait for ``TAKE <slot>`` and the slot's work eventfd; None if told to stop
+    or orphaned first."""
+    control = socket.socket(fileno=control_fd)
+    while not stop.requested:
+        readable, _, _ = select.select([control_fd, death_fd], [], [], 0.25)
+        if death_fd in readable:
+            return None
+        if control_fd in readable:
+            message, fds, _, _ = socket.recv_fds(control, 64, 1)
+            slot = parse_take(message)
+            if slot is None or len(fds) != 1:
+                return None  # the supervisor hung up (or spoke nonsense): nothing to serve
+            control.close()
+            return slot, fds[0]
+    return None
 
 
 class WorkerLoop:
@@ -185,13 +217,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.BOOT_ERROR
     _write_all(args.ready_fd, ready_line(backend.device, backend.version))
     os.close(args.ready_fd)
+    slot = args.slot
+    if queue is None:  # a standby: serve once told which slot to take over
+        taken = await_takeover(args.control_fd, args.death_fd, stop)
+        if taken is None:
+            return ExitCode.OK if stop.requested else ExitCode.PARENT_GONE
+        slot, work_fd = taken
+        stop.wake_fd = work_fd
+        try:
+            queue = attach_slot(args.queue, slot, args.done_fd, work_fd)
+        except Exception as exc:
+            print(f"scratchd standby worker: cannot take slot {slot}: {exc}", file=sys.stderr)
+            return ExitCode.CRASH
+    return serve(queue, slot, backend, stop, args)
+
+
+def serve(
+    queue: RequestQueue, slot: int, backend: Backend, stop: StopFlag, args: argparse.Namespace
+) -> int:
     loop = WorkerLoop(
-        queue, args.slot, backend, stop, args.death_fd, args.max_delay_ms, args.heartbeat_ms
+        queue, slot, backend, stop, args.death_fd, args.max_delay_ms, args.heartbeat_ms
     )
     try:
         code = loop.run()
     except QueueError as exc:  # e.g. our slot was reclaimed: we must not claim any more
-        print(f"scratchd worker slot {args.slot}: {exc}", file=sys.stderr)
+        print(f"scratchd worker slot {slot}: {exc}", file=sys.stderr)
         return ExitCode.CRASH
     if code is ExitCode.OK:
         queue.close()

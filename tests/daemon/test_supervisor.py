@@ -245,3 +245,36 @@ def test_a_request_that_kills_every_worker_taking_it_is_quarantined() -> None:
         assert d.log().count("event=worker_died") == 3  # workers.max_kills
         d.wait_ready(restarts={"cpu0": 3})  # the pool itself carries on
         conn.close()
+
+
+def test_the_warm_standby_takes_over_a_killed_worker_and_a_new_spare_boots() -> None:
+    with DaemonProcess(workers=2, slots=16) as d:
+        deadline = time.monotonic() + 120
+        while (spare := d.status().standby) is None or spare.state != "ready":
+            assert time.monotonic() < deadline, d.log()
+            time.sleep(0.05)
+        victim = d.worker_pids()["cpu1"]
+        os.kill(victim, signal.SIGKILL)
+        d.wait_ready(restarts={"cpu1": 1})
+        assert d.worker_pids()["cpu1"] == spare.pid  # the spare, not a fresh process
+        conn = RawConnection(d.socket)
+        for i, frame in enumerate(_frames(6, seed=9)):
+            conn.send(build_request(i, frame))
+        replies = [conn.receive() for _ in range(6)]
+        assert {r.status for r in replies if isinstance(r, wire.Reply)} == {"ok"}
+        conn.close()
+        while (new_spare := d.status().standby) is None or new_spare.state != "ready":
+            assert time.monotonic() < deadline, d.log()
+            time.sleep(0.05)
+        assert new_spare.pid not in (spare.pid, victim)
+        assert "standby=true" in d.log()
+
+
+def test_without_a_standby_a_fresh_process_replaces_a_killed_worker() -> None:
+    with DaemonProcess(workers=1, slots=16, workers_extra="standby = false\n") as d:
+        assert d.status().standby is None
+        victim = d.worker_pids()["cpu0"]
+        os.kill(victim, signal.SIGKILL)
+        d.wait_ready(restarts={"cpu0": 1})
+        assert d.worker_pids()["cpu0"] != victim
+        assert d.status().standby is None
