@@ -8,8 +8,8 @@ pass of the network (``ScratchNet.forward``: normalise + pad, network, head; no 
 views, no post-processing) and the same weights exported to ONNX from the fused PyTorch
 mirror, run by onnxruntime with ``intra_op_num_threads`` = the thread count numpy's BLAS
 uses (``--threads``; default: all cores). The ONNX graph starts from the normalised, padded
-input (onnxruntime gets that work for free). The two take turns, ``--repeats`` runs each
-after one warm-up; the table shows the fastest run of each (``*_median_ms`` in the JSON:
+input (onnxruntime gets that work for free). ``--repeats`` runs of each after one warm-up;
+the table shows the fastest run of each (``*_median_ms`` in the JSON:
 the medians) and the largest probability difference between the two. Also times the full
 ``predict`` (post-processing and the model's test-time views included, median) per image.
 Time it on an otherwise idle machine (``uptime`` load well under 1).
@@ -67,17 +67,16 @@ def onnx_session(model: ScratchNet, h: int, w: int, threads: int) -> ort.Inferen
     return ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
 
 
-def paired_seconds(fns: list[Any], repeats: int) -> list[list[float]]:
-    """Each function's run times, the functions taking turns every repeat (so a burst of
-    load from elsewhere on the machine hits both sides alike)."""
-    for fn in fns:
-        fn()  # warm-up: page faults, thread start, onnxruntime's first-run allocations
-    times: list[list[float]] = [[] for _ in fns]
+def run_seconds(fn: Any, repeats: int) -> list[float]:
+    """``repeats`` run times of ``fn`` after one warm-up (page faults, thread start,
+    onnxruntime's first-run allocations). Each side is timed in its own block: onnxruntime's
+    idle threads spin for a while after a run, which would slow a numpy run right after."""
+    fn()
+    times = []
     for _ in range(repeats):
-        for fn, out in zip(fns, times, strict=True):
-            t = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
     return times
 
 
@@ -88,10 +87,9 @@ def bench_size(model: ScratchNet, h: int, w: int, threads: int, repeats: int) ->
     x = normalize_pad_ref(image, model.meta.mean, model.meta.std).transpose(0, 3, 1, 2).copy()
     ours = model.forward(image)
     theirs = sess.run(["prob"], {"x": x})[0]
-    t_np, t_ort = paired_seconds(
-        [lambda: model.forward(image), lambda: sess.run(["prob"], {"x": x})], repeats
-    )
-    (t_pred,) = paired_seconds([lambda: model.predict([image[0]])], max(1, repeats // 2))
+    t_np = run_seconds(lambda: model.forward(image), repeats)
+    t_ort = run_seconds(lambda: sess.run(["prob"], {"x": x}), repeats)
+    t_pred = run_seconds(lambda: model.predict([image[0]]), max(1, repeats // 2))
     return {
         "size": f"{h}x{w}",
         "numpy_ms": round(min(t_np) * 1000, 2),
