@@ -191,8 +191,10 @@ def forward_logits_ref(weights: Weights, cfg: NetConfig, x: np.ndarray) -> np.nd
 
 def forward_logits(weights: Weights, cfg: NetConfig, x: np.ndarray) -> np.ndarray:
     """The same function as :func:`forward_logits_ref`, scheduled for CPUs: each DS block
-    runs fused band by band on all cores (:mod:`scratchd.kernels.cpu_schedule`). Falls back to
-    the op-by-op path where BLAS threads cannot be limited (no threadpoolctl)."""
+    runs fused band by band on all cores (:mod:`scratchd.kernels.cpu_schedule`), its output
+    taken from the calling thread's workspace and handed back there once no later layer reads
+    it (the returned logits are a fresh array). Falls back to the op-by-op path where BLAS
+    threads cannot be limited (no threadpoolctl)."""
     if not cpu_schedule.available():
         return forward_logits_ref(weights, cfg, x)
     ws = cpu_schedule.workspace()
