@@ -195,6 +195,7 @@ class Supervisor:
         was_ready = worker.ready_ns > 0
         worker.state = WorkerState.EXITED
         if worker.standby:
+            worker.exited.set()  # stop_all() waits on the standby's exit too
             self._on_standby_exit(worker, code, was_ready)
             return
         report = self.queue.reclaim_worker(

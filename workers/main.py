@@ -66,6 +66,8 @@ class StopFlag:
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.requested = True
+        if self.wake_fd < 0:  # a standby: its select() wakes within 0.25 s and sees the flag
+            return
         with contextlib.suppress(OSError):
             os.eventfd_write(self.wake_fd, 1)
 
