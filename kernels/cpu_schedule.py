@@ -116,6 +116,20 @@ def workspace() -> Workspace:
     return ws
 
 
+def scratch(tag: str, shape: tuple[int, ...]) -> np.ndarray:  # float32, contents undefined
+    """A band temporary: a view of the calling thread's buffer ``tag``, grown when too small
+    and reused by every later band (a fresh array per band page-faulted: at 200x200 a quarter
+    of the CPU time went to the kernel)."""
+    bufs: dict[str, np.ndarray] | None = getattr(_LOCAL, "scratch", None)
+    if bufs is None:
+        bufs = _LOCAL.scratch = {}
+    size = int(np.prod(shape))
+    buf = bufs.get(tag)
+    if buf is None or buf.size < size:
+        buf = bufs[tag] = np.empty(size, dtype=np.float32)
+    return buf[:size].reshape(shape)
+
+
 def available() -> bool:
     """Whether BLAS threads can be capped (so the banded schedule pays off)."""
     return ThreadpoolController is not None
@@ -306,13 +320,17 @@ def ds_block_cpu(
 
     def run(task: tuple[int, int, int]) -> None:
         i, r0, r1 = task
-        y = np.empty((r1 - r0, wo, cin), dtype=np.float32)
+        y = scratch("y", (r1 - r0, wo, cin))
         if stride == 1:
             srcs, row0 = [x[i]], 0
         else:  # even and odd columns apart, so that every tap reads contiguous pixels
             row0, hi = max(0, 2 * r0 - dilation), min(h, 2 * r1 - 2 + dilation + 1)
-            srcs = [np.ascontiguousarray(x[i, row0:hi, p::2]) for p in (0, 1)]
-        conv_taps(srcs, row0, h, taps, stride, r0, y, np.empty_like(y))
+            srcs = []
+            for p in (0, 1):
+                src = x[i, row0:hi, p::2]
+                srcs.append(scratch(f"src{p}", src.shape))
+                np.copyto(srcs[p], src)
+        conv_taps(srcs, row0, h, taps, stride, r0, y, scratch("tmp", y.shape))
         np.maximum(y, neg_b, out=y)
         o = out[i, r0:r1]
         np.matmul(y.reshape(-1, cin), pw_w, out=o.reshape(-1, cout))
@@ -353,17 +371,18 @@ def _join_block(
     def run(task: tuple[int, int, int]) -> None:
         i, r0, r1 = task
         rows = r1 - r0  # even: bands start on even rows and ho = 2h
-        y = np.empty((rows, wo, c2), dtype=np.float32)
-        conv_taps([skip[i]], 0, ho, skip_taps, 1, r0, y, np.empty_like(y))
+        y = scratch("y", (rows, wo, c2))
+        conv_taps([skip[i]], 0, ho, skip_taps, 1, r0, y, scratch("tmp", y.shape))
         np.maximum(y, neg_skip, out=y)
         o = out[i, r0:r1]
         np.matmul(y.reshape(-1, c2), w_skip, out=o.reshape(-1, cout))
-        p = np.empty((4, rows // 2, w, c1), dtype=np.float32)  # phase-major (a, b)
-        tmp = np.empty_like(p[0])
+        p = scratch("phases", (4, rows // 2, w, c1))  # phase-major (a, b)
+        tmp = scratch("tmp", p.shape[1:])
         for k, taps in enumerate(phases):
             conv_taps([x[i]], 0, x.shape[1], taps, 1, r0 // 2, p[k], tmp)
         np.maximum(p, neg_up, out=p)
-        t = np.matmul(p.reshape(-1, c1), w_up).reshape(2, 2, rows // 2, w, cout)
+        t = scratch("up", (2, 2, rows // 2, w, cout))
+        np.matmul(p.reshape(-1, c1), w_up, out=t.reshape(-1, cout))
         o5 = o.reshape(rows // 2, 2, w, 2, cout)  # [i, a, j, b] = output pixel (2i+a, 2j+b)
         np.add(o5, t.transpose(2, 0, 3, 1, 4), out=o5)
         epilogue(o, bias, None)
@@ -382,17 +401,21 @@ def stem_cpu(
     n, h, wd, _ = x.shape
     cout = w.shape[3]
     ho, wo = (h - 1) // 2 + 1, (wd - 1) // 2 + 1
-    xp = np.zeros((n, h + 2, wd + 2), dtype=np.float32)
+    xp = scratch("stem", (n, h + 2, wd + 2))  # zero-padded by one pixel
+    xp[:, [0, -1]] = 0.0
+    xp[:, :, [0, -1]] = 0.0
     xp[:, 1:-1, 1:-1] = x[..., 0]
     # Padded column 2c + kx is column c + kx // 2 of the even (kx even) or odd columns.
-    phases = [np.ascontiguousarray(xp[:, :, p::2]) for p in (0, 1)]
+    phases = [scratch(f"stem{p}", xp[:, :, p::2].shape) for p in (0, 1)]
+    for p in (0, 1):
+        np.copyto(phases[p], xp[:, :, p::2])
     wm = w.reshape(9, cout)
     bias = tiled(b, wo)
     out = (ws or Workspace(limit=0)).take((n, ho, wo, cout))
 
     def run(task: tuple[int, int, int]) -> None:
         i, r0, r1 = task
-        cols = np.empty((9, r1 - r0, wo), dtype=np.float32)  # tap-major: contiguous copies
+        cols = scratch("cols", (9, r1 - r0, wo))  # tap-major: contiguous copies
         for ky in range(3):
             for kx in range(3):
                 src = phases[kx % 2][i, 2 * r0 + ky : 2 * (r1 - 1) + ky + 1 : 2]
