@@ -63,7 +63,8 @@ def smooth(p: np.ndarray) -> np.ndarray:
 def kl_divergence(p: np.ndarray, q: np.ndarray) -> float:
     """KL(p || q) in nats of two distributions over BINS, after smoothing both."""
     ps, qs = smooth(p), smooth(q)
-    return float(np.sum(ps * np.log(ps / qs)))
+    # KL is never negative; rounding can make identical distributions give -1e-17.
+    return max(0.0, float(np.sum(ps * np.log(ps / qs))))
 
 
 def normalise(histogram: np.ndarray, what: str) -> np.ndarray:
