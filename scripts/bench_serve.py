@@ -19,7 +19,9 @@ when the run ends (duration + deadline + 5 s grace) and duplicate replies; it mu
 Images: real SD-900 200x200 PNGs (``--data``), sent encoded, cycled.
 
 Restart: while a light load runs, each worker is SIGKILLed in turn and the time from the kill
-until ``status`` shows its replacement READY is recorded (``--kills`` per worker).
+until ``status`` shows its replacement READY is recorded (``--kills`` per worker), with what
+replaced it: the warm standby, or a fresh process (a second death in a row backs off 0.1 s
+and starts one; so does a daemon without a standby).
 """
 
 from __future__ import annotations
@@ -192,9 +194,9 @@ def measure_restarts(args: argparse.Namespace, sock: str) -> list[dict[str, Any]
             "--pattern",
             "poisson",
             "--rate",
-            "5",
+            "3",
             "--duration",
-            str(3.0 * args.kills * 2 + 2),
+            str(5.0 * args.kills * 2 + 2),
             "--data",
             args.data,
         ],
@@ -206,13 +208,19 @@ def measure_restarts(args: argparse.Namespace, sock: str) -> list[dict[str, Any]
         workers = {w.name: w for w in client.status().workers}
     for name in sorted(workers):
         for _ in range(args.kills):
-            time.sleep(1.0)
+            time.sleep(3.0)  # time for a new standby to boot after the previous kill
             with Client(sock, timeout=5) as client:
-                current = {w.name: w for w in client.status().workers}[name]
+                status = client.status()
+            current = {w.name: w for w in status.workers}[name]
+            spare = status.standby.pid if status.standby and status.standby.state == "ready" else 0
             os.kill(current.pid, signal.SIGKILL)
             t0 = time.monotonic()
             wait_ready(sock, None, {name: current.restarts + 1})
-            out.append({"worker": name, "restart_s": round(time.monotonic() - t0, 3)})
+            elapsed = time.monotonic() - t0
+            with Client(sock, timeout=5) as client:
+                new_pid = {w.name: w.pid for w in client.status().workers}[name]
+            path = "standby" if new_pid == spare else "fresh process"
+            out.append({"worker": name, "restart_s": round(elapsed, 3), "replaced_by": path})
     result = json.loads(background.communicate()[0])
     lost = result["sent"] - result["answered"]
     out.append(
@@ -235,7 +243,10 @@ def print_table(rows: list[dict[str, Any]], restarts: list[dict[str, Any]]) -> N
         )
     for r in restarts:
         if "worker" in r:
-            print(f"restart after kill -9: {r['worker']} {r['restart_s'] * 1000:.0f} ms")
+            print(
+                f"restart after kill -9: {r['worker']} {r['restart_s'] * 1000:.0f} ms"
+                f" ({r['replaced_by']})"
+            )
         else:
             print(f"background load during kills: {r}")
 
