@@ -39,8 +39,10 @@ rounding differs, well under 1e-5; ``tests/kernels/test_net.py`` checks the whol
 
 Costs that are not arithmetic: every ufunc call costs about 1-2 us and holds the GIL that
 long, so bands are large (2 MB; per-band tap slices are cached in ``_PLANS``, a layer's
-tiled weights in ``_CACHE``); a fresh large array page-faults on first write, so layer
-outputs come from a per-thread :class:`Workspace` that the forward recycles.
+tiled weights in ``_CACHE``; a band also streams its layer's tiled weights, another
+reason for tall bands); a fresh large array page-faults on first write, so layer outputs
+come from a per-thread :class:`Workspace` that the forward recycles, and band temporaries
+from per-thread :func:`scratch` buffers (each thread keeps a few band-sized buffers).
 
 numpy's ufuncs and BLAS release the GIL, so the bands of one layer run on all cores — but
 OpenBLAS would also start its own threads for every band's matmul and fight ours for the
