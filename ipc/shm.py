@@ -3,8 +3,9 @@
 The layout (an ASCII drawing of every region, the record dtypes and who writes which field
 under which lock) is in ``ipc/layout.py``; this module maps it.
 
-Memory is reserved when the segment is created (``posix_fallocate``): a full ``/dev/shm`` is
-a clear :class:`SegmentError` at start-up, never a SIGBUS while serving.
+Room is checked when the segment is created: a ``/dev/shm`` too small for the geometry is a
+clear :class:`SegmentError` at start-up rather than a SIGBUS while serving. Pages are not
+reserved up front (a dead daemon's leftover segment would pin that RAM until replaced).
 
 Lifecycle: :meth:`Segment.create` replaces an existing segment that nobody owns any more (a
 dead daemon's, whatever its layout version, or a foreign one) and refuses one whose owner is
@@ -109,7 +110,7 @@ class Segment:
             # Liveness first: hold the flock before anything else can look at the segment.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.fchmod(fd, 0o600)  # independent of the umask
-            _reserve_memory(name, fd, offsets["total_bytes"])
+            _check_room(name, fd, offsets["total_bytes"])
             mm = mmap.mmap(fd, offsets["total_bytes"])
             _write_header(mm, geometry, offsets)
             return cls(name, mm, lock_fd=fd)
@@ -158,21 +159,21 @@ class Segment:
             posix_ipc.unlink_shared_memory(self.name)
 
 
-def _reserve_memory(name: str, fd: int, size: int) -> None:
-    """Allocate every page now. A sparse tmpfs file that later cannot get a page (``/dev/shm``
-    full, e.g. a container's 64 MiB default) kills whoever touches it with SIGBUS; reserving
-    up front turns that into a clear error at start-up instead."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
+def _check_room(name: str, fd: int, size: int) -> None:
+    """Refuse a segment that ``/dev/shm`` cannot hold. Pages stay lazily allocated (a queue
+    sized for 4 MiB frames mostly carries smaller ones, and a dead daemon's leftover should
+    not pin RAM), so this is a start-up check, not a reservation: touching a page that tmpfs
+    cannot supply is a SIGBUS, and the common cause — a container's 64 MiB ``/dev/shm`` under
+    a default 1.2 GB queue — is caught here with a clear message."""
+    fs = os.fstatvfs(fd)
+    free = fs.f_bavail * fs.f_frsize
+    if size > free:
         os.close(fd)
         posix_ipc.unlink_shared_memory(name)
-        free = os.statvfs("/dev/shm")
         raise SegmentError(
-            f"shared memory {name}: cannot reserve {size} bytes ({exc.strerror}); /dev/shm has "
-            f"{free.f_bavail * free.f_frsize} bytes free — lower [queue] slots or slot_bytes, "
-            "or enlarge /dev/shm"
-        ) from exc
+            f"shared memory {name}: needs {size} bytes but /dev/shm has {free} free — lower "
+            "[queue] slots or slot_bytes, or enlarge /dev/shm"
+        )
 
 
 def _write_header(mm: mmap.mmap, g: Geometry, offsets: dict[str, int]) -> None:
