@@ -138,7 +138,8 @@ def test_rolling_restart_replaces_every_worker_while_requests_flow() -> None:
             loop.remove_reader(queue.completion_fd)
             queue.close()
 
-    done, before, after = asyncio.run(scenario())
+    # A bound, so that a wedged scenario fails with a traceback instead of stalling CI.
+    done, before, after = asyncio.run(asyncio.wait_for(scenario(), 180))
     assert len(done) == 60 and set(done) == {Status.OK}
     assert len(after) == 2 and not before & after
 
