@@ -55,6 +55,7 @@ is False and the network runs op by op. Per-channel vectors are tiled along the 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -125,7 +126,7 @@ def scratch(tag: str, shape: tuple[int, ...]) -> np.ndarray:  # float32, content
     bufs: dict[str, np.ndarray] | None = getattr(_LOCAL, "scratch", None)
     if bufs is None:
         bufs = _LOCAL.scratch = {}
-    size = int(np.prod(shape))
+    size = math.prod(shape)
     buf = bufs.get(tag)
     if buf is None or buf.size < size:
         buf = bufs[tag] = np.empty(size, dtype=np.float32)
