@@ -274,8 +274,10 @@ class Supervisor:
         if worker is not self.standby:
             return  # a standby retired, or one that died while being handed a slot
         self.standby = None
-        log_event("standby_exited", logging.WARNING, pid=worker.proc.pid, cause=describe_exit(code))
-        if not self._running():
+        planned = not self._running()
+        level = logging.INFO if planned else logging.WARNING
+        log_event("standby_exited", level, pid=worker.proc.pid, cause=describe_exit(code))
+        if planned:
             return
         line = self.standby_line
         if not was_ready and code == ExitCode.BOOT_ERROR:
