@@ -27,6 +27,15 @@ from scratchd.daemon.config import ConfigError, load_config, socket_path
 EXIT_CONFIG = 2
 """``serve`` exit status for an unusable configuration (restarting cannot help)."""
 
+
+class ConfigExit(click.ClickException):
+    """A configuration error: exit status 2 (systemd's RestartPreventExitStatus, no loop)."""
+
+    exit_code = EXIT_CONFIG
+
+
+"""``serve`` exit status for an unusable configuration (restarting cannot help)."""
+
 _socket_option = click.option(
     "--socket",
     "socket_opt",
@@ -58,9 +67,7 @@ def serve(
         config = load_config(config_path, overrides)
         app.resolve_backend(config)
     except ConfigError as exc:
-        error = click.ClickException(str(exc))
-        error.exit_code = EXIT_CONFIG  # systemd: RestartPreventExitStatus, no restart loop
-        raise error from None
+        raise ConfigExit(str(exc)) from None
     sys.exit(app.serve(config, lambda: load_config(config_path, overrides)))
 
 
