@@ -32,8 +32,10 @@ rounding differs, well under 1e-5; ``tests/kernels/test_net.py`` checks the whol
   ``i - 1, i, i`` (``a = 0``) or ``i, i, i + 1`` (``a = 1``): each of the four output phases
   ``(a, b)`` is a 2x2 convolution AT LOW RESOLUTION with summed weights (4 taps on a quarter
   of the pixels instead of 9 on all). The phases are kept phase-major
-  ``[2, 2, R/2, W/2, C1]`` so every op is contiguous; their matmul with ``W_up`` is added to
-  the skip part's ``y_skip @ W_skip`` through a strided view that interleaves the phases.
+  ``[2, 2, R/2, W/2, C1]`` so every op is contiguous; BLAS writes each phase's matmul with
+  ``W_up`` straight into a strided view of the output that interleaves the phases (its row
+  stride is ``2 * Cout``: no phase-major temporary, no strided add), and the skip part's
+  ``y_skip @ W_skip`` is added by the epilogue like a residual.
   (The pointwise conv itself cannot move to low resolution: the depthwise conv and ReLU
   sit between the upsampling and it, and the phases differ.)
 
@@ -377,18 +379,18 @@ def _join_block(
         y = scratch("y", (rows, wo, c2))
         conv_taps([skip[i]], 0, ho, skip_taps, 1, r0, y, scratch("tmp", y.shape))
         np.maximum(y, neg_skip, out=y)
-        o = out[i, r0:r1]
-        np.matmul(y.reshape(-1, c2), w_skip, out=o.reshape(-1, cout))
+        t = scratch("up", (rows, wo, cout))
+        np.matmul(y.reshape(-1, c2), w_skip, out=t.reshape(-1, cout))
         p = scratch("phases", (4, rows // 2, w, c1))  # phase-major (a, b)
         tmp = scratch("tmp", p.shape[1:])
         for k, taps in enumerate(phases):
             conv_taps([x[i]], 0, x.shape[1], taps, 1, r0 // 2, p[k], tmp)
         np.maximum(p, neg_up, out=p)
-        t = scratch("up", (2, 2, rows // 2, w, cout))
-        np.matmul(p.reshape(-1, c1), w_up, out=t.reshape(-1, cout))
+        o = out[i, r0:r1]
         o5 = o.reshape(rows // 2, 2, w, 2, cout)  # [i, a, j, b] = output pixel (2i+a, 2j+b)
-        np.add(o5, t.transpose(2, 0, 3, 1, 4), out=o5)
-        epilogue(o, bias, None)
+        for k in range(4):  # BLAS writes each phase's rows straight into the strided view
+            np.matmul(p[k], w_up, out=o5[:, k // 2, :, k % 2])
+        epilogue(o, bias, t)
 
     run_bands(run, bands(n, ho, wo * (c1 + c2) * 4, step=2))
     return out
