@@ -109,6 +109,17 @@ def mp_worker(inbox: MpQueue[Any], outbox: MpQueue[Any]) -> None:
 
 
 # ------------------------------------------------------------------ main-side round trips
+def submit_one(q: RequestQueue, i: int) -> None:
+    """The main process's half of a round trip: reserve, write 16 bytes, submit."""
+    h = q.reserve()
+    assert h is not None
+    q.payload(h)[:16] = PAYLOAD
+    q.submit(
+        h, request_id=i, conn_id=1, priority=0, part_class=0,
+        deadline_ns=time.monotonic_ns() + DEADLINE_NS, height=4, width=4, want_mask=False,
+    )  # fmt: skip
+
+
 class Bench(Protocol):
     name: str
 
@@ -130,13 +141,7 @@ class QueueBench:
 
     def round_trip(self, i: int) -> None:
         q = self.q
-        h = q.reserve()
-        assert h is not None
-        q.payload(h)[:16] = PAYLOAD
-        q.submit(
-            h, request_id=i, conn_id=1, priority=0, part_class=0,
-            deadline_ns=time.monotonic_ns() + DEADLINE_NS, height=4, width=4, want_mask=False,
-        )  # fmt: skip
+        submit_one(q, i)
         while True:
             self.poll.poll()
             done = q.collect_completed()
@@ -162,13 +167,7 @@ class InProcessQueueBench:
 
     def round_trip(self, i: int) -> None:
         q = self.q
-        h = q.reserve()
-        assert h is not None
-        q.payload(h)[:16] = PAYLOAD
-        q.submit(
-            h, request_id=i, conn_id=1, priority=0, part_class=0,
-            deadline_ns=time.monotonic_ns() + DEADLINE_NS, height=4, width=4, want_mask=False,
-        )  # fmt: skip
+        submit_one(q, i)
         for c in q.claim_batch(1, 1, time.monotonic_ns()):
             q.complete(1, c, Result(Status.OK, score=float(q.input_view(c)[0, 0]), batch_size=1))
         (done,) = q.collect_completed()
