@@ -1,0 +1,16 @@
+"""Native extensions of scratchd (everything else is declared in pyproject.toml).
+
+Each extension is plain C against the CPython API (no numpy headers, no Cython), built by
+the same ``pip install -e .`` as the rest: the only build requirement is a C compiler and
+the Python headers, which every supported Linux machine has.
+"""
+
+from setuptools import Extension, setup
+
+CFLAGS = ["-O3", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"]
+
+EXTENSIONS: list[Extension] = [
+    # Each entry: Extension("scratchd.<subpkg>._<name>", ["<subpkg>/_<name>.c"], ...)
+]
+
+setup(ext_modules=EXTENSIONS)
