@@ -144,6 +144,11 @@ class WorkerOps(QueueCore):
         view.flags.writeable = False
         return view
 
+    def input_region(self) -> np.ndarray:
+        """All input payload slots, ``[slots, slot_bytes]`` uint8 over the mapping: what a
+        GPU worker page-locks (``cudaHostRegister``) so uploads read the slots directly."""
+        return self._seg.inputs
+
     def oldest_ready(self) -> tuple[int, int] | None:
         """``(enqueue_ns, deadline_ns)`` of the request a claim would get next, or None."""
         with self._mutex:
