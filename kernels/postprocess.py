@@ -18,6 +18,10 @@ For one image (all numpy, no Python loop over pixels):
    is not enough); it ranks images and lies in [0, 1]. The verdict is ``defect`` iff at
    least one box survived ``min_area``.
 
+Steps 2-4 from the runs on are :func:`finish_runs`, the one host finish of both backends:
+the CPU path feeds it the runs of its own map (run sums from float64 prefix sums), the GPU
+path (``serve_graph.py``) the runs the device found (``row_runs.py``, fp32 run sums).
+
 Also here: the output entropy (drift of model confidence) and the input intensity histogram.
 """
 
@@ -75,8 +79,13 @@ def label_runs(mask: np.ndarray) -> Runs:
     if mask.ndim != 2:
         raise ValueError(f"label_runs: mask must be 2-D, got shape {mask.shape}")
     row, start, end = find_runs(mask.astype(bool, copy=False))
+    return link_runs(row, start, end, mask.shape[1])
+
+
+def link_runs(row: np.ndarray, start: np.ndarray, end: np.ndarray, width: int) -> Runs:
+    """Label row-major sorted runs (``find_runs`` order) by 8-connected component."""
     labels = np.arange(len(row))
-    pairs = _touching_pairs(row, start, end, mask.shape[1])
+    pairs = _touching_pairs(row, start, end, width)
     if len(pairs):
         a, b = pairs[:, 0], pairs[:, 1]
         while True:
@@ -110,28 +119,57 @@ def postprocess(
     if prob.ndim != 2 or prob.dtype != np.float32:
         raise ValueError(f"postprocess: prob must be 2-D float32, got {prob.dtype} {prob.shape}")
     h, w = prob.shape
-    runs = label_runs(prob >= threshold)
-    length = runs.end - runs.start
-    area = np.bincount(runs.label, weights=length, minlength=runs.count)
-    # Sum of prob over each run from per-row prefix sums, then per component.
+    row, start, end = find_runs(prob >= threshold)
+    # Sum of prob over each run from per-row prefix sums (float64).
     prefix = np.zeros((h, w + 1), dtype=np.float64)
     np.cumsum(prob, axis=1, out=prefix[:, 1:])
-    run_sum = prefix[runs.row, runs.end] - prefix[runs.row, runs.start]
+    run_sum = prefix[row, end] - prefix[row, start]
+    comp = finish_runs(row, start, end, run_sum, h, w, min_area)
+    assert comp.mask is not None
+    score = peak_local_mean(prob, score_window)
+    return PostResult(comp.mask, comp.boxes, score, "defect" if comp.boxes else "clean")
+
+
+@dataclass(frozen=True)
+class Components:
+    mask: np.ndarray | None  # [H, W] uint8, 0/255, kept components only (None: not painted)
+    boxes: list[Box]
+
+
+def finish_runs(
+    row: np.ndarray,  # [R] int64, row-major sorted (find_runs order)
+    start: np.ndarray,  # [R] int64
+    end: np.ndarray,  # [R] int64, exclusive
+    run_sum: np.ndarray,  # [R] float64: prob summed over each run
+    height: int,
+    width: int,
+    min_area: int,
+    paint: bool = True,
+) -> Components:
+    """The host finish shared by the CPU path (``postprocess``) and the GPU path
+    (``serve_graph``, whose runs come from the device): components, ``min_area``, boxes and
+    (when ``paint``) the mask of the kept components."""
+    runs = link_runs(row, start, end, width)
+    length = runs.end - runs.start
+    area = np.bincount(runs.label, weights=length, minlength=runs.count)
     prob_sum = np.bincount(runs.label, weights=run_sum, minlength=runs.count)
     keep = area >= min_area
     kept_runs = keep[runs.label]
-    mask = _paint(runs, kept_runs, h, w)
-    boxes = _boxes(runs, kept_runs, area, prob_sum, keep)
-    score = peak_local_mean(prob, score_window)
-    return PostResult(mask, boxes, score, "defect" if boxes else "clean")
+    mask = _paint(runs, kept_runs, height, width) if paint else None
+    return Components(mask, _boxes(runs, kept_runs, area, prob_sum, keep))
 
 
 def _paint(runs: Runs, kept: np.ndarray, h: int, w: int) -> np.ndarray:
-    """The 0/255 mask of the kept runs (a difference array per row, then a cumulative sum)."""
-    delta = np.zeros((h, w + 1), dtype=np.int32)
-    np.add.at(delta, (runs.row[kept], runs.start[kept]), 1)
-    np.add.at(delta, (runs.row[kept], runs.end[kept]), -1)
-    return (np.cumsum(delta[:, :w], axis=1) > 0).astype(np.uint8) * np.uint8(255)
+    """The 0/255 mask of the kept runs: one scatter over their pixels (cost grows with the
+    foreground, not the frame)."""
+    mask = np.zeros(h * w, dtype=np.uint8)
+    first = runs.row[kept] * w + runs.start[kept]
+    length = runs.end[kept] - runs.start[kept]
+    total = int(length.sum())
+    if total:
+        offsets = np.arange(total) - np.repeat(np.cumsum(length) - length, length)
+        mask[np.repeat(first, length) + offsets] = 255
+    return mask.reshape(h, w)
 
 
 def _boxes(
