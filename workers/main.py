@@ -32,7 +32,7 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from typing import Final, Protocol
+from typing import Final, Protocol, cast
 
 import numpy as np
 
@@ -51,6 +51,16 @@ class Backend(Protocol):
     def warm_up(self) -> None: ...
 
     def infer(self, images: Sequence[np.ndarray], want_mask: Sequence[bool]) -> list[Result]: ...
+
+
+class AsyncBackend(Backend, Protocol):
+    """A backend that computes asynchronously (the CUDA backend; see PipelinedLoop)."""
+
+    def submit(self, images: Sequence[np.ndarray], want_mask: Sequence[bool]) -> object: ...
+
+    def start(self, batch: object) -> None: ...
+
+    def finish(self, batch: object) -> list[Result]: ...
 
 
 class StopFlag:
@@ -76,7 +86,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="scratchd-worker", description="scratchd worker process")
     p.add_argument("--queue", required=True)
     p.add_argument("--slot", type=int, required=True)
-    p.add_argument("--backend", default="cpu", choices=["cpu"])
+    p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--gpu-reserve-mb", type=int, default=1024)
+    p.add_argument(
+        "--gpu-warm-size", action="append", default=[], metavar="HxW",
+        help="a frame size whose graphs are captured before READY (repeatable)",
+    )  # fmt: skip
     p.add_argument("--model", default="")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-delay-ms", type=int, default=10)
@@ -97,9 +112,21 @@ def die_with_parent(parent_pid: int) -> bool:
 
 
 def make_backend(args: argparse.Namespace) -> Backend:
+    if args.backend == "cuda":
+        from scratchd.workers.cuda import WARM_SIZES, CudaBackend
+
+        sizes = [_parse_size(s) for s in args.gpu_warm_size] or list(WARM_SIZES)
+        return CudaBackend(args.model or None, args.max_batch, args.gpu_reserve_mb, sizes)
     from scratchd.workers.cpu import CpuBackend  # the model's imports, only in workers
 
     return CpuBackend(args.model or None, args.max_batch)
+
+
+def _parse_size(text: str) -> tuple[int, int]:
+    h, sep, w = text.lower().partition("x")
+    if not sep or not h.isdigit() or not w.isdigit() or int(h) < 1 or int(w) < 1:
+        raise ValueError(f"--gpu-warm-size: expected HxW, got {text!r}")
+    return int(h), int(w)
 
 
 def boot(args: argparse.Namespace) -> tuple[RequestQueue | None, Backend]:
@@ -111,6 +138,8 @@ def boot(args: argparse.Namespace) -> tuple[RequestQueue | None, Backend]:
         queue = attach_slot(args.queue, args.slot, args.done_fd, args.work_fd)
     backend = make_backend(args)
     backend.warm_up()
+    if queue is not None:
+        share_inputs(queue, backend)
     return queue, backend
 
 
@@ -118,6 +147,13 @@ def attach_slot(name: str, slot: int, done_fd: int, work_fd: int) -> RequestQueu
     queue = RequestQueue.attach(name, completion_fd=done_fd, work_fd=work_fd)
     queue.register_worker(slot, os.getpid())
     return queue
+
+
+def share_inputs(queue: RequestQueue, backend: Backend) -> None:
+    """A GPU backend page-locks the queue's input slots (zero-copy uploads)."""
+    register_host = getattr(backend, "register_host", None)
+    if register_host is not None:
+        register_host(queue.input_region())
 
 
 def await_takeover(control_fd: int, death_fd: int, stop: StopFlag) -> tuple[int, int] | None:
@@ -168,15 +204,31 @@ class WorkerLoop:
             ready = self.queue.ready_count()
             plan = self.policy.plan(now, ready, self.queue.oldest_ready() if ready else None)
             if plan.claim:
-                claims = self.queue.claim_batch(self.slot, plan.claim, now)
+                claims = self.queue.claim_batch(self.slot, min(plan.claim, self.limit()), now)
                 if claims:
-                    self.serve(claims)
-            elif plan.wake_ns is None:
+                    self.take(claims)
+                    continue
+            self.drain()  # nothing new to overlap with: finish what is in flight first
+            if plan.claim:
+                continue
+            if plan.wake_ns is None:
                 self.queue.wait_for_work(self.slot, self.heartbeat_s)
             else:
                 timeout = min(self.heartbeat_s, max(0.0, (plan.wake_ns - now) / 1e9))
                 self.queue.wait_for_work(self.slot, timeout, min_ready=self.policy.max_batch)
+        self.drain()
         return ExitCode.OK
+
+    def limit(self) -> int:
+        """The backend's batch limit now (a GPU's follows its free memory)."""
+        batch_limit = getattr(self.backend, "batch_limit", None)
+        return self.policy.max_batch if batch_limit is None else max(1, batch_limit())
+
+    def take(self, claims: list[Claim]) -> None:
+        self.serve(claims)
+
+    def drain(self) -> None:
+        """Finish the batch in flight, if any (a pipelined loop has one)."""
 
     def parent_gone(self) -> bool:
         readable, _, _ = select.select([self.death_fd], [], [], 0)
@@ -228,22 +280,61 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop.wake_fd = work_fd
         try:
             queue = attach_slot(args.queue, slot, args.done_fd, work_fd)
+            share_inputs(queue, backend)
         except Exception as exc:
             print(f"scratchd standby worker: cannot take slot {slot}: {exc}", file=sys.stderr)
             return ExitCode.CRASH
     return serve(queue, slot, backend, stop, args)
 
 
+class PipelinedLoop(WorkerLoop):
+    """The loop of a backend that computes asynchronously (CUDA: ``submit`` uploads,
+    ``start`` launches, ``finish`` waits for results). Batch k+1 is claimed and uploaded
+    while batch k computes; k's results are completed before k+1 is launched::
+
+        claim k+1 ─ submit k+1 (upload) ─┐   finish k ─ complete k ─ start k+1 ─ claim k+2 …
+        GPU:  ───────── compute k ───────┘                           └── compute k+1 ──
+
+    A failure of the asynchronous backend (a CUDA error) leaves the device in an unknown
+    state: the worker exits (``ExitCode.CRASH``) without completing; the supervisor re-queues
+    its claims, and a request that keeps killing workers is quarantined (``max_kills``).
+    """
+
+    inflight: tuple[list[Claim], object, int] | None = None
+
+    def take(self, claims: list[Claim]) -> None:
+        b = cast(AsyncBackend, self.backend)
+        images = [self.queue.input_view(c) for c in claims]
+        batch = b.submit(images, [c.want_mask for c in claims])
+        self.drain()
+        b.start(batch)
+        self.inflight = (claims, batch, time.monotonic_ns())
+
+    def drain(self) -> None:
+        if self.inflight is None:
+            return
+        claims, batch, started = self.inflight
+        self.inflight = None
+        results = cast(AsyncBackend, self.backend).finish(batch)
+        self.policy.observe(len(claims), time.monotonic_ns() - started)
+        for claim, result in zip(claims, results, strict=True):
+            self.complete(claim, result)
+
+
 def serve(
     queue: RequestQueue, slot: int, backend: Backend, stop: StopFlag, args: argparse.Namespace
 ) -> int:
-    loop = WorkerLoop(
-        queue, slot, backend, stop, args.death_fd, args.max_delay_ms, args.heartbeat_ms
-    )
+    kind = PipelinedLoop if hasattr(backend, "submit") else WorkerLoop
+    loop = kind(queue, slot, backend, stop, args.death_fd, args.max_delay_ms, args.heartbeat_ms)
     try:
         code = loop.run()
     except QueueError as exc:  # e.g. our slot was reclaimed: we must not claim any more
         print(f"scratchd worker slot {slot}: {exc}", file=sys.stderr)
+        return ExitCode.CRASH
+    except Exception as exc:  # only the asynchronous backend raises here (see PipelinedLoop)
+        if kind is WorkerLoop:
+            raise
+        print(f"scratchd worker slot {slot}: device failure, leaving: {exc!r}", file=sys.stderr)
         return ExitCode.CRASH
     if code is ExitCode.OK:
         queue.close()

@@ -1,0 +1,307 @@
+"""The CUDA backend: ScratchNet's captured serving graphs on one GPU, fed from shared memory.
+
+A CUDA worker is started with ``CUDA_VISIBLE_DEVICES`` naming its one card (the supervisor
+does that), so in here the card is device 0. Boot (``CudaBackend.__init__`` + ``warm_up``)::
+
+    NVML handle by PCI bus id ─▶ pin to the card's near CPUs (gpu_memory.pin_near)
+    ─▶ load the model ─▶ CUDA context, modules (NVRTC, CuPy's disk cache) ─▶ weights
+    ─▶ capture a ServeGraph per (bucket, warm size) that free memory allows ─▶ READY
+
+The data path of one batch (``submit`` → ``start`` → ``finish``), all ordering by events::
+
+    shm payload slot ──cudaMemcpyAsync (copy stream)──▶ graph.inputs[k]   ┐ upload event
+        (the input region is cudaHostRegister'ed: the DMA reads the      │
+         slot itself, no host staging copy)                              ▼
+    compute stream: wait(upload) ─ start event ─ graph.launch(k) ─ end event
+    graph.fetch(n): only small results come back (score, entropy, histogram, runs → boxes,
+                    the mask where the request wants it)
+
+``k`` alternates between the graph's two input buffers, so the worker loop can upload batch
+k+1 while batch k computes (workers/main.py's pipelined loop); before an input buffer is
+written again, the copy stream waits for the event recorded after the launch that read it.
+Frames that are not in the registered region (a standby that has not attached yet, tests)
+go through one pinned staging buffer instead — same streams, one extra host copy.
+
+GPU compute time per batch is the start → end event interval, carried in every reply's
+``compute_ns``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+
+from scratchd.ipc.queue import Result, Status
+from scratchd.workers.cpu import MAX_BOXES, error_result
+from scratchd.workers.gpu_memory import MIB, BatchSizer, free_bytes, pin_near, split_batch
+
+BUCKETS: Final = (1, 2, 4, 8, 16)
+H2D: Final = 1  # cudaMemcpyHostToDevice
+WARM_SIZES: Final = ((1024, 1024),)
+
+
+@dataclass
+class Chunk:
+    """Frames of one size run through one graph launch."""
+
+    graph: Any  # kernels.serve_graph.ServeGraph
+    k: int  # which input buffer
+    positions: list[int]  # indices into the batch
+    want_mask: list[bool]
+    uploaded: Any  # cupy Event on the copy stream
+    start: Any = None  # cupy Events on the graph's stream
+    end: Any = None
+
+
+@dataclass
+class Batch:
+    """A submitted batch: its chunks, in the order they were uploaded."""
+
+    size: int
+    chunks: list[Chunk] = field(default_factory=list)
+    errors: dict[int, str] = field(default_factory=dict)  # position → reason
+    started: bool = False
+
+
+class CudaBackend:
+    """One GPU's worth of serving graphs; see the module docstring."""
+
+    device: str = "cuda"
+
+    def __init__(
+        self,
+        model_path: str | None,
+        max_batch: int,
+        reserve_mb: int = 1024,
+        warm_sizes: Sequence[tuple[int, int]] = WARM_SIZES,
+    ) -> None:
+        from scratchd.kernels import _cuda as cu
+        from scratchd.kernels.cuda_graph import CudaScratchNet
+        from scratchd.kernels.model import load_model
+
+        self.boot_ms: dict[str, float] = {}
+        t0 = time.perf_counter()
+        self.cp = cp = cu.cupy()
+        cp.cuda.Device(0).use()
+        bus_id = cp.cuda.runtime.deviceGetPCIBusId(0)
+        self.boot_ms["cuda_context"] = _ms(t0)
+        from scratchd.workers.gpu_memory import handle_for_pci_bus
+
+        self.nvml = handle_for_pci_bus(bus_id)
+        self.cpus, self.affinity_note = pin_near(self.nvml)
+        t0 = time.perf_counter()
+        model = load_model(model_path or None)
+        self.net = CudaScratchNet(model)
+        self.boot_ms["weights"] = _ms(t0)
+        self.version: str = model.version
+        self.device = f"cuda:{bus_id.lower()}"
+        self.max_batch = max_batch
+        self.warm_sizes = [(int(h), int(w)) for h, w in warm_sizes]
+        self.sizer = BatchSizer(BUCKETS, max_batch, reserve_mb * MIB, lambda: free_bytes(self.nvml))
+        self.graphs: dict[tuple[int, int, int], Any] = {}
+        self.copy_stream = cp.cuda.Stream(non_blocking=True)
+        self._registered: list[tuple[int, int]] = []  # (ptr, nbytes) registered with CUDA
+        self._staging: Any = None  # pinned host buffer for frames outside registered memory
+        self._consumed: dict[tuple[int, int, int, int], Any] = {}  # (graph key, k) → event
+        self._next_k: dict[tuple[int, int, int], int] = {}
+
+    # ---- boot -------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Capture the warm sizes' graphs for every bucket free memory allows."""
+        t0 = time.perf_counter()
+        for size in self.warm_sizes:
+            footprints: dict[int, int] = {}
+            for b in BUCKETS:
+                if b > self.max_batch:
+                    break
+                if footprints and not self.sizer.usable(size, b):
+                    break
+                g = self._capture(b, size)
+                if g is None:
+                    break
+                footprints[b] = int(g.footprint_bytes)
+                if len(footprints) == 1:
+                    self.sizer.measured(size, footprints)
+            self.sizer.measured(size, footprints)
+        # One real pass through the whole data path (upload, graph, fetch).
+        h, w = self.warm_sizes[0]
+        self.infer([np.zeros((h, w), np.uint8)], [True])
+        self.boot_ms["graphs"] = _ms(t0)
+
+    def register_host(self, region: np.ndarray) -> None:
+        """Page-lock ``region`` (the queue's input slots) so uploads DMA straight from it."""
+        ptr, nbytes = int(region.ctypes.data), int(region.nbytes)
+        t0 = time.perf_counter()
+        self.cp.cuda.runtime.hostRegister(ptr, nbytes, 0)
+        self._registered.append((ptr, nbytes))
+        self.boot_ms["host_register"] = _ms(t0)
+
+    def close(self) -> None:
+        for ptr, _ in self._registered:
+            self.cp.cuda.runtime.hostUnregister(ptr)
+        self._registered.clear()
+
+    # ---- batch limit ------------------------------------------------------------------
+
+    def batch_limit(self) -> int:
+        """How many frames the next claim may take (BatchSizer.limit, claim time)."""
+        return self.sizer.limit()
+
+    # ---- the data path ----------------------------------------------------------------
+
+    def infer(self, images: Sequence[np.ndarray], want_mask: Sequence[bool]) -> list[Result]:
+        batch = self.submit(images, want_mask)
+        self.start(batch)
+        return self.finish(batch)
+
+    def submit(self, images: Sequence[np.ndarray], want_mask: Sequence[bool]) -> Batch:
+        """Upload the frames (copy stream, asynchronous); nothing computes yet."""
+        batch = Batch(len(images))
+        by_size: dict[tuple[int, int], list[int]] = {}
+        for i, img in enumerate(images):
+            if img.dtype != np.uint8 or img.ndim != 2 or img.size == 0:
+                batch.errors[i] = f"expected a non-empty uint8 (H, W) frame, got {img.shape}"
+                continue
+            by_size.setdefault((int(img.shape[0]), int(img.shape[1])), []).append(i)
+        for size, positions in by_size.items():
+            lo = 0
+            for n in split_batch(len(positions), self.sizer.limit(size), BUCKETS):
+                part = positions[lo : lo + n]
+                lo += n
+                g = self._graph_for(n, size)
+                if g is None:
+                    for i in part:
+                        batch.errors[i] = f"no device memory for a {size[0]}x{size[1]} graph"
+                    continue
+                batch.chunks.append(self._upload(g, [images[i] for i in part], part, want_mask))
+        return batch
+
+    def start(self, batch: Batch) -> None:
+        """Launch every chunk's graph after its upload (asynchronous)."""
+        cp = self.cp
+        for c in batch.chunks:
+            stream = c.graph.stream
+            stream.wait_event(c.uploaded)
+            c.start = cp.cuda.Event()
+            c.end = cp.cuda.Event()
+            c.start.record(stream)
+            c.graph.launch(c.k)
+            c.end.record(stream)
+            self._consumed[(*_key(c.graph), c.k)] = c.end
+        batch.started = True
+
+    def finish(self, batch: Batch) -> list[Result]:
+        """Wait for each chunk's results (events) and turn them into queue Results."""
+        if not batch.started:
+            raise RuntimeError("CudaBackend.finish before start")
+        results: list[Result | None] = [None] * batch.size
+        for c in batch.chunks:
+            frames = c.graph.fetch(len(c.positions), c.want_mask)
+            c.end.synchronize()
+            compute_ns = int(self.cp.cuda.get_elapsed_time(c.start, c.end) * 1e6)
+            for pos, frame, want in zip(c.positions, frames, c.want_mask, strict=True):
+                results[pos] = _to_result(frame, want, compute_ns, len(c.positions))
+        for pos, reason in batch.errors.items():
+            results[pos] = error_result(reason, batch.size, Status.INVALID)
+        missing = [i for i, r in enumerate(results) if r is None]
+        if missing:
+            raise RuntimeError(f"CudaBackend.finish: no result for batch positions {missing}")
+        return [r for r in results if r is not None]
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    def _graph_for(self, n: int, size: tuple[int, int]) -> Any:
+        """The held graph of the smallest bucket ≥ n, capturing it if memory allows; else a
+        held smaller one is not enough (the caller split by ``limit``), so None."""
+        bucket = next(b for b in BUCKETS if b >= n)
+        g = self.graphs.get((bucket, *size))
+        if g is not None:
+            return g
+        if not self.sizer.usable(size, bucket):
+            return None
+        g = self._capture(bucket, size)
+        if g is not None and size not in self.sizer.per_frame:
+            self.sizer.measured(size, {bucket: int(g.footprint_bytes)})
+        return g
+
+    def _capture(self, bucket: int, size: tuple[int, int]) -> Any:
+        from scratchd.kernels.serve_graph import ServeGraph
+
+        cp = self.cp
+        try:
+            g = ServeGraph(self.net, bucket, size[0], size[1], n_inputs=2)
+        except cp.cuda.memory.OutOfMemoryError:
+            self.sizer.refuse(size, bucket)
+            cp.get_default_memory_pool().free_all_blocks()
+            return None
+        self.graphs[(bucket, *size)] = g
+        self.sizer.hold(size, bucket)
+        return g
+
+    def _upload(
+        self, g: Any, frames: list[np.ndarray], positions: list[int], want_mask: Sequence[bool]
+    ) -> Chunk:
+        cp = self.cp
+        key = _key(g)
+        k = self._next_k.get(key, 0)
+        self._next_k[key] = 1 - k
+        consumed = self._consumed.get((*key, k))
+        if consumed is not None:
+            self.copy_stream.wait_event(consumed)
+        dst = g.inputs[k]
+        base = int(dst.data.ptr)
+        frame_bytes = int(dst[0].nbytes)
+        for j, img in enumerate(frames):
+            src = self._host_ptr(img, j, frame_bytes)
+            cp.cuda.runtime.memcpyAsync(
+                base + j * frame_bytes, src, frame_bytes, H2D, self.copy_stream.ptr
+            )
+        uploaded = cp.cuda.Event()
+        uploaded.record(self.copy_stream)
+        return Chunk(g, k, positions, [bool(want_mask[i]) for i in positions], uploaded)
+
+    def _host_ptr(self, img: np.ndarray, j: int, nbytes: int) -> int:
+        """A page-locked address holding ``img``: the frame itself if it lies in registered
+        memory (and is contiguous), else a copy in the pinned staging buffer."""
+        ptr = int(img.ctypes.data)
+        if img.flags.c_contiguous and any(
+            lo <= ptr and ptr + nbytes <= lo + size for lo, size in self._registered
+        ):
+            return ptr
+        # The staging buffer is reused only after the copy stream has drained it.
+        self.copy_stream.synchronize()
+        need = (j + 1) * nbytes
+        if self._staging is None or self._staging.nbytes < need:
+            import cupyx
+
+            self._staging = cupyx.empty_pinned((max(need, 16 * nbytes),), np.uint8)
+        self._staging[j * nbytes : need] = np.ascontiguousarray(img).reshape(-1)
+        return int(self._staging.ctypes.data) + j * nbytes
+
+
+def _key(g: Any) -> tuple[int, int, int]:
+    return (int(g.bucket), int(g.height), int(g.width))
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000.0, 1)
+
+
+def _to_result(frame: Any, want_mask: bool, compute_ns: int, batch_size: int) -> Result:
+    return Result(
+        status=Status.OK,
+        verdict_defect=frame.verdict == "defect",
+        score=float(frame.score),
+        boxes=[tuple(float(v) for v in box) for box in frame.boxes[:MAX_BOXES]],
+        entropy=float(frame.entropy),
+        histogram=np.asarray(frame.histogram, dtype=np.uint32),
+        compute_ns=compute_ns,
+        batch_size=batch_size,
+        error="",
+        mask=frame.mask if want_mask else None,
+    )

@@ -1,0 +1,177 @@
+"""How big a GPU batch may be, and which CPUs a GPU worker runs on (NVML).
+
+Batch size (issue 5, item 2) is the smallest of: what is ready, ``max_batch``, and what the
+card's free memory allows. The device memory a batch needs is held by its captured serving
+graph (``kernels/serve_graph.py``): every buffer is allocated when the graph is captured and
+reused by every replay, so serving itself never allocates. Memory is therefore decided when a
+graph is captured, and :class:`BatchSizer` decides it::
+
+    footprint(bucket b, size s) = measured at warm-up (bytes the first graph of s holds / b)
+    a bucket may be used   ⇔  its graph is held already
+                              or  b · per_frame(s) + reserve  ≤  NVML free (v2, this card)
+    limit = the largest usable bucket ≤ max_batch  (buckets are 1, 2, 4, 8, 16)
+
+``reserve`` (config ``workers.gpu_reserve_mb``) is left free for everything else on the card:
+CuPy's small temporaries, the driver, another process. NVML's v2 memory info is read because
+v1's ``used`` counts the driver's reservation (615 MiB on an idle H200, DESIGN.md).
+
+When another process takes memory, buckets not yet captured stop being usable and the limit
+shrinks; graphs already held keep serving (their memory is ours). A capture that fails with
+out-of-memory anyway (a race with that process) marks its bucket unusable for
+``RETRY_AFTER_S`` and the batch runs in smaller buckets; it is logged and counted
+(``oom_refusals``), never hidden.
+
+CPU affinity (item 1): NVML's ``nvmlDeviceGetCpuAffinity`` bitmask of the card's NUMA-near
+cores, intersected with the CPUs this process may use (a cgroup or ``taskset`` narrows them);
+an empty intersection leaves the affinity as it is and says so.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+MIB: Final = 1024 * 1024
+RETRY_AFTER_S: Final = 5.0
+"""How long a bucket whose capture ran out of memory stays unusable."""
+
+
+def nvml() -> Any:
+    """The initialised ``pynvml`` module (nvidia-ml-py)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    return pynvml
+
+
+def handle_for_pci_bus(bus_id: str) -> Any:
+    """NVML's handle of the card CUDA calls ``bus_id`` (CUDA's and NVML's numbering may differ:
+    the PCI bus id is what both agree on)."""
+    return nvml().nvmlDeviceGetHandleByPciBusId(bus_id)
+
+
+def free_bytes(handle: Any) -> int:
+    """Free device memory from NVML's memory info v2 (driver reservation not counted free)."""
+    lib = nvml()
+    info = lib.nvmlDeviceGetMemoryInfo(handle, version=lib.nvmlMemory_v2)
+    return int(info.free)
+
+
+def cpus_from_mask(words: Iterable[int], bits_per_word: int = 64) -> set[int]:
+    """The CPU numbers set in NVML's affinity bitmask (an array of unsigned longs)."""
+    return {
+        i * bits_per_word + bit
+        for i, word in enumerate(words)
+        for bit in range(bits_per_word)
+        if (int(word) >> bit) & 1
+    }
+
+
+def pin_near(handle: Any) -> tuple[set[int], str]:
+    """Pin this process to the card's NUMA-near CPUs; ``(cpus now, what was done)``."""
+    allowed = os.sched_getaffinity(0)
+    words = (os.cpu_count() or 64) // 64 + 1
+    near = cpus_from_mask(nvml().nvmlDeviceGetCpuAffinity(handle, words))
+    chosen = near & allowed
+    if not chosen:
+        return set(allowed), f"NVML's near CPUs {sorted(near)} are not allowed here; unchanged"
+    os.sched_setaffinity(0, chosen)
+    return chosen, f"pinned to {len(chosen)} CPUs near the card"
+
+
+@dataclass
+class BatchSizer:
+    """The batch limit of one GPU worker; see the module docstring for the rule.
+
+    ``free`` reads the card's free bytes (NVML in the worker, a function in tests);
+    ``held`` maps each frame size to the buckets whose graphs exist; ``per_frame`` maps each
+    size to its measured bytes per frame; ``fixed`` is the bytes a graph holds whatever its
+    bucket (measured as the first graph's bytes minus its bucket times the per-frame bytes:
+    0 when only one graph was measured).
+    """
+
+    buckets: Sequence[int]
+    max_batch: int
+    reserve_bytes: int
+    free: Callable[[], int]
+    per_frame: dict[tuple[int, int], int] = field(default_factory=dict)
+    fixed: dict[tuple[int, int], int] = field(default_factory=dict)
+    held: dict[tuple[int, int], set[int]] = field(default_factory=dict)
+    refused_until: dict[tuple[tuple[int, int], int], float] = field(default_factory=dict)
+    oom_refusals: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+        if list(self.buckets) != sorted(set(self.buckets)) or not self.buckets:
+            raise ValueError(f"buckets must be increasing and non-empty, got {self.buckets}")
+
+    def measured(self, size: tuple[int, int], footprints: dict[int, int]) -> None:
+        """Record the bytes held by graphs of ``size`` per bucket (at least one bucket)."""
+        if not footprints:
+            raise ValueError("measured: no footprint given")
+        items = sorted(footprints.items())
+        if len(items) >= 2:
+            (b0, m0), (b1, m1) = items[0], items[-1]
+            per = max(1, (m1 - m0) // (b1 - b0))
+        else:
+            b0, m0 = items[0]
+            per = max(1, m0 // b0)
+        self.per_frame[size] = per
+        self.fixed[size] = max(0, m0 - b0 * per)
+        self.held.setdefault(size, set()).update(footprints)
+
+    def need_bytes(self, size: tuple[int, int], bucket: int) -> int:
+        """Device bytes a graph of ``bucket`` frames of ``size`` needs (estimated)."""
+        per = self.per_frame.get(size) or max(self.per_frame.values(), default=0)
+        return self.fixed.get(size, 0) + bucket * per
+
+    def usable(self, size: tuple[int, int], bucket: int, now: float | None = None) -> bool:
+        if bucket in self.held.get(size, ()):
+            return True
+        until = self.refused_until.get((size, bucket), 0.0)
+        if (time.monotonic() if now is None else now) < until:
+            return False
+        return self.need_bytes(size, bucket) + self.reserve_bytes <= self.free()
+
+    def limit(self, size: tuple[int, int] | None = None) -> int:
+        """The most frames one batch may hold now (≥ 1 while any graph of the size is held).
+
+        ``size`` None: the claim-time limit, before the claimed frames' sizes are known — the
+        largest measured size decides (the most demanding frames the worker has seen)."""
+        if size is None:
+            if not self.per_frame:
+                return 1
+            size = max(self.per_frame, key=lambda s: self.per_frame[s])
+        best = 0
+        for b in self.buckets:
+            if b > self.max_batch or not self.usable(size, b):
+                break
+            best = b
+        if best == 0:  # nothing fits: the smallest held bucket still serves (its memory is ours)
+            held = sorted(self.held.get(size, ()))
+            best = held[0] if held else 1
+        return min(best, self.max_batch)
+
+    def refuse(self, size: tuple[int, int], bucket: int) -> None:
+        """A capture of ``bucket`` ran out of memory: do not try it again for a while."""
+        self.oom_refusals += 1
+        self.refused_until[(size, bucket)] = time.monotonic() + RETRY_AFTER_S
+
+    def hold(self, size: tuple[int, int], bucket: int) -> None:
+        self.held.setdefault(size, set()).add(bucket)
+
+
+def split_batch(n: int, limit: int, buckets: Sequence[int]) -> list[int]:
+    """Chunk sizes for ``n`` frames when at most ``limit`` fit one graph: largest first, each
+    chunk ≤ limit (a chunk is padded up to its bucket by the graph)."""
+    if n < 0 or limit < 1:
+        raise ValueError(f"split_batch: n={n}, limit={limit}")
+    cap = max((b for b in buckets if b <= limit), default=1)
+    chunks = [cap] * (n // cap)
+    if n % cap:
+        chunks.append(n % cap)
+    return chunks
