@@ -11,6 +11,10 @@ CFLAGS = ["-O3", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit-function-decl
 
 EXTENSIONS: list[Extension] = [
     # Each entry: Extension("scratchd.<subpkg>._<name>", ["<subpkg>/_<name>.c"], ...)
+    Extension("scratchd.ipc._native", ["ipc/_native.c"], extra_compile_args=CFLAGS),
+    Extension(
+        "scratchd.kernels._cpu", ["kernels/_cpu.c"], extra_compile_args=[*CFLAGS, "-Wno-psabi"]
+    ),
 ]
 
 setup(ext_modules=EXTENSIONS)

@@ -30,7 +30,7 @@ from time import monotonic_ns as time_ns
 
 import numpy as np
 
-from scratchd.ipc.core import ACTIVE, CLAIMED, DONE, EXPIRED, FAILED, QUEUED, QueueCore
+from scratchd.ipc.core import ACTIVE, CLAIMED, EXPIRED, FAILED, QUEUED, QueueCore
 from scratchd.ipc.layout import NIL
 from scratchd.ipc.records import (
     Claim,
@@ -73,7 +73,7 @@ class WorkerOps(QueueCore):
 
     def ready_count(self) -> int:
         """Queued requests right now (a lock-free snapshot; exact only under the lock)."""
-        return self._ready.total()
+        return int(self._native.ready_total())
 
     def wait_for_work(self, slot: int, timeout_s: float | None, min_ready: int = 1) -> bool:
         """Return True at once if ``min_ready`` requests are queued, else sleep on this
@@ -84,7 +84,8 @@ class WorkerOps(QueueCore):
         """
         if not self._work:
             raise QueueError("wait_for_work needs the work doorbell (attach with work_fd=)")
-        if self._ready.total() >= min_ready:  # fast path, lock-free
+        spin_ns = self._spin_ns if timeout_s is None else min(self._spin_ns, int(timeout_s * 1e9))
+        if self._native.spin_ready(min_ready, spin_ns):  # lock-free look, then bounded spin
             return True
         bit = 1 << slot
         with self._mutex:
@@ -104,33 +105,16 @@ class WorkerOps(QueueCore):
         Raises QueueError if this process is not the worker registered in ``slot`` (e.g. it
         was reclaimed): such a worker must exit, not claim.
         """
-        d, pid, expired = self._d, os.getpid(), 0
-        claims: list[Claim] = []
-        with self._mutex:
-            if not self._is_registered(slot, pid):
-                raise QueueError(f"pid {pid} is not the worker registered in slot {slot}")
-            while len(claims) < max_n:
-                i = self._ready.best()
-                if i == NIL:
-                    break
-                self._ready.remove(i)
-                self._wheel.remove(i)
-                if self._faulty:
-                    self._fault.reach("claim.unlinked")
-                if d.deadline_ns[i] <= now_ns:
-                    self._finish(i, EXPIRED, now_ns)
-                    expired += 1
-                    continue
-                d.worker[i], d.worker_pid[i], d.claim_ns[i] = slot, pid, now_ns
-                d.attempt[i] += 1
-                d.state[i] = CLAIMED
-                if self._faulty:
-                    self._fault.reach("claim.marked")
-                claims.append(self._claim_of(i))
-            if expired:
-                self._seg.header["expired"] += expired
+        pid = os.getpid()
+        with self._mutex:  # unlink, ownership, state = CLAIMED (or EXPIRED) per request
+            taken = self._native.claim(slot, pid, max_n, now_ns)
+        if taken is None:
+            raise QueueError(f"pid {pid} is not the worker registered in slot {slot}")
+        indices, expired = taken
         if expired:
             self._ring_completion()
+        # CLAIMED by this worker: nobody else writes these descriptors, read them unlocked.
+        claims = [self._claim_of(i) for i in indices]
         if claims:  # this worker's own counters: no lock
             self._w_batches[slot] += 1
             self._w_requests[slot] += len(claims)
@@ -169,14 +153,12 @@ class WorkerOps(QueueCore):
             self._seg.result_block, self._r, self._seg.masks, i, result, c.height, c.width,
             between=self._die_mid_result if self._faulty else None,
         )  # fmt: skip
-        with self._mutex:
-            if not self._owns(slot, c):
-                return False
-            self._finish(i, DONE, time_ns())
-            if self._faulty:
-                self._fault.reach("complete.flipped")
-        self._ring_completion()
-        return True
+        h = c.handle
+        with self._mutex:  # re-check ownership, push on the done stack, state = DONE
+            done = self._native.complete(i, h.generation, c.attempt, slot, os.getpid(), time_ns())
+        if done:
+            self._ring_completion()
+        return done
 
     # ---------------------------------------------------------------- supervisor
     def reclaim_worker(self, slot: int, now_ns: int, max_kills: int = 3) -> ReclaimReport:

@@ -25,9 +25,10 @@ from collections import deque
 
 import numpy as np
 
+from scratchd.ipc._native import Core
 from scratchd.ipc.doorbell import Doorbell
 from scratchd.ipc.faults import FaultPoint
-from scratchd.ipc.layout import MUTEX_OFFSET, NIL
+from scratchd.ipc.layout import MUTEX_OFFSET, NIL, native_offsets
 from scratchd.ipc.lock import RobustMutex
 from scratchd.ipc.ready import ReadyLists
 from scratchd.ipc.records import DescState, Handle, StaleHandle
@@ -38,6 +39,7 @@ FREE, WRITTEN, QUEUED, CLAIMED = 0, 1, 2, 3
 DONE, EXPIRED, FAILED = 4, 5, 6
 assert [s.value for s in DescState] == [FREE, WRITTEN, QUEUED, CLAIMED, DONE, EXPIRED, FAILED]
 ACTIVE = 1  # WorkerSlotState.ACTIVE
+DEFAULT_WORKER_SPIN_US = 50  # [queue] worker_spin_us
 
 
 class QueueCore:
@@ -57,6 +59,11 @@ class QueueCore:
             on_stuck=self._kill_stuck_holder if seg.owner else None,
         )  # fmt: skip
         self.stuck_kills = 0  # workers this process killed for sitting on the lock
+        # The C bodies of the hot critical sections (submit, claim, complete, collect) and
+        # the spins; the Python index classes below serve the rest and the repair.
+        fault = self._fault.reach if self._faulty else None
+        self._native = Core(seg.mm, native_offsets(seg.header), fault)
+        self._spin_ns = int(seg.header["worker_spin_ns"])
         self._d = seg.d  # fast scalar views; seg.descs for vector work
         self._r = seg.r
         dn = seg.descs
@@ -69,7 +76,6 @@ class QueueCore:
             seg.header_cell("wheel_cursor"),
             base_ns=int(seg.header["clock_base_ns"]), tick_ns=self.geometry.tick_ms * 1_000_000,
         )  # fmt: skip
-        self._hseq = seg.header_cell("seq")
         self._waiting = seg.header_cell("waiting")
         self._done_head = seg.header_cell("done_head")
         self._w_pid = seg.workers["pid"].data
@@ -78,9 +84,13 @@ class QueueCore:
         self._w_requests = seg.workers["requests"].data
         self._free_list: deque[int] = deque()  # creator only: FREE descriptors
 
-    def _initialize(self) -> None:
+    def _initialize(self, worker_spin_us: int) -> None:
         """Creator only, before anyone attaches: links empty, mutex initialised."""
+        if worker_spin_us < 0:
+            raise ValueError(f"worker_spin_us={worker_spin_us} is negative")
         self._mutex.initialize()
+        self._spin_ns = self._seg.header["worker_spin_ns"] = worker_spin_us * 1000
+        self._seg.header["completion_armed"] = 1
         for link in ("rnext", "rprev", "wnext", "wprev"):
             self._seg.descs[link] = NIL
         self._seg.descs["wbucket"] = NIL
@@ -120,16 +130,6 @@ class QueueCore:
         self._done_head[0] = i
         d.state[i] = state
 
-    def _pop_done(self) -> list[int]:
-        """Take the whole done stack, oldest first (lock held)."""
-        out, i, rnext = [], int(self._done_head[0]), self._d.rnext
-        while i != NIL:
-            out.append(i)
-            i = int(rnext[i])
-        self._done_head[0] = NIL
-        out.reverse()
-        return out
-
     def _pick_waiting(self, n: int) -> list[int]:
         """Take up to ``n`` waiting worker slots off the waiting mask (lock held)."""
         mask, picked = self._waiting[0], list[int]()
@@ -148,7 +148,8 @@ class QueueCore:
                 self._work[w].ring()
 
     def _ring_completion(self) -> None:
-        if self._completion is not None:
+        """Ring the main process, unless it is spinning on the done stack (it sees it)."""
+        if self._completion is not None and self._native.completion_armed():
             self._completion.ring()
 
     def _repair(self) -> None:
@@ -176,9 +177,6 @@ class QueueCore:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
                 self.stuck_kills += 1
-
-    def _is_registered(self, slot: int, pid: int) -> bool:
-        return bool(self._w_state[slot] == ACTIVE and self._w_pid[slot] == pid)
 
     @staticmethod
     def _pid() -> int:

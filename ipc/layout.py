@@ -9,7 +9,8 @@ daemon's main process, mapped by every worker. Every region starts on a 64-byte 
     │ header (HEADER_DTYPE, 512 B)                                             │
     │   magic "SCRATCHQ", layout version, geometry, region offsets, total size │
     │   owner pid, clock base, enqueue sequence, waiting-worker bitmask,       │
-    │   wheel cursor, done-stack head, counters                                │
+    │   wheel cursor, done-stack head, counters, worker spin time,             │
+    │   completion-armed flag                                                  │
     │   · robust pthread mutex at MUTEX_OFFSET (64 B)                          │
     ├──────────────────────────────────────────────────────────────────────────┤
     │ descriptor table   slots × DESC_DTYPE   request block (packed by one     │
@@ -44,6 +45,12 @@ Who writes what (``ipc/queue.py``'s docstring gives the order of writes inside t
   CLAIMED by it, *before* it flips the state to DONE under the mutex.
 - a worker row's heartbeat and counters: that worker only (single writer, no lock); its
   ``pid``/``state``: ``register_worker`` and ``reclaim_worker`` under the mutex.
+- header ``worker_spin_ns``: the creator, once. ``completion_armed``: the main process only,
+  without the lock (a store/fence/load handshake with the workers, ``ipc/queue.py``).
+
+The C fast path (``ipc/_native.c``) reads the same bytes: :func:`native_offsets` hands it
+every offset it uses, after checking each field's dtype against the C type it is read as
+(:data:`NATIVE_FIELDS`), so this module stays the single source of the layout.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ import numpy as np
 from scratchd.ipc.lock import MUTEX_BYTES
 
 MAGIC = b"SCRATCHQ"
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4  # 4: worker_spin_ns and completion_armed in the header
 PRIORITIES = 8  # 0 (normal) .. 7 (most urgent)
 MAX_BOXES = 64
 HISTOGRAM_BINS = 64
@@ -96,6 +103,8 @@ HEADER_DTYPE = np.dtype(
         ("requeued", "<u8"),  # claims returned to the queue by reclaim_worker
         ("quarantined", "<u8"),  # requests failed after killing max_kills workers
         ("abandoned", "<u8"),  # requests dropped because their client left
+        ("worker_spin_ns", "<i8"),  # how long a worker spins for work before it sleeps
+        ("completion_armed", "<u4"),  # 1: ring the completion eventfd; 0: main is spinning
     ],
     align=True,
 )
@@ -272,3 +281,43 @@ def layout(g: Geometry) -> dict[str, int]:
         at += size
     off["total_bytes"] = _align(at, 4096)
     return off
+
+
+# The fields ipc/_native.c reads or writes, with the dtype its C code reads them as.
+NATIVE_FIELDS: dict[str, tuple[np.dtype, dict[str, str]]] = {
+    "h": (HEADER_DTYPE, {
+        "seq": "<u8", "waiting": "<u8", "expired": "<u8", "wheel_cursor": "<i8",
+        "done_head": "<i4", "completion_armed": "<u4",
+    }),
+    "d": (DESC_DTYPE, {
+        "priority": "u1", "abandoned": "u1", "state": "u1", "generation": "<u4",
+        "attempt": "<u4", "seq": "<u8", "worker": "<i4", "worker_pid": "<i4",
+        "claim_ns": "<i8", "done_ns": "<i8", "rnext": "<i4", "rprev": "<i4", "wnext": "<i4",
+        "wprev": "<i4", "wbucket": "<i4", "deadline_ns": "<i8",
+    }),
+    "w": (WORKER_DTYPE, {"pid": "<i4", "state": "u1"}),
+}  # fmt: skip
+
+
+def native_offsets(header: np.ndarray) -> dict[str, int]:
+    """Everything ``_native.Core`` needs to find its fields in a mapped segment whose
+    header is ``header``: field offsets (``"d.state"``: within a descriptor row, ``"h.seq"``:
+    in the segment), region offsets, strides and geometry."""
+    out: dict[str, int] = {}
+    for prefix, (dtype, wanted) in NATIVE_FIELDS.items():
+        fields = dtype.fields
+        assert fields is not None
+        for name, code in wanted.items():
+            field_dtype, offset = fields[name][:2]
+            assert field_dtype == np.dtype(code), f"{prefix}.{name}: C reads it as {code}"
+            out[f"{prefix}.{name}"] = offset
+    index = int(header["index_off"])
+    out.update(
+        desc_off=int(header["desc_off"]), desc_stride=DESC_DTYPE.itemsize,
+        slots=int(header["slots"]), worker_off=int(header["worker_off"]),
+        worker_stride=WORKER_DTYPE.itemsize, max_workers=int(header["max_workers"]),
+        ready_head=index, ready_tail=index + 4 * PRIORITIES, ready_count=index + 8 * PRIORITIES,
+        wheel_head=index + 12 * PRIORITIES, wheel_ticks=int(header["wheel_ticks"]),
+        base_ns=int(header["clock_base_ns"]), tick_ns=int(header["tick_ms"]) * 1_000_000,
+    )  # fmt: skip
+    return out

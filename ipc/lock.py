@@ -26,80 +26,30 @@ thread id (read from the futex word) to ``on_stuck`` — the queue's main proces
 registered worker found there — and then waits on; the kill turns the wait into an
 ``EOWNERDEAD`` acquisition, repaired as above. Uncontended, this costs one ``trylock``.
 
-Calls go through ctypes with ``argtypes`` set once; ctypes releases the GIL around each call,
-so a blocked ``lock`` never stalls other Python threads. Measured ≈ 1 µs per uncontended
-lock + unlock pair from Python (DESIGN.md).
+Calls go to the C extension ``scratchd.ipc._native`` (``Mutex``: one C call per pthread
+function, returning its error code; this module decides what a code means). The GIL is
+released only around the calls that can block (a contended ``lock``, ``clocklock``), so a
+blocked lock never stalls other Python threads while an uncontended one costs two plain C
+calls (≈ 0.1 µs each; it was ≈ 1 µs per pair through ctypes). A build without the extension
+fails at import with ImportError: there is no slower fallback to drift into silently.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import mmap
 import os
 import time
 from collections.abc import Callable
 
+from scratchd.ipc._native import Mutex
+
 MUTEX_BYTES = 64  # room for pthread_mutex_t on every glibc ABI we run on (40 or 48 bytes)
-_ATTR_BYTES = 16  # pthread_mutexattr_t is 4 bytes on glibc; generous for other ABIs
-
-_PTHREAD_PROCESS_SHARED = 1
-_PTHREAD_MUTEX_ROBUST = 1
-_PTHREAD_MUTEX_ERRORCHECK = 2  # relocking by the holder is EDEADLK, not a silent deadlock
 _FUTEX_TID_MASK = 0x3FFFFFFF  # the robust futex word is the holder's TID plus two flag bits
-_CLOCK_MONOTONIC = time.CLOCK_MONOTONIC
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
 class LockError(RuntimeError):
     """The mutex could not be initialised, acquired or released (the message says which)."""
-
-
-def _load_pthread() -> ctypes.CDLL:
-    # glibc ≥ 2.34 has pthread in libc itself; older ones keep it in libpthread.
-    for name in ("c", "pthread"):
-        path = ctypes.util.find_library(name)
-        if path is None:
-            continue
-        lib = ctypes.CDLL(path, use_errno=True)
-        if hasattr(lib, "pthread_mutex_consistent"):
-            return lib
-    raise LockError("no C library with pthread_mutex_consistent (robust mutexes) found")
-
-
-_LIB = _load_pthread()
-for _fn in (
-    "pthread_mutexattr_init",
-    "pthread_mutexattr_setpshared",
-    "pthread_mutexattr_setrobust",
-    "pthread_mutexattr_settype",
-    "pthread_mutexattr_destroy",
-    "pthread_mutex_init",
-    "pthread_mutex_lock",
-    "pthread_mutex_trylock",
-    "pthread_mutex_unlock",
-    "pthread_mutex_consistent",
-):
-    getattr(_LIB, _fn).restype = ctypes.c_int
-_LIB.pthread_mutexattr_setpshared.argtypes = [ctypes.c_void_p, ctypes.c_int]
-_LIB.pthread_mutexattr_setrobust.argtypes = [ctypes.c_void_p, ctypes.c_int]
-_LIB.pthread_mutexattr_settype.argtypes = [ctypes.c_void_p, ctypes.c_int]
-for _fn in (
-    "pthread_mutexattr_init",
-    "pthread_mutexattr_destroy",
-    "pthread_mutex_lock",
-    "pthread_mutex_trylock",
-    "pthread_mutex_unlock",
-    "pthread_mutex_consistent",
-):
-    getattr(_LIB, _fn).argtypes = [ctypes.c_void_p]
-_LIB.pthread_mutex_init.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-_LIB.pthread_mutex_clocklock.restype = ctypes.c_int
-_LIB.pthread_mutex_clocklock.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
 
 
 def _check(rc: int, what: str) -> None:
@@ -124,42 +74,24 @@ class RobustMutex:
     ) -> None:
         if offset % 64:
             raise LockError(f"mutex offset {offset} is not 64-byte aligned")
-        self._cell = (ctypes.c_char * MUTEX_BYTES).from_buffer(buf, offset)
-        self._ptr = ctypes.c_void_p(ctypes.addressof(self._cell))
+        self._native = Mutex(buf, offset)
         self._repair = repair
         self._on_stuck = on_stuck
         self._stuck_after_ns = int(stuck_after_s * 1e9)
-        self._lock = _LIB.pthread_mutex_lock
-        self._unlock = _LIB.pthread_mutex_unlock
+        self._lock = self._native.lock
+        self._unlock = self._native.unlock
         # A watching process tries first and only then waits with a time limit.
-        self._first_try = _LIB.pthread_mutex_trylock if on_stuck else _LIB.pthread_mutex_lock
+        self._first_try = self._native.trylock if on_stuck else self._native.lock
         self.repairs = 0  # times this process repaired after a dead holder
 
     def initialize(self) -> None:
         """Initialise the mutex: robust, process-shared, error-checking (a holder that locks
         again gets LockError EDEADLK instead of hanging). Creator only, before sharing."""
-        attr = ctypes.create_string_buffer(_ATTR_BYTES)
-        _check(_LIB.pthread_mutexattr_init(attr), "pthread_mutexattr_init")
-        try:
-            _check(
-                _LIB.pthread_mutexattr_setpshared(attr, _PTHREAD_PROCESS_SHARED),
-                "pthread_mutexattr_setpshared",
-            )
-            _check(
-                _LIB.pthread_mutexattr_setrobust(attr, _PTHREAD_MUTEX_ROBUST),
-                "pthread_mutexattr_setrobust",
-            )
-            _check(
-                _LIB.pthread_mutexattr_settype(attr, _PTHREAD_MUTEX_ERRORCHECK),
-                "pthread_mutexattr_settype",
-            )
-            _check(_LIB.pthread_mutex_init(self._ptr, attr), "pthread_mutex_init")
-        finally:
-            _LIB.pthread_mutexattr_destroy(attr)
+        _check(self._native.initialize(), "pthread_mutex_init (robust, process-shared)")
 
     def acquire(self) -> None:
         """Lock; on ``EOWNERDEAD`` run ``repair`` and mark the mutex consistent."""
-        rc = self._first_try(self._ptr)
+        rc = self._first_try()
         if rc:
             self._acquire_slowly(rc)
 
@@ -173,7 +105,7 @@ class RobustMutex:
 
     def try_acquire(self) -> bool:
         """Lock if free (repairing after a dead holder); False if another process holds it."""
-        rc = _LIB.pthread_mutex_trylock(self._ptr)
+        rc = self._native.trylock()
         if rc == 0:
             return True
         if rc == errno.EBUSY:
@@ -186,18 +118,15 @@ class RobustMutex:
 
     def holder_tid(self) -> int:
         """Thread id of the current holder (0 when free); racy, for diagnosis only."""
-        word = int.from_bytes(self._cell.raw[:4], "little")
-        return word & _FUTEX_TID_MASK
+        return int(self._native.word()) & _FUTEX_TID_MASK
 
     def _acquire_watching(self) -> None:
         """Wait ``stuck_after_s`` for the lock, report a stuck holder, then wait on."""
         assert self._on_stuck is not None
-        deadline = time.monotonic_ns() + self._stuck_after_ns
-        when = _Timespec(deadline // 1_000_000_000, deadline % 1_000_000_000)
-        rc = _LIB.pthread_mutex_clocklock(self._ptr, _CLOCK_MONOTONIC, ctypes.byref(when))
+        rc = self._native.clocklock(time.monotonic_ns() + self._stuck_after_ns)
         if rc == errno.ETIMEDOUT:
             self._on_stuck(self.holder_tid())
-            rc = self._lock(self._ptr)
+            rc = self._lock()
         if rc == errno.EOWNERDEAD:
             self._recover()
         elif rc:
@@ -205,20 +134,20 @@ class RobustMutex:
 
     def release(self) -> None:
         """Unlock. Raises :class:`LockError` if this thread does not hold the lock."""
-        rc = self._unlock(self._ptr)
+        rc = self._unlock()
         if rc:
             _check(rc, "pthread_mutex_unlock")
 
     def __enter__(self) -> None:
         """``with mutex: ...`` — acquire, run the block, release (also on exceptions).
 
-        The hot path of every queue operation: one ctypes call when uncontended."""
-        rc = self._first_try(self._ptr)
+        The hot path of every queue operation: one C call when uncontended."""
+        rc = self._first_try()
         if rc:
             self._acquire_slowly(rc)
 
     def __exit__(self, *exc: object) -> None:
-        rc = self._unlock(self._ptr)
+        rc = self._unlock()
         if rc:
             _check(rc, "pthread_mutex_unlock")
 
@@ -228,8 +157,7 @@ class RobustMutex:
 
     def close(self) -> None:
         """Drop the buffer export so the mmap can be closed. The mutex bytes stay as they are."""
-        self._ptr = ctypes.c_void_p(0)
-        del self._cell
+        self._native.close()
 
     def _recover(self) -> None:
         # Order: repair while we hold the lock, then consistent, so no other process can
@@ -240,7 +168,7 @@ class RobustMutex:
             if self._repair is not None:
                 self._repair()
         except BaseException:
-            _LIB.pthread_mutex_consistent(self._ptr)
+            self._native.consistent()
             self.release()
             raise
-        _check(_LIB.pthread_mutex_consistent(self._ptr), "pthread_mutex_consistent")
+        _check(self._native.consistent(), "pthread_mutex_consistent")

@@ -75,7 +75,7 @@ from time import monotonic_ns as time_ns
 import numpy as np
 
 from scratchd.ipc.claims import WorkerOps
-from scratchd.ipc.core import DONE, EXPIRED, FREE, QUEUED, WRITTEN
+from scratchd.ipc.core import DEFAULT_WORKER_SPIN_US, DONE, EXPIRED, FREE, QUEUED, WRITTEN
 from scratchd.ipc.doorbell import Doorbell
 from scratchd.ipc.layout import PRIORITIES, Geometry
 from scratchd.ipc.records import (
@@ -118,12 +118,17 @@ class RequestQueue(WorkerOps):
 
     # ---------------------------------------------------------------- lifecycle
     @classmethod
-    def create(cls, name: str, geometry: Geometry) -> RequestQueue:
-        """Create the segment (main process); replaces a stale one, refuses a live owner's."""
+    def create(
+        cls, name: str, geometry: Geometry, *, worker_spin_us: int = DEFAULT_WORKER_SPIN_US
+    ) -> RequestQueue:
+        """Create the segment (main process); replaces a stale one, refuses a live owner's.
+
+        ``worker_spin_us``: how long a worker that finds no work spins before it sleeps on
+        its eventfd (stored in the header, so every worker uses the same; 0: never spin)."""
         seg = Segment.create(name, geometry)
         work = [Doorbell.create() for _ in range(geometry.max_workers)]
         q = cls(seg, Doorbell.create(), work)
-        q._initialize()
+        q._initialize(worker_spin_us)
         return q
 
     @classmethod
@@ -160,7 +165,8 @@ class RequestQueue(WorkerOps):
         for bell in [*self._work, *([self._completion] if self._completion else [])]:
             bell.close()
         self._mutex.close()
-        for attr in ("_d", "_r", "_ready", "_wheel", "_hseq", "_waiting", "_done_head"):
+        self._native.close()
+        for attr in ("_d", "_r", "_ready", "_wheel", "_waiting", "_done_head"):
             setattr(self, attr, None)
         self._w_pid = self._w_state = None  # type: ignore[assignment]
         self._seg.close()
@@ -213,16 +219,10 @@ class RequestQueue(WorkerOps):
                 f"i32, deadline_ns i64): {exc}"
             ) from exc
         d.attempt[i] = d.claim_ns[i] = 0
-        with self._mutex:
-            self._hseq[0] += 1
-            d.seq[i] = self._hseq[0]
-            self._ready.push(i)
-            self._wheel.insert(i)
-            if self._faulty:
-                self._fault.reach("submit.linked")
-            d.state[i] = QUEUED
-            wake = self._pick_waiting(1)
-        self._ring_workers(wake)
+        with self._mutex:  # seq, ready list, wheel, state = QUEUED, take a waiting worker
+            wake = self._native.submit(i)
+        if wake >= 0:
+            self._ring_workers([wake])
 
     def release(self, h: Handle) -> None:
         """Give back a WRITTEN descriptor that will not be submitted."""
@@ -259,19 +259,28 @@ class RequestQueue(WorkerOps):
         """
         if self._completion is not None:
             self._completion.drain()
-        d = self._d
-        with self._mutex:
-            finished = self._pop_done()
-            keep = [
-                (i, int(d.generation[i]), int(d.state[i])) for i in finished if not d.abandoned[i]
-            ]
-            for i in finished:  # FREE in the same hold as the pop, so a repair cannot re-push
-                d.state[i] = FREE
+        with self._mutex:  # pop the done stack; FREE in the same hold (no repair re-pushes)
+            finished = self._native.collect()
         # FREE but not reused before we return (only this process reserves): read unlocked.
-        out = [self._completion_of(i, gen, state) for i, gen, state in keep]
-        for i in finished:
-            self._make_free(i)
+        out = [self._completion_of(i, gen, st) for i, gen, st, gone in finished if not gone]
+        for item in finished:
+            self._make_free(item[0])
         return out
+
+    def wait_for_completions(self, timeout_s: float | None, spin_us: int = 0) -> bool:
+        """Block until a finished request waits for ``collect_completed`` (True) or
+        ``timeout_s`` passes (None: forever), spinning first for up to ``spin_us``.
+
+        For a main process that has a thread to spare (the benchmark, a synchronous
+        embedding); the daemon's event loop instead watches ``completion_fd`` and never
+        spins. While this spins, ``completion_armed`` is 0 and workers skip the eventfd
+        write; it is re-armed (seq_cst) and the done stack looked at once more before the
+        ``poll``, so a completion is never missed."""
+        if self._completion is None:
+            raise QueueError("wait_for_completions needs the completion doorbell")
+        if self._native.await_done(spin_us * 1000):
+            return True
+        return self._completion.wait(timeout_s) or self._native.await_done(0)
 
     def expire_due(self, now_ns: int) -> list[Completion]:
         """Answer TIMEOUT for every queued request whose deadline is ``≤ now_ns``."""

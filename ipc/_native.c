@@ -1,0 +1,664 @@
+/* scratchd.ipc._native: the queue's hot paths in C, over the layout of ipc/layout.py.
+ *
+ * Python stays the owner of the layout: every offset used here comes from
+ * ``layout.native_offsets`` (which asserts each field's dtype against the C type named in
+ * ``layout.NATIVE_FIELDS``) when a queue is attached, and is bounds-checked against the
+ * mapping here. Nothing in this file knows a numeric offset.
+ *
+ * Two types:
+ *
+ *   Mutex(buf, offset)  the robust, process-shared pthread mutex of ipc/lock.py. Each
+ *                       method returns the pthread error code; Python decides (EOWNERDEAD →
+ *                       repair → consistent stays in ipc/lock.py). The GIL is released only
+ *                       around the calls that can block: lock and clocklock.
+ *   Core(buf, offsets, fault)
+ *                       the bodies of the critical sections of submit, claim_batch,
+ *                       complete and collect_completed, called by Python WITH THE MUTEX
+ *                       HELD, writing in exactly the order documented in ipc/queue.py; and
+ *                       the bounded spins (GIL released) before a process sleeps on its
+ *                       eventfd. ``fault`` is FaultPoint.reach (or None): called with the
+ *                       point's name where ipc/faults.py names a point, so SCRATCHD_IPC_FAULT
+ *                       kills the process inside the native critical section.
+ *
+ * Ordering: a SIGKILL can land between any two instructions, so the compiler must not move
+ * the lifecycle write (``state``) before the link writes it publishes; state and the done
+ * stack head are written with release stores (a plain store plus a compiler barrier on
+ * x86-64). Lock-free readers (the spins) use relaxed atomic loads of aligned words.
+ */
+#define _GNU_SOURCE 1 /* pthread_mutex_clocklock */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <time.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield" ::: "memory")
+#else
+#define CPU_RELAX() __atomic_signal_fence(__ATOMIC_SEQ_CST)
+#endif
+
+#define NIL (-1)
+#define MUTEX_BYTES 64
+#define PRIORITIES 8
+_Static_assert(sizeof(pthread_mutex_t) <= MUTEX_BYTES, "pthread_mutex_t outgrew MUTEX_BYTES");
+
+enum { FREE = 0, QUEUED = 2, CLAIMED = 3, DONE = 4, EXPIRED = 5 };
+enum { ACTIVE = 1 };
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* ------------------------------------------------------------------------------- Mutex */
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    pthread_mutex_t *m; /* NULL once closed */
+} Mutex;
+
+static int Mutex_init(Mutex *self, PyObject *args, PyObject *kw) {
+    PyObject *buf;
+    Py_ssize_t offset;
+    static char *names[] = {"buf", "offset", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "On", names, &buf, &offset)) return -1;
+    if (PyObject_GetBuffer(buf, &self->view, PyBUF_WRITABLE) < 0) return -1;
+    if (offset < 0 || offset % 64 || offset + MUTEX_BYTES > self->view.len) {
+        PyBuffer_Release(&self->view);
+        PyErr_Format(PyExc_ValueError, "mutex offset %zd: not 64-byte aligned inside the buffer",
+                     offset);
+        return -1;
+    }
+    self->m = (pthread_mutex_t *)((char *)self->view.buf + offset);
+    return 0;
+}
+
+static void Mutex_dealloc(Mutex *self) {
+    if (self->m) PyBuffer_Release(&self->view);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+#define MUTEX_OPEN(self)                                                   \
+    if (!(self)->m) {                                                      \
+        PyErr_SetString(PyExc_ValueError, "the mutex's buffer was closed"); \
+        return NULL;                                                       \
+    }
+
+static PyObject *Mutex_initialize(Mutex *self, PyObject *unused) {
+    (void)unused;
+    MUTEX_OPEN(self);
+    pthread_mutexattr_t attr;
+    int rc = pthread_mutexattr_init(&attr);
+    if (!rc) rc = pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+    if (!rc) rc = pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+    if (!rc) rc = pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ERRORCHECK);
+    if (!rc) rc = pthread_mutex_init(self->m, &attr);
+    pthread_mutexattr_destroy(&attr);
+    return PyLong_FromLong(rc);
+}
+
+static PyObject *Mutex_trylock(Mutex *self, PyObject *unused) {
+    (void)unused;
+    MUTEX_OPEN(self);
+    return PyLong_FromLong(pthread_mutex_trylock(self->m));
+}
+
+static PyObject *Mutex_lock(Mutex *self, PyObject *unused) {
+    (void)unused;
+    MUTEX_OPEN(self);
+    int rc = pthread_mutex_trylock(self->m);
+    if (rc == EBUSY) { /* only a contended lock can block: then let other threads run */
+        Py_BEGIN_ALLOW_THREADS
+        rc = pthread_mutex_lock(self->m);
+        Py_END_ALLOW_THREADS
+    }
+    return PyLong_FromLong(rc);
+}
+
+static PyObject *Mutex_clocklock(Mutex *self, PyObject *arg) {
+    MUTEX_OPEN(self);
+    long long deadline = PyLong_AsLongLong(arg);
+    if (deadline == -1 && PyErr_Occurred()) return NULL;
+    struct timespec when = {(time_t)(deadline / 1000000000), (long)(deadline % 1000000000)};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = pthread_mutex_clocklock(self->m, CLOCK_MONOTONIC, &when);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
+}
+
+static PyObject *Mutex_unlock(Mutex *self, PyObject *unused) {
+    (void)unused;
+    MUTEX_OPEN(self);
+    return PyLong_FromLong(pthread_mutex_unlock(self->m));
+}
+
+static PyObject *Mutex_consistent(Mutex *self, PyObject *unused) {
+    (void)unused;
+    MUTEX_OPEN(self);
+    return PyLong_FromLong(pthread_mutex_consistent(self->m));
+}
+
+static PyObject *Mutex_word(Mutex *self, PyObject *unused) {
+    (void)unused;
+    MUTEX_OPEN(self);
+    return PyLong_FromUnsignedLong(__atomic_load_n((uint32_t *)self->m, __ATOMIC_RELAXED));
+}
+
+static PyObject *Mutex_close(Mutex *self, PyObject *unused) {
+    (void)unused;
+    if (self->m) {
+        self->m = NULL;
+        PyBuffer_Release(&self->view);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Mutex_methods[] = {
+    {"initialize", (PyCFunction)Mutex_initialize, METH_NOARGS, "init robust/pshared/errorcheck"},
+    {"trylock", (PyCFunction)Mutex_trylock, METH_NOARGS, "pthread_mutex_trylock"},
+    {"lock", (PyCFunction)Mutex_lock, METH_NOARGS, "pthread_mutex_lock (GIL released)"},
+    {"clocklock", (PyCFunction)Mutex_clocklock, METH_O, "clocklock until monotonic ns"},
+    {"unlock", (PyCFunction)Mutex_unlock, METH_NOARGS, "pthread_mutex_unlock"},
+    {"consistent", (PyCFunction)Mutex_consistent, METH_NOARGS, "pthread_mutex_consistent"},
+    {"word", (PyCFunction)Mutex_word, METH_NOARGS, "the futex word (holder tid + flags)"},
+    {"close", (PyCFunction)Mutex_close, METH_NOARGS, "release the buffer"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject MutexType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "scratchd.ipc._native.Mutex",
+    .tp_basicsize = sizeof(Mutex),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Mutex_init,
+    .tp_dealloc = (destructor)Mutex_dealloc,
+    .tp_methods = Mutex_methods,
+};
+
+/* -------------------------------------------------------------------------------- Core */
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    char *base;       /* NULL once closed */
+    PyObject *fault;  /* FaultPoint.reach, or NULL when no point is armed */
+    uint64_t *h_seq, *h_waiting, *h_expired;
+    int64_t *h_wheel_cursor;
+    int32_t *h_done_head;
+    uint32_t *h_completion_armed;
+    char *desc;
+    Py_ssize_t desc_stride, slots;
+    Py_ssize_t d_priority, d_abandoned, d_state, d_generation, d_attempt, d_seq, d_worker,
+        d_worker_pid, d_claim_ns, d_done_ns, d_rnext, d_rprev, d_wnext, d_wprev, d_wbucket,
+        d_deadline_ns;
+    int32_t *ready_head, *ready_tail, *ready_count, *wheel_head;
+    Py_ssize_t wheel_ticks;
+    int64_t base_ns, tick_ns;
+    char *workers;
+    Py_ssize_t worker_stride, max_workers, w_pid, w_state;
+} Core;
+
+/* Field access: F(c, i, type, member) is descriptor i's field. */
+#define F(c, i, T, f) (*(T *)((c)->desc + (Py_ssize_t)(i) * (c)->desc_stride + (c)->f))
+#define STATE(c, i) F(c, i, uint8_t, d_state)
+#define DEADLINE(c, i) F(c, i, int64_t, d_deadline_ns)
+#define SEQ(c, i) F(c, i, uint64_t, d_seq)
+#define RNEXT(c, i) F(c, i, int32_t, d_rnext)
+#define RPREV(c, i) F(c, i, int32_t, d_rprev)
+#define WNEXT(c, i) F(c, i, int32_t, d_wnext)
+#define WPREV(c, i) F(c, i, int32_t, d_wprev)
+#define W(c, s, T, f) (*(T *)((c)->workers + (Py_ssize_t)(s) * (c)->worker_stride + (c)->f))
+#define PUBLISH(ptr, value) __atomic_store_n((ptr), (value), __ATOMIC_RELEASE)
+
+typedef struct {
+    const char *key;
+    Py_ssize_t size; /* bytes of the C type this file reads the field as */
+    size_t member;
+} Field;
+
+#define M(name) offsetof(Core, name)
+static const Field DESC_FIELDS[] = {
+    {"d.priority", 1, M(d_priority)}, {"d.abandoned", 1, M(d_abandoned)},
+    {"d.state", 1, M(d_state)},       {"d.generation", 4, M(d_generation)},
+    {"d.attempt", 4, M(d_attempt)},   {"d.seq", 8, M(d_seq)},
+    {"d.worker", 4, M(d_worker)},     {"d.worker_pid", 4, M(d_worker_pid)},
+    {"d.claim_ns", 8, M(d_claim_ns)}, {"d.done_ns", 8, M(d_done_ns)},
+    {"d.rnext", 4, M(d_rnext)},       {"d.rprev", 4, M(d_rprev)},
+    {"d.wnext", 4, M(d_wnext)},       {"d.wprev", 4, M(d_wprev)},
+    {"d.wbucket", 4, M(d_wbucket)},   {"d.deadline_ns", 8, M(d_deadline_ns)},
+};
+static const Field WORKER_FIELDS[] = {{"w.pid", 4, M(w_pid)}, {"w.state", 1, M(w_state)}};
+static const Field HEADER_FIELDS[] = {
+    {"h.seq", 8, M(h_seq)},           {"h.waiting", 8, M(h_waiting)},
+    {"h.expired", 8, M(h_expired)},   {"h.wheel_cursor", 8, M(h_wheel_cursor)},
+    {"h.done_head", 4, M(h_done_head)}, {"h.completion_armed", 4, M(h_completion_armed)},
+};
+#define COUNT(a) (sizeof(a) / sizeof((a)[0]))
+
+static int offset_of(PyObject *offsets, const char *key, Py_ssize_t *out) {
+    PyObject *v = PyDict_GetItemString(offsets, key); /* borrowed */
+    if (!v) {
+        PyErr_Format(PyExc_KeyError, "native layout: offset %s missing", key);
+        return -1;
+    }
+    *out = PyLong_AsSsize_t(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* Bind a table's per-row fields: each naturally aligned and inside the row. */
+static int bind_row(Core *c, PyObject *offsets, const Field *fs, size_t n, Py_ssize_t stride) {
+    for (size_t k = 0; k < n; k++) {
+        Py_ssize_t off;
+        if (offset_of(offsets, fs[k].key, &off) < 0) return -1;
+        if (off < 0 || off % fs[k].size || off + fs[k].size > stride) {
+            PyErr_Format(PyExc_ValueError, "native layout: %s at %zd does not fit", fs[k].key, off);
+            return -1;
+        }
+        *(Py_ssize_t *)((char *)c + fs[k].member) = off;
+    }
+    return 0;
+}
+
+/* A pointer to `bytes` bytes at offsets[key], aligned to `align`, inside the buffer. */
+static void *region(Core *c, PyObject *offsets, const char *key, Py_ssize_t bytes, int align) {
+    Py_ssize_t off;
+    if (offset_of(offsets, key, &off) < 0) return NULL;
+    if (off < 0 || off % align || bytes < 0 || off + bytes > c->view.len) {
+        PyErr_Format(PyExc_ValueError, "native layout: %s at %zd outside the buffer", key, off);
+        return NULL;
+    }
+    return c->base + off;
+}
+
+static int bind_layout(Core *c, PyObject *o) {
+    Py_ssize_t ticks, base, tick;
+    if (offset_of(o, "slots", &c->slots) < 0 || offset_of(o, "desc_stride", &c->desc_stride) < 0 ||
+        offset_of(o, "max_workers", &c->max_workers) < 0 ||
+        offset_of(o, "worker_stride", &c->worker_stride) < 0 ||
+        offset_of(o, "wheel_ticks", &ticks) < 0 || offset_of(o, "base_ns", &base) < 0 ||
+        offset_of(o, "tick_ns", &tick) < 0)
+        return -1;
+    if (c->slots < 1 || c->slots > INT32_MAX || c->max_workers < 1 || c->max_workers > 64 ||
+        ticks < 1 || tick < 1 || c->desc_stride % 8 || c->worker_stride % 8) {
+        PyErr_SetString(PyExc_ValueError, "native layout: geometry out of range");
+        return -1;
+    }
+    c->wheel_ticks = ticks, c->base_ns = base, c->tick_ns = tick;
+    if (bind_row(c, o, DESC_FIELDS, COUNT(DESC_FIELDS), c->desc_stride) < 0 ||
+        bind_row(c, o, WORKER_FIELDS, COUNT(WORKER_FIELDS), c->worker_stride) < 0)
+        return -1;
+    for (size_t k = 0; k < COUNT(HEADER_FIELDS); k++) {
+        void *p = region(c, o, HEADER_FIELDS[k].key, HEADER_FIELDS[k].size, HEADER_FIELDS[k].size);
+        if (!p) return -1;
+        *(void **)((char *)c + HEADER_FIELDS[k].member) = p;
+    }
+    c->desc = region(c, o, "desc_off", c->slots * c->desc_stride, 8);
+    c->workers = region(c, o, "worker_off", c->max_workers * c->worker_stride, 8);
+    c->ready_head = region(c, o, "ready_head", PRIORITIES * 4, 4);
+    c->ready_tail = region(c, o, "ready_tail", PRIORITIES * 4, 4);
+    c->ready_count = region(c, o, "ready_count", PRIORITIES * 4, 4);
+    c->wheel_head = region(c, o, "wheel_head", ticks * 4, 4);
+    return (c->desc && c->workers && c->ready_head && c->ready_tail && c->ready_count &&
+            c->wheel_head) ? 0 : -1;
+}
+
+static int Core_init(Core *self, PyObject *args, PyObject *kw) {
+    PyObject *buf, *offsets, *fault = Py_None;
+    static char *names[] = {"buf", "offsets", "fault", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!|O", names, &buf, &PyDict_Type, &offsets,
+                                     &fault))
+        return -1;
+    if (PyObject_GetBuffer(buf, &self->view, PyBUF_WRITABLE) < 0) return -1;
+    self->base = self->view.buf;
+    if (bind_layout(self, offsets) < 0) {
+        self->base = NULL;
+        PyBuffer_Release(&self->view);
+        return -1;
+    }
+    if (fault != Py_None) {
+        Py_INCREF(fault);
+        self->fault = fault;
+    }
+    return 0;
+}
+
+static void Core_dealloc(Core *self) {
+    if (self->base) PyBuffer_Release(&self->view);
+    Py_XDECREF(self->fault);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* ----------------------------------------------------------- shared steps (lock held) */
+static int corrupt(const char *what, long i) {
+    PyErr_Format(PyExc_RuntimeError, "queue index corrupt: %s (%ld)", what, i);
+    return -1;
+}
+#define LINK_OK(c, j) ((j) == NIL || ((j) >= 0 && (j) < (c)->slots))
+
+static int reach(Core *c, const char *point) {
+    if (!c->fault) return 0;
+    PyObject *r = PyObject_CallFunction(c->fault, "s", point);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* ready.py ReadyLists.push: insert i in its priority's list, by (deadline, seq). */
+static int ready_push(Core *c, int32_t i) {
+    uint8_t p = F(c, i, uint8_t, d_priority);
+    if (p >= PRIORITIES) return corrupt("priority", p);
+    int64_t d = DEADLINE(c, i);
+    uint64_t s = SEQ(c, i);
+    int32_t j = c->ready_tail[p];
+    for (Py_ssize_t hops = 0; j != NIL; j = RPREV(c, j)) {
+        if (!LINK_OK(c, j) || ++hops > c->slots) return corrupt("ready link", j);
+        if (!(DEADLINE(c, j) > d || (DEADLINE(c, j) == d && SEQ(c, j) > s))) break;
+    }
+    int32_t after = j == NIL ? c->ready_head[p] : RNEXT(c, j);
+    if (!LINK_OK(c, after)) return corrupt("ready link", after);
+    RPREV(c, i) = j;
+    RNEXT(c, i) = after;
+    if (after == NIL) c->ready_tail[p] = i;
+    else RPREV(c, after) = i;
+    if (j == NIL) c->ready_head[p] = i;
+    else RNEXT(c, j) = i;
+    c->ready_count[p] += 1;
+    return 0;
+}
+
+/* ready.py ReadyLists.remove */
+static int ready_remove(Core *c, int32_t i) {
+    uint8_t p = F(c, i, uint8_t, d_priority);
+    int32_t n = RNEXT(c, i), q = RPREV(c, i);
+    if (p >= PRIORITIES || !LINK_OK(c, n) || !LINK_OK(c, q)) return corrupt("ready entry", i);
+    if (q == NIL) c->ready_head[p] = n;
+    else RNEXT(c, q) = n;
+    if (n == NIL) c->ready_tail[p] = q;
+    else RPREV(c, n) = q;
+    RNEXT(c, i) = RPREV(c, i) = NIL;
+    c->ready_count[p] -= 1;
+    return 0;
+}
+
+/* ready.py ReadyLists.best: the head of the highest non-empty priority, or NIL. */
+static int32_t ready_best(Core *c) {
+    for (int p = PRIORITIES - 1; p >= 0; p--)
+        if (c->ready_count[p]) return c->ready_head[p];
+    return NIL;
+}
+
+/* wheel.py TimingWheel.insert: bucket max(tick(deadline), cursor) mod wheel_ticks. */
+static void wheel_insert(Core *c, int32_t i) {
+    int64_t d = DEADLINE(c, i), cursor = *c->h_wheel_cursor;
+    int64_t t = d < c->base_ns ? INT64_MIN : (d - c->base_ns) / c->tick_ns;
+    if (t < cursor) t = cursor;
+    int64_t b = t % c->wheel_ticks;
+    if (b < 0) b += c->wheel_ticks;
+    int32_t first = c->wheel_head[b];
+    F(c, i, int32_t, d_wbucket) = (int32_t)b;
+    WPREV(c, i) = NIL;
+    WNEXT(c, i) = first;
+    if (first != NIL) WPREV(c, first) = i;
+    c->wheel_head[b] = i;
+}
+
+/* wheel.py TimingWheel.remove */
+static int wheel_remove(Core *c, int32_t i) {
+    int32_t n = WNEXT(c, i), p = WPREV(c, i), b = F(c, i, int32_t, d_wbucket);
+    if (!LINK_OK(c, n) || !LINK_OK(c, p) || (p == NIL && (b < 0 || b >= c->wheel_ticks)))
+        return corrupt("wheel entry", i);
+    if (p == NIL) c->wheel_head[b] = n;
+    else WNEXT(c, p) = n;
+    if (n != NIL) WPREV(c, n) = p;
+    WNEXT(c, i) = WPREV(c, i) = NIL;
+    return 0;
+}
+
+/* core.py QueueCore._finish: done_ns, push on the done stack, then the state. */
+static void finish(Core *c, int32_t i, uint8_t state, int64_t now) {
+    F(c, i, int64_t, d_done_ns) = now;
+    RNEXT(c, i) = *c->h_done_head;
+    PUBLISH(c->h_done_head, i);
+    PUBLISH(&STATE(c, i), state);
+}
+
+#define CORE_OPEN(c)                                                        \
+    if (!(c)->base) {                                                       \
+        PyErr_SetString(PyExc_ValueError, "the queue's buffer was closed"); \
+        return NULL;                                                        \
+    }
+
+static int index_ok(Core *c, long i) {
+    if (i >= 0 && i < c->slots) return 1;
+    PyErr_Format(PyExc_IndexError, "descriptor %ld out of range", i);
+    return 0;
+}
+
+/* ------------------------------------------------------- critical sections (lock held) */
+static PyObject *Core_submit(Core *c, PyObject *arg) {
+    CORE_OPEN(c);
+    long i = PyLong_AsLong(arg);
+    if ((i == -1 && PyErr_Occurred()) || !index_ok(c, i)) return NULL;
+    *c->h_seq += 1;
+    SEQ(c, i) = *c->h_seq;
+    if (ready_push(c, (int32_t)i) < 0) return NULL;
+    wheel_insert(c, (int32_t)i);
+    if (reach(c, "submit.linked") < 0) return NULL;
+    PUBLISH(&STATE(c, i), QUEUED);
+    uint64_t mask = *c->h_waiting;
+    if (!mask) return PyLong_FromLong(-1);
+    *c->h_waiting = mask & (mask - 1); /* wake the lowest waiting slot */
+    return PyLong_FromLong(__builtin_ctzll(mask));
+}
+
+static PyObject *Core_claim(Core *c, PyObject *args) {
+    CORE_OPEN(c);
+    long slot, pid, max_n;
+    long long now;
+    if (!PyArg_ParseTuple(args, "lllL", &slot, &pid, &max_n, &now)) return NULL;
+    if (slot < 0 || slot >= c->max_workers) return PyErr_Format(PyExc_IndexError, "slot %ld", slot);
+    if (W(c, slot, uint8_t, w_state) != ACTIVE || W(c, slot, int32_t, w_pid) != pid) Py_RETURN_NONE;
+    PyObject *claimed = PyList_New(0);
+    long expired = 0;
+    while (claimed && PyList_GET_SIZE(claimed) < max_n) {
+        int32_t i = ready_best(c);
+        if (i == NIL) break;
+        if (!LINK_OK(c, i)) goto fail_corrupt;
+        if (ready_remove(c, i) < 0 || wheel_remove(c, i) < 0 || reach(c, "claim.unlinked") < 0)
+            goto fail;
+        if (DEADLINE(c, i) <= now) {
+            finish(c, i, EXPIRED, now);
+            expired++;
+            continue;
+        }
+        F(c, i, int32_t, d_worker) = (int32_t)slot;
+        F(c, i, int32_t, d_worker_pid) = (int32_t)pid;
+        F(c, i, int64_t, d_claim_ns) = now;
+        F(c, i, uint32_t, d_attempt) += 1;
+        PUBLISH(&STATE(c, i), CLAIMED);
+        if (reach(c, "claim.marked") < 0) goto fail;
+        PyObject *index = PyLong_FromLong(i);
+        if (!index || PyList_Append(claimed, index) < 0) {
+            Py_XDECREF(index);
+            goto fail;
+        }
+        Py_DECREF(index);
+    }
+    if (expired) *c->h_expired += (uint64_t)expired;
+    if (!claimed) return NULL;
+    return Py_BuildValue("(Nl)", claimed, expired);
+fail_corrupt:
+    corrupt("ready head", ready_best(c));
+fail:
+    if (expired) *c->h_expired += (uint64_t)expired;
+    Py_XDECREF(claimed);
+    return NULL;
+}
+
+static PyObject *Core_complete(Core *c, PyObject *args) {
+    CORE_OPEN(c);
+    long i, slot, pid;
+    unsigned long generation, attempt;
+    long long now;
+    if (!PyArg_ParseTuple(args, "lkkllL", &i, &generation, &attempt, &slot, &pid, &now))
+        return NULL;
+    if (!index_ok(c, i)) return NULL;
+    if (STATE(c, i) != CLAIMED || F(c, i, uint32_t, d_generation) != generation ||
+        F(c, i, uint32_t, d_attempt) != attempt || F(c, i, int32_t, d_worker) != slot ||
+        F(c, i, int32_t, d_worker_pid) != pid)
+        Py_RETURN_FALSE;
+    finish(c, (int32_t)i, DONE, now);
+    if (reach(c, "complete.flipped") < 0) return NULL;
+    Py_RETURN_TRUE;
+}
+
+/* Pop the whole done stack; oldest first as (index, generation, state, abandoned); each
+ * descriptor is FREE (same hold, so a repair cannot push it again). */
+static PyObject *Core_collect(Core *c, PyObject *unused) {
+    (void)unused;
+    CORE_OPEN(c);
+    Py_ssize_t n = 0;
+    for (int32_t i = *c->h_done_head; i != NIL; i = RNEXT(c, i))
+        if (!LINK_OK(c, i) || ++n > c->slots) return corrupt("done stack", i), NULL;
+    PyObject *out = PyList_New(n);
+    if (!out) return NULL;
+    Py_ssize_t k = n;
+    for (int32_t i = *c->h_done_head; i != NIL; i = RNEXT(c, i)) {
+        PyObject *item = Py_BuildValue("(lkii)", (long)i,
+                                       (unsigned long)F(c, i, uint32_t, d_generation),
+                                       (int)STATE(c, i), (int)F(c, i, uint8_t, d_abandoned));
+        if (!item) return Py_DECREF(out), NULL;
+        PyList_SET_ITEM(out, --k, item);
+    }
+    PUBLISH(c->h_done_head, NIL);
+    for (k = 0; k < n; k++)
+        STATE(c, PyLong_AsLong(PyTuple_GET_ITEM(PyList_GET_ITEM(out, k), 0))) = FREE;
+    return out;
+}
+
+/* ---------------------------------------------------------- lock-free reads and spins */
+static long ready_total(Core *c) {
+    long total = 0;
+    for (int p = 0; p < PRIORITIES; p++) total += __atomic_load_n(&c->ready_count[p], __ATOMIC_RELAXED);
+    return total;
+}
+
+static int done_waiting(Core *c) {
+    return __atomic_load_n(c->h_done_head, __ATOMIC_RELAXED) != NIL;
+}
+
+static PyObject *Core_ready_total(Core *c, PyObject *unused) {
+    (void)unused;
+    CORE_OPEN(c);
+    return PyLong_FromLong(ready_total(c));
+}
+
+/* Spin (GIL released, pause between looks) until ready_total >= min_ready (min_ready > 0)
+ * or, with min_ready == 0, until the done stack is non-empty; at most spin_ns. */
+static int spin(Core *c, long min_ready, int64_t spin_ns) {
+    int found = 0;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t end = now_ns() + spin_ns;
+    for (;;) {
+        found = min_ready ? ready_total(c) >= min_ready : done_waiting(c);
+        if (found || now_ns() >= end) break;
+        for (int k = 0; k < 8; k++) CPU_RELAX();
+    }
+    Py_END_ALLOW_THREADS
+    return found;
+}
+
+static PyObject *Core_spin_ready(Core *c, PyObject *args) {
+    CORE_OPEN(c);
+    long min_ready;
+    long long spin_ns;
+    if (!PyArg_ParseTuple(args, "lL", &min_ready, &spin_ns)) return NULL;
+    if (ready_total(c) >= min_ready) Py_RETURN_TRUE;
+    return PyBool_FromLong(spin_ns > 0 && spin(c, min_ready < 1 ? 1 : min_ready, spin_ns));
+}
+
+/* Main process: spin up to spin_ns for the done stack with completion_armed = 0 (workers
+ * skip the eventfd), then re-arm and look once more (seq_cst store, then load: a worker
+ * that pushed after this look sees armed = 1 and rings). True: the stack is non-empty. */
+static PyObject *Core_await_done(Core *c, PyObject *arg) {
+    CORE_OPEN(c);
+    long long spin_ns = PyLong_AsLongLong(arg);
+    if (spin_ns == -1 && PyErr_Occurred()) return NULL;
+    if (done_waiting(c)) Py_RETURN_TRUE;
+    int found = 0;
+    if (spin_ns > 0) {
+        __atomic_store_n(c->h_completion_armed, 0, __ATOMIC_RELAXED);
+        found = spin(c, 0, spin_ns);
+        __atomic_store_n(c->h_completion_armed, 1, __ATOMIC_SEQ_CST);
+    }
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    return PyBool_FromLong(found || done_waiting(c));
+}
+
+/* A worker, after pushing on the done stack and unlocking: must it ring the eventfd? */
+static PyObject *Core_completion_armed(Core *c, PyObject *unused) {
+    (void)unused;
+    CORE_OPEN(c);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    return PyBool_FromLong(__atomic_load_n(c->h_completion_armed, __ATOMIC_RELAXED) != 0);
+}
+
+static PyObject *Core_close(Core *c, PyObject *unused) {
+    (void)unused;
+    if (c->base) {
+        c->base = NULL;
+        PyBuffer_Release(&c->view);
+    }
+    Py_CLEAR(c->fault);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Core_methods[] = {
+    {"submit", (PyCFunction)Core_submit, METH_O, "link a WRITTEN descriptor, QUEUED"},
+    {"claim", (PyCFunction)Core_claim, METH_VARARGS, "claim up to max_n in order"},
+    {"complete", (PyCFunction)Core_complete, METH_VARARGS, "flip an owned claim to DONE"},
+    {"collect", (PyCFunction)Core_collect, METH_NOARGS, "pop the done stack, FREE"},
+    {"ready_total", (PyCFunction)Core_ready_total, METH_NOARGS, "queued requests, racy"},
+    {"spin_ready", (PyCFunction)Core_spin_ready, METH_VARARGS, "spin for queued work"},
+    {"await_done", (PyCFunction)Core_await_done, METH_O, "spin for the done stack, re-arm"},
+    {"completion_armed", (PyCFunction)Core_completion_armed, METH_NOARGS, "ring needed?"},
+    {"close", (PyCFunction)Core_close, METH_NOARGS, "release the buffer"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "scratchd.ipc._native.Core",
+    .tp_basicsize = sizeof(Core),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Core_init,
+    .tp_dealloc = (destructor)Core_dealloc,
+    .tp_methods = Core_methods,
+};
+
+/* ------------------------------------------------------------------------------ module */
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT, .m_name = "scratchd.ipc._native",
+    .m_doc = "The queue's hot paths in C.", .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&MutexType) < 0 || PyType_Ready(&CoreType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&native_module);
+    if (!m) return NULL;
+    Py_INCREF(&MutexType);
+    Py_INCREF(&CoreType);
+    if (PyModule_AddObject(m, "Mutex", (PyObject *)&MutexType) < 0 ||
+        PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
