@@ -25,7 +25,7 @@ from the device (``output_path``).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,27 @@ def bucket_for(n: int) -> int:
     raise ValueError(f"batch of {n} exceeds the largest bucket {BUCKETS[-1]}")
 
 
+def capture(stream: Any, enqueue: Callable[[], object]) -> Any:
+    """A CUDA graph of what ``enqueue`` launches: run it once eagerly on ``stream`` while
+    recording its launches (compiles and loads every module, runs the Python-side checks),
+    then capture the recorded launches alone and upload the graph."""
+    from scratchd.kernels import _cuda as cu
+
+    with stream, cu.recording() as steps:
+        enqueue()
+    stream.synchronize()
+    with stream:
+        stream.begin_capture()
+        try:
+            for step in steps:
+                step()
+        finally:
+            graph = stream.end_capture()
+    graph.upload(stream)
+    stream.synchronize()
+    return graph
+
+
 class ForwardGraph:
     """One captured forward of ``batch`` frames of ``height x width`` and its buffers."""
 
@@ -70,22 +91,9 @@ class ForwardGraph:
 
     def warm_up(self) -> None:
         """Run once eagerly (recording), then capture the recorded launches into a graph."""
-        from scratchd.kernels import _cuda as cu
-
         if self.state is GraphState.CAPTURED:
             return
-        with self.stream, cu.recording() as steps:
-            self.fwd.run(self.buf)
-        self.stream.synchronize()
-        with self.stream:
-            self.stream.begin_capture()
-            try:
-                for step in steps:
-                    step()
-            finally:
-                self.graph = self.stream.end_capture()
-        self.graph.upload(self.stream)
-        self.stream.synchronize()
+        self.graph = capture(self.stream, lambda: self.fwd.run(self.buf))
         self.state = GraphState.CAPTURED
 
     def replay(self) -> None:

@@ -122,17 +122,36 @@ def output_path_cuda(
     args = (logits, images, out.prob, out.mask, ent_sum, out.hist)
     sizes = (*map(cu.i32, (h, w, height, width)), cu.f32(threshold))
     cu.launch(stats, (blocks, n), (256,), (*args, *sizes))
+    window_score_cuda(out.prob, ent_sum, score_bits, tickets, out.score, out.entropy, score_window)
+    return out
+
+
+def window_score_cuda(
+    prob: Any,  # [N, H, W] float32
+    ent_sum: Any,  # [N] uint32: float bits of the per-image entropy sums (bits)
+    score_bits: Any,  # [N] uint32, zero before the launch: running max window sum
+    tickets: Any,  # [N] uint32, zero before the launch: finished blocks per image
+    score: Any,  # [N] float32 out: peak_local_mean(prob[n], score_window)
+    entropy: Any,  # [N] float32 out: ent_sum[n] / (H * W)
+    score_window: int,
+) -> None:
+    """Launch ``window_score`` (``output_path.cu``): each image's best window mean, and its
+    mean entropy from the sums a previous kernel accumulated. Also used by ``views.py`` on
+    the mean of the test-time views."""
+    from scratchd.kernels import _cuda as cu
+
+    _check_window(score_window)
+    n, height, width = prob.shape
     kh, kw = min(score_window, height), min(score_window, width)
     rows, segs = height - kh + 1, -(-(width - kw + 1) // 256)
     slots = cu.sm_count() * 8  # resident 256-thread blocks
     band = min(max(-(-rows * segs * n // slots), 4), 64)  # rows per job: fill, then slide
     jobs = -(-rows // band) * segs
     blocks = max(1, min(jobs, slots // max(n, 1)))
-    score = cu.kernel("output_path.cu", "window_score", ("output_stats",))
-    args = (out.prob, ent_sum, score_bits, tickets, out.score, out.entropy)
+    func = cu.kernel("output_path.cu", "window_score", ("output_stats",))
+    args = (prob, ent_sum, score_bits, tickets, score, entropy)
     dims = map(cu.i32, (height, width, kh, kw, band))
-    cu.launch(score, (blocks, n), (256,), (*args, *dims))
-    return out
+    cu.launch(func, (blocks, n), (256,), (*args, *dims))
 
 
 _DTYPES = (np.float32, np.uint8, np.float32, np.float32, np.uint32)

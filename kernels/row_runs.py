@@ -1,0 +1,108 @@
+"""``row_runs``: the horizontal runs of ``prob >= threshold`` of each frame, compacted into a
+bounded buffer, so that only the runs (not the map) cross to the host for the components.
+
+Output of a batch of ``N`` maps, capacity ``cap`` runs per frame::
+
+    runs   int32 [N, cap, 4]   record k of frame n: (row, start, end, sum bits)
+                               end exclusive; sum = prob summed over the run, float32 bits
+    count  int32 [N]           runs the frame has; count > cap: overflowed, only cap stored
+
+The reference lists runs row-major (``postprocess.find_runs`` order) with float64 sums
+rounded to float32; the kernel (``row_runs.cu``) appends them in atomic order with float32
+warp sums, so :func:`unpack_runs` sorts them before the host finish
+(``postprocess.finish_runs``). A frame that overflowed must not be finished from its runs:
+its caller fetches the frame's map and runs the host path instead (``serve_graph.py``
+counts these).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from scratchd.kernels._checks import check_array
+from scratchd.kernels.postprocess import find_runs
+
+RECORD = 4  # int32 words per run
+WARPS = 8  # rows per 256-thread block (row_runs.cu)
+
+
+class RowRuns(NamedTuple):
+    runs: Any  # [N, cap, 4] int32
+    count: Any  # [N] int32
+
+
+def _check_capacity(capacity: int) -> None:
+    if not 1 <= capacity <= 2**24:
+        raise ValueError(f"row_runs: capacity must be in 1..{2**24}, got {capacity}")
+
+
+def row_runs_ref(prob: np.ndarray, threshold: float, capacity: int) -> RowRuns:
+    """Runs of ``prob [N, H, W] float32 >= threshold`` per frame, the first ``capacity``
+    stored (row-major), unused records zero."""
+    check_array("row_runs", "prob", prob, ndim=3)
+    _check_capacity(capacity)
+    n, h, w = prob.shape
+    runs = np.zeros((n, capacity, RECORD), dtype=np.int32)
+    count = np.zeros(n, dtype=np.int32)
+    for i, p in enumerate(prob):
+        row, start, end = find_runs(p >= np.float32(threshold))
+        prefix = np.zeros((h, w + 1), dtype=np.float64)
+        np.cumsum(p, axis=1, out=prefix[:, 1:])
+        sums = (prefix[row, end] - prefix[row, start]).astype(np.float32)
+        k = min(len(row), capacity)
+        count[i] = len(row)
+        runs[i, :k, 0], runs[i, :k, 1], runs[i, :k, 2] = row[:k], start[:k], end[:k]
+        runs[i, :k, 3] = sums[:k].view(np.int32)
+    return RowRuns(runs, count)
+
+
+def unpack_runs(
+    records: np.ndarray,  # [cap, 4] int32 of one frame
+    count: int,
+    width: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(row, start, end, run_sum)`` of one frame's stored runs, row-major sorted (int64,
+    float64): what ``postprocess.finish_runs`` takes. The caller checks overflow first."""
+    if count > len(records):
+        raise ValueError(f"row_runs: {count} runs overflowed the capacity {len(records)}")
+    rec = records[:count]
+    row, start, end = (rec[:, j].astype(np.int64) for j in range(3))
+    order = np.argsort(row * (width + 1) + start, kind="stable")
+    sums = rec[:, 3].view(np.float32).astype(np.float64)
+    return row[order], start[order], end[order], sums[order]
+
+
+def row_runs_buffers(n: int, capacity: int) -> RowRuns:
+    """Device buffers for :func:`row_runs_cuda`'s ``out`` (allocated once, reused)."""
+    from scratchd.kernels import _cuda as cu
+
+    cp = cu.cupy()
+    return RowRuns(cp.empty((n, capacity, RECORD), np.int32), cp.empty((n,), np.int32))
+
+
+def row_runs_cuda(
+    prob: Any,  # [N, H, W] float32 (CuPy)
+    threshold: float,
+    capacity: int,
+    *,
+    out: RowRuns | None = None,  # from row_runs_buffers(N, capacity)
+) -> RowRuns:
+    """CUDA twin of :func:`row_runs_ref` (records in atomic order; unused ones unwritten)."""
+    from scratchd.kernels import _cuda as cu
+
+    op = "row_runs"
+    cu.check_device_array(op, "prob", prob, ndim=3, dtype=np.float32)
+    _check_capacity(capacity)
+    n, h, w = prob.shape
+    out = out if out is not None else row_runs_buffers(n, capacity)
+    cu.check_device_array(op, "out.runs", out.runs, ndim=3, dtype=np.int32)
+    cu.check_shape(op, "out.runs", out.runs, (n, capacity, RECORD))
+    cu.check_device_array(op, "out.count", out.count, ndim=1, dtype=np.int32)
+    cu.check_shape(op, "out.count", out.count, (n,))
+    cu.zero(out.count)
+    func = cu.kernel("row_runs.cu", "row_runs")
+    dims = (*map(cu.i32, (h, w, capacity)), cu.f32(threshold))
+    cu.launch(func, (-(-h // WARPS), n), (32 * WARPS,), (prob, out.runs, out.count, *dims))
+    return out

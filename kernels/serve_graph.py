@@ -1,0 +1,233 @@
+"""The serving graph: frames in device memory → verdict, score, boxes, entropy, histogram
+and (when asked) the mask, with everything but the components' union-find on the device.
+
+One :class:`ServeGraph` per (bucket, height, width). Every device buffer is allocated once
+in the constructor; one CUDA graph is captured per input buffer ``k``::
+
+    inputs[k] uint8 [B, H, W]          written by the worker (its copy stream), read here
+      view_stack                        → A [VA*B, H, W] (+ B [B, W, H] for a non-square
+                                          frame's transpose; views.py)
+      forward (cuda_net) of A (and B)   → view probabilities, histograms of the view frames
+      view_mean + window_score          → mean map [B, H, W], score [B], entropy [B]
+      row_runs                          → runs [B, cap, 4], count [B]   (row_runs.py)
+
+All buffers but the inputs are shared by the ``k`` graphs: compute is serialised on
+``stream``, so the worker uploads batch k+1 into the other input while batch k computes.
+
+Lifecycle (``ServeState``), one batch at a time::
+
+    READY ──launch(k)──▶ LAUNCHED ──fetch(n, want_mask)──▶ READY
+
+``launch`` is asynchronous (it only enqueues: an optional wait on the worker's upload event,
+the graph, two timing events and ``released[k]``, after which ``inputs[k]`` may be
+overwritten). ``fetch`` enqueues the device → host copies of the small outputs of the first
+``n`` frames into pinned staging buffers (score, entropy and run count of the bucket;
+histograms and run records of ``n`` frames: 16 KB + 64 KB a frame at the default capacity),
+waits on an event recorded after them, and finishes each frame on the host from its runs
+(``postprocess.finish_runs``: the CPU path's own code). A frame whose runs overflowed the
+capacity is finished from its mean map (one 4 B/pixel copy, then ``postprocess``); it is
+counted in ``host_fallbacks`` and flagged in its result, never silently truncated. The
+histogram of each frame is the one of its first view frame (views only permute pixels).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from scratchd.kernels.cuda_graph import CudaScratchNet, capture
+from scratchd.kernels.cuda_net import Buffers
+from scratchd.kernels.postprocess import HIST_BINS, Box, Verdict, finish_runs, postprocess
+from scratchd.kernels.row_runs import RECORD, RowRuns, row_runs_cuda, unpack_runs
+from scratchd.kernels.views import ViewMean, view_layout, view_mean_cuda, view_stack_cuda
+
+RUN_CAPACITY = 4096  # runs stored per frame (a frame with more is finished on the host)
+
+
+class ServeState(enum.Enum):
+    READY = "ready"
+    LAUNCHED = "launched"
+
+
+@dataclass(frozen=True)
+class FrameResult:
+    """``kernels.model.Prediction`` minus ``prob``, plus how the frame was finished."""
+
+    mask: np.ndarray | None  # [H, W] uint8 0/255, kept components; None unless wanted
+    score: float
+    verdict: Verdict
+    boxes: list[Box]
+    entropy: float  # mean binary entropy of the mean map, bits
+    histogram: np.ndarray  # [64] uint32 input intensity counts
+    runs: int  # foreground runs of the frame's thresholded mean map
+    host_path: bool  # runs overflowed the capacity: finished from the map on the host
+
+
+class _Staging:
+    """Pinned host buffers the small outputs are copied into (reused every fetch)."""
+
+    def __init__(self, bucket: int, capacity: int) -> None:
+        import cupyx
+
+        self.head = cupyx.empty_pinned((3, bucket), np.uint32)
+        self.hist = cupyx.empty_pinned((bucket, HIST_BINS), np.uint32)
+        self.runs = cupyx.empty_pinned((bucket, capacity, RECORD), np.int32)
+
+
+class ServeGraph:
+    """Captured serving graphs of ``bucket`` frames of ``height x width`` for one model."""
+
+    def __init__(
+        self, net: CudaScratchNet, bucket: int, height: int, width: int, n_inputs: int = 2,
+        run_capacity: int = RUN_CAPACITY,
+    ) -> None:  # fmt: skip
+        from scratchd.kernels import _cuda as cu
+
+        if bucket < 1 or n_inputs < 1 or height < 1 or width < 1:
+            raise ValueError(f"ServeGraph: bad geometry {bucket}x{height}x{width}, {n_inputs}")
+        cp = cu.cupy()
+        m = net.model.meta
+        self.net, self.bucket, self.height, self.width = net, bucket, height, width
+        self.threshold, self.min_area, self.score_window = m.threshold, m.min_area, m.score_window
+        self.capacity = run_capacity
+        self.layout = view_layout(net.model.views, height, width)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.inputs = [cp.zeros((bucket, height, width), np.uint8) for _ in range(n_inputs)]
+        lay = self.layout
+        self.fwd_a = net.fwd.buffers(len(lay.in_a) * bucket, height, width) if lay.in_a else None
+        self.fwd_b = net.fwd.buffers(bucket, width, height) if lay.in_b else None
+        # A is empty when the only view is the transpose of a non-square frame.
+        self._no_a = (
+            cp.empty((0, height, width), np.uint8),
+            cp.empty((0, height, width), np.float32),
+        )
+        # head = [score | entropy | run count] of the bucket: one copy brings all three back.
+        self.head = cp.zeros((3, bucket), np.uint32)
+        self.mean = ViewMean(
+            cp.empty((bucket, height, width), np.float32),
+            self.head[0].view(np.float32),
+            self.head[1].view(np.float32),
+        )
+        self.scratch = cp.empty((3 * bucket,), np.uint32)
+        self.runs = RowRuns(
+            cp.empty((bucket, run_capacity, RECORD), np.int32), self.head[2].view(np.int32)
+        )
+        self._staging = _Staging(bucket, run_capacity)
+        self._start, self._end = cp.cuda.Event(), cp.cuda.Event()
+        self._copied = cp.cuda.Event(disable_timing=True)
+        self.released = [cp.cuda.Event(disable_timing=True) for _ in range(n_inputs)]
+        self.graphs = [capture(self.stream, lambda k=k: self._enqueue(k)) for k in range(n_inputs)]
+        self.state = ServeState.READY
+        self.host_fallbacks = 0  # frames finished from their map (run overflow), ever
+        self.last_compute_ms = 0.0  # device time of the last fetched batch (CUDA events)
+
+    def _first(self) -> Buffers:
+        buf = self.fwd_a if self.fwd_a is not None else self.fwd_b
+        assert buf is not None  # view_layout guarantees one view
+        return buf
+
+    def _enqueue(self, k: int) -> None:
+        """The launches of one batch from ``inputs[k]`` (recorded, then captured)."""
+        views = self.layout.views
+        a, b = self.fwd_a, self.fwd_b
+        out_a = a.images if a is not None else self._no_a[0]
+        view_stack_cuda(self.inputs[k], views, out_a=out_a, out_b=b.images if b else None)
+        for buf in (a, b):
+            if buf is not None:
+                self.net.fwd.run(buf)
+        prob_a = a.out.prob if a is not None else self._no_a[1]
+        prob_b = b.out.prob if b is not None else None
+        view_mean_cuda(
+            prob_a, prob_b, views, self.score_window, out=self.mean, scratch=self.scratch
+        )
+        row_runs_cuda(self.mean.prob, self.threshold, self.capacity, out=self.runs)
+
+    @property
+    def footprint_bytes(self) -> int:
+        """Device bytes held by this graph's buffers (inputs, forward, views, runs)."""
+        arrays: list[Any] = [*self.inputs, self.head, self.mean.prob, self.scratch, self.runs.runs]
+        for buf in (self.fwd_a, self.fwd_b):
+            if buf is not None:
+                arrays += [buf.images, buf.logits, buf.scratch, *buf.acts.values(), *buf.out]
+        return sum(int(a.nbytes) for a in arrays)
+
+    def launch(self, k: int, after: Any | None = None) -> None:
+        """Replay graph ``k`` (reads ``inputs[k]``) on ``stream``, after the event ``after``
+        (the worker's upload) when given. Asynchronous."""
+        if self.state is not ServeState.READY:
+            raise RuntimeError("ServeGraph.launch: the previous batch was not fetched")
+        if not 0 <= k < len(self.graphs):
+            raise ValueError(f"ServeGraph.launch: no input buffer {k}")
+        if after is not None:
+            self.stream.wait_event(after)
+        self._start.record(self.stream)
+        self.graphs[k].launch(self.stream)
+        self._end.record(self.stream)
+        self.released[k].record(self.stream)
+        self.state = ServeState.LAUNCHED
+
+    def fetch(self, n: int, want_mask: Sequence[bool]) -> list[FrameResult]:
+        """Results of the first ``n`` frames of the launched batch (waits on an event)."""
+        if self.state is not ServeState.LAUNCHED:
+            raise RuntimeError("ServeGraph.fetch: no batch launched")
+        if not 1 <= n <= self.bucket or len(want_mask) != n:
+            raise ValueError(f"ServeGraph.fetch: n={n}, {len(want_mask)} mask flags")
+        st = self._staging
+        self._to_host(st.head, self.head)
+        self._to_host(st.hist[:n], self._first().out.hist[:n])
+        self._to_host(st.runs[:n], self.runs.runs[:n])
+        self._copied.record(self.stream)
+        self._copied.synchronize()
+        self.state = ServeState.READY
+        self.last_compute_ms = float(self._end_elapsed())
+        return [self._finish(j, bool(want_mask[j])) for j in range(n)]
+
+    def _end_elapsed(self) -> float:
+        from scratchd.kernels import _cuda as cu
+
+        return float(cu.cupy().cuda.get_elapsed_time(self._start, self._end))
+
+    def _to_host(self, dst: np.ndarray, src: Any) -> None:
+        from scratchd.kernels import _cuda as cu
+
+        rt = cu.cupy().cuda.runtime
+        if dst.nbytes != src.nbytes or not src.flags.c_contiguous:
+            raise ValueError(f"ServeGraph: staging {dst.shape} does not match {src.shape}")
+        rt.memcpyAsync(
+            dst.ctypes.data, src.data.ptr, src.nbytes, rt.memcpyDeviceToHost, self.stream.ptr
+        )
+
+    def _finish(self, j: int, want_mask: bool) -> FrameResult:
+        st = self._staging
+        score, entropy = st.head[:2, j].view(np.float32)
+        count = int(st.head[2, j])
+        hist = st.hist[j].copy()
+        if count > self.capacity:
+            post = postprocess(self._mean_map(j), self.threshold, self.min_area, self.score_window)
+            self.host_fallbacks += 1
+            mask, boxes = (post.mask if want_mask else None), post.boxes
+        else:
+            row, start, end, sums = unpack_runs(st.runs[j], count, self.width)
+            comp = finish_runs(
+                row, start, end, sums, self.height, self.width, self.min_area, paint=want_mask
+            )
+            mask, boxes = comp.mask, comp.boxes
+        verdict: Verdict = "defect" if boxes else "clean"
+        return FrameResult(
+            mask, float(score), verdict, boxes, float(entropy), hist, count, count > self.capacity
+        )
+
+    def _mean_map(self, j: int) -> np.ndarray:
+        """Frame ``j``'s mean map on the host (the overflow path; ``self.mean`` is intact:
+        no launch happens between launch and fetch)."""
+        import cupyx
+
+        host = cupyx.empty_pinned((self.height, self.width), np.float32)
+        self._to_host(host, self.mean.prob[j])
+        self._copied.record(self.stream)
+        self._copied.synchronize()
+        return np.array(host)
