@@ -1,5 +1,18 @@
-"""Open-loop load against a real CPU daemon: latency percentiles, throughput, statuses, losses,
+"""Open-loop load against a real daemon: latency percentiles, throughput, statuses, losses,
 and how long a worker takes to come back after kill -9.
+
+The GPU record (issue 5 item 7), on the device machine (16 cores there):
+
+    python scripts/bench_serve.py --backend cuda --size 1024 --rates 500,1000,2000,4000 \\
+        --until-p99-ms 20 --duration 10 --kills 3 \\
+        --json docs/bench/serve-gpu.json --markdown docs/benchmarks.md
+
+The same code path at a tiny scale on CPU (the smoke check of the above):
+
+    python scripts/bench_serve.py --backend cpu --size 64 --rates 5,10 --until-p99-ms 400 \\
+        --max-rate 40 --duration 3 --kills 2 --json /tmp/serve-smoke.json
+
+The CPU record (SD-900 200x200 PNGs, sent encoded; its JSON keeps its own layout):
 
     python scripts/bench_serve.py                       # starts its own daemon (CPU, 2 workers)
     python scripts/bench_serve.py --rates 2,5,10 --duration 10 --json docs/bench/serve-cpu.json
@@ -7,21 +20,38 @@ and how long a worker takes to come back after kill -9.
 
 Load is open loop (requests are sent on schedule whether or not earlier ones were answered,
 as a production line does) from client *processes* separate from the daemon (this script run
-with ``--client``), so the generator never shares a core's event loop with the acceptor:
+with ``--client``; ``--clients``, by default half the cores, at least 2, at most 12), so the
+generator never shares a core's event loop with the acceptor. The schedules, frames and
+summaries are in ``serve_load.py``:
 
 - ``poisson@R``: exponential inter-arrival times at R requests/s in total, split over the
   client processes (a superposition of Poisson streams is Poisson);
-- ``burst``: the seed's pattern, 23 requests spread over 0.3 s, then 1.7 s idle, repeated.
+- ``burst``: the seed's pattern, ``--burst`` (23) requests spread over 0.3 s, then idle to
+  2 s, repeated (from one client process: the pattern is a total).
 
 Latency is measured from each request's *scheduled* send time to its reply (no coordinated
-omission: a stalled client cannot hide the stall). ``lost`` counts requests without a reply
-when the run ends (duration + deadline + 5 s grace) and duplicate replies; it must be 0.
-Images: real SD-900 200x200 PNGs (``--data``), sent encoded, cycled.
+omission). Each row also gives the generator's lateness (send start − schedule, p50/p99/max):
+when it is small next to the latency, the generator was not the bottleneck. ``lost`` counts
+requests without a reply when the run ends (duration + ``--grace``) and dropped connections.
 
-Restart: while a light load runs, each worker is SIGKILLed in turn and the time from the kill
-until ``status`` shows its replacement READY is recorded (``--kills`` per worker), with what
-replaced it: the warm standby, or a fresh process (a second death in a row backs off 0.1 s
-and starts one; so does a daemon without a standby).
+Raw mode (``--size N``, the default N = 1024 with ``--backend cuda``): N x N greyscale mosaics
+of the real images under ``--data`` sent as raw pixels; rates from ``--rates``, then with
+``--until-p99-ms L`` the last rate times ``--rate-step`` (2) while a load meets L (p99 ≤ L,
+≥ 99 % ok, nothing lost), up to ``--max-rate``; the burst pattern; then ``--kills`` SIGKILLs
+of a worker (round robin, ``--kill-gap`` s apart) during Poisson load at ``--kill-rate``:
+restart ms = kill → the replacement READY in the daemon's status (the status request
+``scratchd status --json`` prints, polled every 5 ms), and what was lost meanwhile.
+GPU busy share: ``gpu_busy_nvml`` is NVML's utilisation (share of time a kernel ran) sampled
+every 50 ms *by this process* per visible GPU, mean over the load; ``compute_busy`` is the
+daemon's ``scratchd_compute_seconds`` (CUDA events per batch on GPU) added up over the load
+from its /metrics, per device label, as a share of the load's wall time.
+JSON: ``{"device", "date", "open_loop": [{"rate", "size", "p50_ms", "p99_ms", "p999_ms",
+"throughput", "lost", ...}], "restart_ms": [...], "lost_under_kill", ...}``; ``--markdown``
+rewrites the ``bench_serve_gpu`` section of the given markdown file.
+
+CPU record mode (no ``--size``): ``--rates`` then the burst, then each worker SIGKILLed
+``--kills`` times in turn under a light load (3 req/s), with what replaced it: the warm
+standby, or a fresh process (a second death in a row backs off 0.1 s and starts one).
 """
 
 from __future__ import annotations
@@ -31,98 +61,44 @@ import asyncio
 import json
 import os
 import platform
-import random
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import serve_load as sl
+from serve_report import print_table, record_markdown, rewrite_section
 
-from scratchd.client import AsyncClient, Client
+from scratchd.client import Client
 
 ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT.parent / "shared" / "data"
 SERVE = [sys.executable, "-c", "from scratchd.daemon.cli import main; main()", "serve"]
+LEGACY_KEYS = {"throughput": "throughput_ok_per_s", "p999_ms": "p99_9_ms"}
 
 
-# ---- client process ---------------------------------------------------------------------
+# ---- the daemon ---------------------------------------------------------------------------
 
 
-def schedule(pattern: str, duration: float, rate: float, seed: int) -> list[float]:
-    """Send offsets in seconds from the start."""
-    rng = random.Random(seed)
-    times: list[float] = []
-    if pattern == "burst":
-        cycle = 0.0
-        while cycle < duration:
-            times.extend(sorted(cycle + rng.uniform(0.0, 0.3) for _ in range(23)))
-            cycle += 2.0
-        return times
-    t = rng.expovariate(rate)
-    while t < duration:
-        times.append(t)
-        t += rng.expovariate(rate)
-    return times
-
-
-async def run_client(args: argparse.Namespace) -> dict[str, Any]:
-    images = [p.read_bytes() for p in sorted(Path(args.data).glob("*.png"))[:64]]
-    offsets = schedule(args.pattern, args.duration, args.rate, args.seed)
-    latencies: list[float] = []
-    statuses: Counter[str] = Counter()
-    answered = 0
-    async with await AsyncClient.connect(args.socket) as client:
-        start = time.perf_counter() + 0.2
-
-        async def one(i: int, at: float) -> None:
-            nonlocal answered
-            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            reply = await client.infer(images[i % len(images)])
-            answered += 1
-            statuses[reply.status] += 1
-            if reply.status == "ok":
-                latencies.append((time.perf_counter() - (start + at)) * 1000.0)
-
-        tasks = [asyncio.ensure_future(one(i, at)) for i, at in enumerate(offsets)]
-        _, pending = await asyncio.wait(tasks, timeout=args.duration + args.grace + 0.2)
-        for task in pending:
-            task.cancel()
-    return {
-        "sent": len(offsets),
-        "answered": answered,
-        "statuses": dict(statuses),
-        "latencies_ms": latencies,
-        "elapsed_s": time.perf_counter() - start,
-    }
-
-
-# ---- orchestration ----------------------------------------------------------------------
-
-
-def start_daemon(workers: int, model: str, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_daemon(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     sock = str(tmp / "bench.sock")
     log = (tmp / "serve.log").open("wb")
     config = tmp / "bench.toml"
-    config.write_text(f'[server]\nhealth_port = 0\nmetrics_port = 0\n[model]\npath = "{model}"\n')
-    proc = subprocess.Popen(
-        [
-            *SERVE,
-            "--config",
-            str(config),
-            "--backend",
-            "cpu",
-            "--workers",
-            str(workers),
-            "--socket",
-            sock,
-        ],
-        stdout=log,
-        stderr=log,
-    )
+    text = f'[server]\nhealth_port = 0\nmetrics_port = 0\n[model]\npath = "{args.model}"\n'
+    if args.size:
+        slot_bytes = max(64, args.size * args.size)
+        text += f"[queue]\nslots = {args.slots}\nslot_bytes = {slot_bytes}\n"
+        text += f"max_batch = {args.max_batch}\n"
+    config.write_text(text)
+    cmd = [*SERVE, "--config", str(config), "--backend", args.backend, "--socket", sock]
+    if args.backend == "cpu":
+        cmd += ["--workers", str(args.workers)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=log)
     wait_ready(sock, proc)
     return proc, sock
 
@@ -148,80 +124,103 @@ def wait_ready(
     raise SystemExit("daemon not ready after 120 s")
 
 
-def run_load(args: argparse.Namespace, sock: str, pattern: str, rate: float) -> dict[str, Any]:
+def kill_worker(sock: str, name: str) -> dict[str, Any]:
+    """SIGKILL worker ``name``; time until status shows its replacement READY."""
+    with Client(sock, timeout=5) as client:
+        status = client.status()
+    current = {w.name: w for w in status.workers}[name]
+    spare = status.standby.pid if status.standby and status.standby.state == "ready" else 0
+    os.kill(current.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    wait_ready(sock, None, {name: current.restarts + 1})
+    elapsed = time.monotonic() - t0
+    with Client(sock, timeout=5) as client:
+        new_pid = {w.name: w.pid for w in client.status().workers}[name]
+    path = "standby" if new_pid == spare else "fresh process"
+    return {"worker": name, "restart_s": round(elapsed, 3), "replaced_by": path}
+
+
+def worker_names(sock: str) -> list[str]:
+    with Client(sock, timeout=5) as client:
+        return sorted(w.name for w in client.status().workers)
+
+
+# ---- load ---------------------------------------------------------------------------------
+
+
+def start_clients(
+    args: argparse.Namespace, sock: str, pattern: str, rate: float, duration: float
+) -> list[subprocess.Popen[str]]:
     procs = []
-    for k in range(args.clients):
+    clients = 1 if pattern == "burst" else args.clients  # the burst pattern is a total
+    for k in range(clients):
         cmd = [sys.executable, __file__, "--client", "--socket", sock, "--pattern", pattern]
-        cmd += ["--rate", str(rate / args.clients), "--duration", str(args.duration)]
-        cmd += ["--seed", str(1000 * k + int(rate)), "--data", args.data]
-        if pattern == "burst" and k > 0:
-            continue  # one burst source: the pattern is a total, not per client
+        cmd += ["--rate", str(rate / clients), "--duration", str(duration)]
+        cmd += ["--seed", str(1000 * k + int(rate)), "--burst", str(args.burst)]
+        cmd += ["--grace", str(args.grace), "--data", args.data]
+        cmd += ["--frames", args.frames] if args.frames else []
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
-    results = [json.loads(p.communicate()[0]) for p in procs]
-    latencies = np.array([x for r in results for x in r["latencies_ms"]], dtype=np.float64)
-    statuses: Counter[str] = Counter()
-    for r in results:
-        statuses.update(r["statuses"])
-    sent = sum(r["sent"] for r in results)
-    answered = sum(r["answered"] for r in results)
-    elapsed = max(r["elapsed_s"] for r in results)
+    return procs
 
-    def pct(q: float) -> float | None:
-        return round(float(np.percentile(latencies, q)), 2) if latencies.size else None
 
-    return {
-        "load": pattern if pattern == "burst" else f"poisson@{rate:g}/s",
-        "sent": sent,
-        "statuses": dict(statuses),
-        "lost": sent - answered,
-        "throughput_ok_per_s": round(statuses["ok"] / args.duration, 2),
-        "p50_ms": pct(50),
-        "p99_ms": pct(99),
-        "p99_9_ms": pct(99.9),
-        "max_ms": round(float(latencies.max()), 2) if latencies.size else None,
-        "elapsed_s": round(elapsed, 2),
-    }
+def collect(procs: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
+    results = []
+    for p in procs:
+        out = p.communicate()[0]
+        if p.returncode != 0:
+            raise SystemExit(f"a client process failed with status {p.returncode}")
+        results.append(json.loads(out))
+    return results
+
+
+def run_load(args: argparse.Namespace, sock: str, pattern: str, rate: float) -> dict[str, Any]:
+    """One load; in raw mode with the GPU's busy share (NVML here, compute from /metrics)."""
+    port = metrics_port(sock) if args.size else 0
+    before = sl.scrape_compute(port)
+    with sl.NvmlSampler() as nvml:
+        results = collect(start_clients(args, sock, pattern, rate, args.duration))
+    row = sl.summarize(results, args.duration)
+    load = "burst" if pattern == "burst" else f"poisson@{rate:g}/s"
+    if not args.size:
+        keep = ("sent", "statuses", "lost", "throughput", "p50_ms", "p99_ms", "p999_ms")
+        legacy = {"load": load, **{LEGACY_KEYS.get(k, k): row[k] for k in keep}}
+        return {**legacy, "max_ms": row["max_ms"], "elapsed_s": row["elapsed_s"]}
+    row = {"load": load, "rate": rate, "size": args.size, **row}
+    row["gpu_busy_nvml"] = nvml.means()
+    row["compute_busy"] = sl.busy_share(before, sl.scrape_compute(port), row["elapsed_s"])
+    print(f"  {load}: p50 {row['p50_ms']} p99 {row['p99_ms']} ms, {row['statuses']}", flush=True)
+    return row
+
+
+def metrics_port(sock: str) -> int:
+    with Client(sock, timeout=5) as client:
+        return client.status().metrics_port
+
+
+def kill_run(args: argparse.Namespace, sock: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Poisson load at ``--kill-rate``; a worker SIGKILLed every ``--kill-gap`` s."""
+    duration = args.kill_gap * (args.kills + 1)
+    names = worker_names(sock)
+    procs = start_clients(args, sock, "poisson", args.kill_rate, duration)
+    t0, kills = time.monotonic() + 0.2, []
+    for k in range(args.kills):
+        time.sleep(max(0.0, t0 + (k + 1) * args.kill_gap - time.monotonic()))
+        kills.append(kill_worker(sock, names[k % len(names)]))
+    row = sl.summarize(collect(procs), duration)
+    return {"load": f"poisson@{args.kill_rate:g}/s + kill -9", "size": args.size, **row}, kills
 
 
 def measure_restarts(args: argparse.Namespace, sock: str) -> list[dict[str, Any]]:
-    background = subprocess.Popen(
-        [
-            sys.executable,
-            __file__,
-            "--client",
-            "--socket",
-            sock,
-            "--pattern",
-            "poisson",
-            "--rate",
-            "3",
-            "--duration",
-            str(5.0 * args.kills * 2 + 2),
-            "--data",
-            args.data,
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    """CPU record: each worker killed ``--kills`` times in turn under 3 req/s."""
+    cmd = [sys.executable, __file__, "--client", "--socket", sock, "--pattern", "poisson"]
+    cmd += ["--rate", "3", "--duration", str(5.0 * args.kills * 2 + 2), "--data", args.data]
+    background = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     out = []
-    with Client(sock, timeout=5) as client:
-        workers = {w.name: w for w in client.status().workers}
-    for name in sorted(workers):
+    for name in worker_names(sock):
         for _ in range(args.kills):
             time.sleep(3.0)  # time for a new standby to boot after the previous kill
-            with Client(sock, timeout=5) as client:
-                status = client.status()
-            current = {w.name: w for w in status.workers}[name]
-            spare = status.standby.pid if status.standby and status.standby.state == "ready" else 0
-            os.kill(current.pid, signal.SIGKILL)
-            t0 = time.monotonic()
-            wait_ready(sock, None, {name: current.restarts + 1})
-            elapsed = time.monotonic() - t0
-            with Client(sock, timeout=5) as client:
-                new_pid = {w.name: w.pid for w in client.status().workers}[name]
-            path = "standby" if new_pid == spare else "fresh process"
-            out.append({"worker": name, "restart_s": round(elapsed, 3), "replaced_by": path})
-    result = json.loads(background.communicate()[0])
+            out.append(kill_worker(sock, name))
+    result = collect([background])[0]
     lost = result["sent"] - result["answered"]
     out.append(
         {
@@ -233,83 +232,135 @@ def measure_restarts(args: argparse.Namespace, sock: str) -> list[dict[str, Any]
     return out
 
 
-def print_table(rows: list[dict[str, Any]], restarts: list[dict[str, Any]]) -> None:
-    head = f"{'load':<16}{'sent':>6}{'ok/s':>8}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}"
-    print(head + f"{'lost':>6}  statuses")
-    for r in rows:
-        print(
-            f"{r['load']:<16}{r['sent']:>6}{r['throughput_ok_per_s']:>8}{r['p50_ms']!s:>9}"
-            f"{r['p99_ms']!s:>9}{r['p99_9_ms']!s:>10}{r['lost']:>6}  {r['statuses']}"
-        )
-    for r in restarts:
-        if "worker" in r:
-            print(
-                f"restart after kill -9: {r['worker']} {r['restart_s'] * 1000:.0f} ms"
-                f" ({r['replaced_by']})"
-            )
-        else:
-            print(f"background load during kills: {r}")
+# ---- the two records ----------------------------------------------------------------------
 
 
-def main() -> None:
+def raw_record(args: argparse.Namespace, sock: str) -> dict[str, Any]:
+    rates = [float(r) for r in args.rates.split(",")]
+    rows: list[dict[str, Any]] = []
+    while rate := sl.next_rate(rates, rows, args.until_p99_ms, args.rate_step, args.max_rate):
+        rows.append(run_load(args, sock, "poisson", rate))
+    burst = run_load(args, sock, "burst", 0.0)
+    kill_row, kills = kill_run(args, sock) if args.kills > 0 else ({}, [])
+    nvml = sl.NvmlSampler()
+    return {
+        "device": device_name(args.backend, nvml.device_names()),
+        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "open_loop": rows,
+        "restart_ms": [round(k["restart_s"] * 1000.0, 1) for k in kills],
+        "lost_under_kill": int(kill_row.get("lost", 0)),
+        "burst": burst,
+        "kill_run": {**kill_row, "kills": kills},
+        "p99_limit_ms": args.until_p99_ms,
+        "gpu_busy_source": "gpu_busy_nvml: NVML utilisation sampled by the bench process; "
+        "compute_busy: the daemon's scratchd_compute_seconds over the load's wall time",
+    }
+
+
+def device_name(backend: str, gpus: list[str]) -> str:
+    if backend != "cpu" and gpus:
+        return gpus[0] if len(gpus) == 1 else f"{len(gpus)} x {gpus[0]}"
+    return f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+def cpu_record(args: argparse.Namespace, sock: str) -> dict[str, Any]:
+    rows = [run_load(args, sock, "poisson", float(r)) for r in args.rates.split(",")]
+    rows.append(run_load(args, sock, "burst", 0.0))
+    restarts = measure_restarts(args, sock) if args.kills > 0 else []
+    return {"loads": rows, "restarts": restarts}
+
+
+# ---- command line -------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--socket", default=None, help="use a running daemon instead of starting one")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--workers", type=int, default=2, help="CPU workers")
     p.add_argument("--model", default="", help="model file (default: the shipped model)")
-    p.add_argument("--rates", default="2,5,10", help="Poisson rates, requests/s")
+    p.add_argument("--size", type=int, default=None, help="raw NxN frames (cuda: 1024)")
+    p.add_argument("--frame-count", type=int, default=64, help="distinct frames (raw mode)")
+    p.add_argument("--slots", type=int, default=512, help="queue slots (raw mode)")
+    p.add_argument("--max-batch", type=int, default=16, help="queue.max_batch (raw mode)")
+    p.add_argument("--rates", default=None, help="Poisson rates, requests/s")
+    p.add_argument("--until-p99-ms", type=float, default=None)
+    p.add_argument("--rate-step", type=float, default=2.0)
+    p.add_argument("--max-rate", type=float, default=64000.0)
     p.add_argument("--duration", type=float, default=10.0)
-    p.add_argument("--clients", type=int, default=2, help="client processes per load")
-    p.add_argument("--kills", type=int, default=2, help="kill -9 rounds per worker")
-    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "sd900" / "images"))
-    p.add_argument("--json", default=str(ROOT / "docs" / "bench" / "serve-cpu.json"))
+    p.add_argument("--clients", type=int, default=max(2, min(12, (os.cpu_count() or 2) // 2)))
+    p.add_argument("--burst", type=int, default=23, help="requests per burst")
+    p.add_argument("--kills", type=int, default=2, help="kill -9 rounds (CPU: per worker)")
+    p.add_argument("--kill-rate", type=float, default=None, help="raw mode (cuda: 2000)")
+    p.add_argument("--kill-gap", type=float, default=3.0, help="s between kills (raw mode)")
+    p.add_argument("--data", default=None, help="images (default: shared/data or sd900)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--markdown", default=None, metavar="MD", help="rewrite its section")
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--frames", default="", help=argparse.SUPPRESS)
     p.add_argument("--pattern", default="poisson", help=argparse.SUPPRESS)
     p.add_argument("--rate", type=float, default=10.0, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--grace", type=float, default=8.0, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.size is None and args.backend == "cuda":
+        args.size = 1024
+    raw = bool(args.size)
+    args.rates = args.rates or ("500,1000,2000,4000" if raw else "2,5,10")
+    if args.kill_rate is None:  # the GPU's target load; a CPU smoke run's first rate
+        args.kill_rate = 2000.0 if args.backend == "cuda" else float(args.rates.split(",")[0])
+    args.data = args.data or str(DATA if raw else DATA / "sd900" / "images")
+    default_json = "serve-gpu.json" if args.backend == "cuda" else "serve-cpu.json"
+    default_json = default_json if not raw or args.backend == "cuda" else "serve-raw-cpu.json"
+    args.json = args.json or str(ROOT / "docs" / "bench" / default_json)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.client:
-        print(json.dumps(asyncio.run(run_client(args))))
+        print(json.dumps(asyncio.run(sl.run_client(args))))
         return
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="sdbench-", dir="/tmp") as tmp:
-        proc, sock = (
-            (None, args.socket)
-            if args.socket
-            else start_daemon(args.workers, args.model, Path(tmp))
-        )
+        if args.size:
+            frames = sl.build_frames(
+                sl.image_paths(Path(args.data)), args.size, args.frame_count, 0
+            )
+            args.frames = str(Path(tmp) / "frames.npy")
+            np.save(args.frames, frames)
+        proc, sock = (None, args.socket) if args.socket else start_daemon(args, Path(tmp))
         try:
-            rows = [run_load(args, sock, "poisson", float(r)) for r in args.rates.split(",")]
-            rows.append(run_load(args, sock, "burst", 0.0))
-            restarts = measure_restarts(args, sock) if args.kills > 0 else []
+            doc = raw_record(args, sock) if args.size else cpu_record(args, sock)
         finally:
             if proc is not None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(60)
-    print_table(rows, restarts)
-    doc = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            # other work on the machine shares the cores: numbers are only comparable at a
-            # similar load
-            "loadavg_1m_before": round(load_before[0], 2),
-            "loadavg_1m_after": round(os.getloadavg()[0], 2),
-        },
-        "daemon": {
-            "backend": "cpu",
-            "workers": args.workers,
-            "duration_s": args.duration,
-            "clients": args.clients,
-            "images": "SD-900 200x200 PNG (encoded)",
-        },
-        "loads": rows,
-        "restarts": restarts,
+    print_table(doc)
+    machine = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        # other work on the machine shares the cores: numbers are only comparable at a
+        # similar load
+        "loadavg_1m_before": round(load_before[0], 2),
+        "loadavg_1m_after": round(os.getloadavg()[0], 2),
     }
+    images = "SD-900 200x200 PNG (encoded)"
+    if args.size:
+        images = f"{args.size}x{args.size} raw grey mosaics of the real images in {args.data}"
+    workers = {"workers": args.workers} if args.backend == "cpu" else {}
+    daemon = {"backend": args.backend, **workers, "duration_s": args.duration}
+    daemon |= {"clients": args.clients, "images": images}
+    doc = {"machine": machine, "daemon": daemon, **doc}
+    if not args.size:  # the CPU record's layout, as before
+        doc = {k: doc[k] for k in ("machine", "daemon", "loads", "restarts")}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.json}")
+    if args.markdown and args.size:
+        rewrite_section(Path(args.markdown), record_markdown(doc, args.json))
+        print(f"rewrote the bench_serve_gpu section of {args.markdown}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,201 @@
+"""What the daemon's front end sustains: client → Unix socket → acceptor → shared memory → reply,
+with a worker that computes nothing, so the acceptor's own cost is what is measured.
+
+    python scripts/bench_frontend.py                         # 1024x1024 and 16x16 raw frames
+    python scripts/bench_frontend.py --sizes 1024 --duration 5 --clients 2 --window 16 \\
+        --json docs/bench/frontend.json
+
+This process runs the front end exactly as the daemon wires it (``Acceptor`` +
+``Dispatcher`` + ``RequestQueue`` on uvloop; no metrics accounting) and nothing else, so its
+CPU time (``getrusage(RUSAGE_SELF)``) over a load divided by the replies is the acceptor's
+CPU per request. A stub worker process (``--stub-worker``) claims batches of up to 16 and
+completes each claim at once with an ``ok`` result and no mask. Client processes
+(``--clients``) each keep ``--window`` raw frames in flight on one connection (closed loop:
+this measures capacity, not latency), sending real-image mosaics built as ``bench_serve``
+builds them. Big frames against tiny ones separates the cost per byte from the cost per
+request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import serve_load as sl
+
+from scratchd.client import AsyncClient
+from scratchd.daemon.acceptor import Acceptor
+from scratchd.daemon.config import Config, QueueConfig, ServerConfig
+from scratchd.daemon.dispatch import Dispatcher
+from scratchd.ipc import wire
+from scratchd.ipc.queue import Geometry, RequestQueue, Result, Status
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- the stub worker ----------------------------------------------------------------------
+
+
+def stub_worker(args: argparse.Namespace) -> None:
+    queue = RequestQueue.attach(args.queue, completion_fd=args.done_fd, work_fd=args.work_fd)
+    queue.register_worker(0, os.getpid())
+    ok = Result(Status.OK, score=0.0, batch_size=1)
+    while True:
+        if not queue.wait_for_work(0, 0.5):
+            if os.getppid() == 1:
+                return
+            continue
+        for claim in queue.claim_batch(0, 16, time.monotonic_ns()):
+            queue.complete(0, claim, ok)
+
+
+# ---- a client process ---------------------------------------------------------------------
+
+
+async def closed_loop(args: argparse.Namespace) -> dict[str, Any]:
+    frames = np.load(args.frames, mmap_mode="r")
+    payloads = [np.asarray(frames[k]) for k in range(frames.shape[0])]
+    statuses: dict[str, int] = {}
+    async with await AsyncClient.connect(args.socket) as client:
+        stop_at = time.perf_counter() + args.duration
+
+        async def lane(k: int) -> None:
+            i = k
+            while time.perf_counter() < stop_at:
+                reply = await client.infer(payloads[i % len(payloads)])
+                statuses[reply.status] = statuses.get(reply.status, 0) + 1
+                i += args.window
+
+        await asyncio.gather(*(lane(k) for k in range(args.window)))
+    return {"statuses": statuses}
+
+
+# ---- the front end ------------------------------------------------------------------------
+
+
+def status_reply(request_id: int) -> wire.StatusReply:
+    depth = wire.QueueStatus(depth=[0] * 8, slots=0, in_use=0, in_flight=0)
+    return wire.StatusReply(request_id, "serving", os.getpid(), 0.0, "stub", [], depth)
+
+
+async def measure(args: argparse.Namespace, size: int, tmp: Path) -> dict[str, Any]:
+    frames_path = tmp / f"frames-{size}.npy"
+    np.save(frames_path, sl.build_frames(sl.image_paths(Path(args.data)), size, 16, 0))
+    slots = args.clients * args.window + 16
+    config = Config(
+        server=ServerConfig(socket=str(tmp / "fe.sock")),
+        queue=QueueConfig(slots=slots, slot_bytes=max(64, size * size)),
+    )
+    queue = RequestQueue.create(f"/sdbench-fe-{os.getpid()}-{size}", Geometry(slots, size * size))
+    dispatcher = Dispatcher(queue, 1_000_000, lambda *_: None, lambda _: "stub")
+    dispatcher.start()
+    acceptor = Acceptor(config, queue, dispatcher, status_reply)
+    await acceptor.listen(config.server.socket)
+    worker = spawn_stub(queue)
+    try:
+        before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        clients = [
+            spawn_client(args, config.server.socket, frames_path) for _ in range(args.clients)
+        ]
+        outs = [await asyncio.to_thread(p.communicate) for p in clients]
+        wall = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_SELF)
+    finally:
+        worker.kill()
+        worker.wait()
+        acceptor.stop_listening()
+        await acceptor.close_connections()
+        dispatcher.stop()
+        queue.close()
+    statuses: dict[str, int] = {}
+    for out, _ in outs:
+        for k, v in json.loads(out)["statuses"].items():
+            statuses[k] = statuses.get(k, 0) + v
+    replies = sum(statuses.values())
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {
+        "size": size,
+        "frame_bytes": size * size,
+        "replies": replies,
+        "statuses": statuses,
+        "requests_per_s": round(replies / wall, 1),
+        "mib_per_s": round(replies * size * size / wall / 2**20, 1),
+        "main_cpu_us_per_request": round(cpu / max(replies, 1) * 1e6, 1),
+        "main_cpu_share": round(cpu / wall, 3),
+        "main_user_s": round(after.ru_utime - before.ru_utime, 3),
+        "main_sys_s": round(after.ru_stime - before.ru_stime, 3),
+        "wall_s": round(wall, 2),
+    }
+
+
+def spawn_stub(queue: RequestQueue) -> subprocess.Popen[bytes]:
+    done, work = queue.completion_fd, queue.work_fd(0)
+    cmd = [sys.executable, __file__, "--stub-worker", "--queue", queue.name]
+    cmd += ["--done-fd", str(done), "--work-fd", str(work)]
+    return subprocess.Popen(cmd, pass_fds=(done, work))
+
+
+def spawn_client(args: argparse.Namespace, sock: str, frames: Path) -> subprocess.Popen[str]:
+    cmd = [sys.executable, __file__, "--client", "--socket", sock, "--frames", str(frames)]
+    cmd += ["--duration", str(args.duration), "--window", str(args.window)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+
+
+async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory(prefix="sdfe-", dir="/tmp") as tmp:
+        return [await measure(args, int(s), Path(tmp)) for s in args.sizes.split(",")]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sizes", default="1024,16")
+    p.add_argument("--duration", type=float, default=5.0)
+    p.add_argument("--clients", type=int, default=2)
+    p.add_argument("--window", type=int, default=16, help="requests in flight per client")
+    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    p.add_argument("--json", default=None)
+    p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--stub-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--socket", default="", help=argparse.SUPPRESS)
+    p.add_argument("--frames", default="", help=argparse.SUPPRESS)
+    p.add_argument("--queue", default="", help=argparse.SUPPRESS)
+    p.add_argument("--done-fd", type=int, default=-1, help=argparse.SUPPRESS)
+    p.add_argument("--work-fd", type=int, default=-1, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.stub_worker:
+        stub_worker(args)
+        return
+    if args.client:
+        print(json.dumps(asyncio.run(closed_loop(args))))
+        return
+    import uvloop
+
+    load_before = os.getloadavg()[0]
+    rows = uvloop.run(run_all(args))
+    print(f"{'size':>6}{'req/s':>10}{'MiB/s':>9}{'CPU us/req':>12}{'CPU share':>11}  statuses")
+    for r in rows:
+        print(
+            f"{r['size']:>6}{r['requests_per_s']:>10}{r['mib_per_s']:>9}"
+            f"{r['main_cpu_us_per_request']:>12}{r['main_cpu_share']:>11}  {r['statuses']}"
+        )
+    load = {"loadavg_1m_before": round(load_before, 2), "loadavg_1m_after": os.getloadavg()[0]}
+    print(f"load average {load}")
+    if args.json:
+        doc = {"machine": {"cpus": os.cpu_count(), **load}, "clients": args.clients,
+               "window": args.window, "duration_s": args.duration, "rows": rows}  # fmt: skip
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""The load side of ``bench_serve.py``: frames, send schedules, client processes, summaries.
+
+Kept apart from the orchestration so the logic a reader must trust (when requests are sent,
+how latency and lateness are counted, how percentiles are taken) is small and tested
+(``tests/scripts/test_bench_serve.py``).
+
+A client process (``bench_serve.py --client``) runs one connection and one send loop: it
+sleeps until the next scheduled send, starts that request as its own task (so a slow reply
+never delays a later send: open loop) and records, per request, its *lateness* (when the
+send started minus when it was scheduled: the generator's own delay) and, on a reply, its
+latency from the *scheduled* time (no coordinated omission: a stalled generator cannot
+hide a stall of the daemon, it adds to the latency). It prints one JSON object.
+
+Frames for ``--size N``: greyscale N x N uint8 mosaics of real images (SD-900 steel strips
+and magnetic tiles, each decoded with ``decode_image`` and resized to a 4 x 4 grid cell),
+built once by the orchestrator into a ``.npy`` file that every client maps read-only. They
+travel raw (``pixels``), so the benchmark measures the daemon, not a PNG decoder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import threading
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+from PIL import Image
+
+from scratchd.client import AsyncClient, ImageInput
+from scratchd.ipc.image import decode_image
+
+GRID: Final = 4
+"""Frames are GRID x GRID mosaics of real images."""
+BURST_SPREAD_S: Final = 0.3
+BURST_PERIOD_S: Final = 2.0
+IMAGE_SUFFIXES: Final = (".png", ".jpg", ".jpeg", ".bmp")
+
+
+# ---- schedules ----------------------------------------------------------------------------
+
+
+def schedule(pattern: str, duration: float, rate: float, seed: int, burst: int = 23) -> list[float]:
+    """Send offsets in seconds from the start, ascending, all in ``[0, duration)``.
+
+    ``poisson``: exponential inter-arrival times at ``rate`` per second. ``burst``: the
+    seed's pattern, ``burst`` requests spread uniformly over 0.3 s, then idle to 2 s, repeated.
+    """
+    rng = random.Random(seed)
+    times: list[float] = []
+    if pattern == "burst":
+        cycle = 0.0
+        while cycle < duration:
+            spread = min(BURST_SPREAD_S, duration - cycle)
+            times.extend(sorted(cycle + rng.uniform(0.0, spread) for _ in range(burst)))
+            cycle += BURST_PERIOD_S
+        return [t for t in times if t < duration]
+    if pattern != "poisson":
+        raise ValueError(f"unknown pattern {pattern!r} (poisson or burst)")
+    if rate <= 0:
+        raise ValueError(f"a Poisson rate must be positive, got {rate}")
+    t = rng.expovariate(rate)
+    while t < duration:
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+# ---- frames -------------------------------------------------------------------------------
+
+
+def image_paths(data: Path) -> list[Path]:
+    """The real images under ``data``, masks left out: files under a ``masks`` folder, and
+    a ``.png`` next to a ``.jpg`` of the same name (the magnetic-tile set's masks)."""
+    found = []
+    for path in sorted(data.rglob("*")):
+        if path.suffix.lower() not in IMAGE_SUFFIXES or "masks" in path.parts:
+            continue
+        if path.suffix.lower() == ".png" and path.with_suffix(".jpg").exists():
+            continue
+        found.append(path)
+    return found
+
+
+def build_frames(paths: list[Path], size: int, count: int, seed: int) -> np.ndarray:
+    """``count`` frames, uint8 ``(count, size, size)``: each a GRID x GRID mosaic of real
+    images drawn (seeded) from ``paths``, each image resized to its cell."""
+    if not paths:
+        raise ValueError("no images to build frames from")
+    if size < GRID:
+        raise ValueError(f"frame size must be at least {GRID}, got {size}")
+    rng = random.Random(seed)
+    cell = -(-size // GRID)
+    cache: dict[Path, np.ndarray] = {}
+    frames = np.empty((count, size, size), np.uint8)
+    for k in range(count):
+        mosaic = np.empty((cell * GRID, cell * GRID), np.uint8)
+        for row in range(GRID):
+            for col in range(GRID):
+                path = rng.choice(paths)
+                if path not in cache:
+                    grey = decode_image(path.read_bytes())
+                    resized = Image.fromarray(grey).resize((cell, cell), Image.Resampling.BILINEAR)
+                    cache[path] = np.asarray(resized, np.uint8)
+                mosaic[row * cell : (row + 1) * cell, col * cell : (col + 1) * cell] = cache[path]
+        frames[k] = mosaic[:size, :size]
+    return frames
+
+
+def load_payloads(args: argparse.Namespace) -> list[ImageInput]:
+    """What a client sends, cycled: raw frames from ``--frames`` (a ``.npy``), or the
+    encoded PNGs of ``--data`` (the CPU benchmark's SD-900 images)."""
+    if args.frames:
+        frames = np.load(args.frames, mmap_mode="r")
+        return [np.asarray(frames[k]) for k in range(frames.shape[0])]
+    return [p.read_bytes() for p in sorted(Path(args.data).glob("*.png"))[:64]]
+
+
+# ---- one client process -------------------------------------------------------------------
+
+
+async def run_client(args: argparse.Namespace) -> dict[str, Any]:
+    payloads = load_payloads(args)
+    offsets = schedule(args.pattern, args.duration, args.rate, args.seed, args.burst)
+    latency = [float("nan")] * len(offsets)
+    lateness = [float("nan")] * len(offsets)
+    statuses: Counter[str] = Counter()
+    async with await AsyncClient.connect(args.socket) as client:
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter() + 0.2
+
+        async def one(i: int, due: float) -> None:
+            lateness[i] = (time.perf_counter() - due) * 1000.0
+            try:
+                reply = await client.infer(payloads[i % len(payloads)])
+            except ConnectionError:
+                statuses["connection_lost"] += 1
+                return
+            statuses[reply.status] += 1
+            if reply.status == "ok":
+                latency[i] = (time.perf_counter() - due) * 1000.0
+
+        tasks = []
+        for i, at in enumerate(offsets):
+            delay = start + at - time.perf_counter()
+            await asyncio.sleep(max(0.0, delay))  # yields even when behind: replies get read
+            tasks.append(loop.create_task(one(i, start + at)))
+        end = start + args.duration + args.grace
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=max(0.0, end - time.perf_counter()))
+            for task in pending:
+                task.cancel()
+    answered = sum(n for s, n in statuses.items() if s != "connection_lost")
+    return {
+        "sent": len(offsets),
+        "answered": answered,
+        "statuses": dict(statuses),
+        "latencies_ms": [x for x in latency if x == x],
+        "lateness_ms": [x for x in lateness if x == x],
+        "elapsed_s": time.perf_counter() - start,
+    }
+
+
+# ---- summaries ----------------------------------------------------------------------------
+
+
+def percentile(values: np.ndarray, q: float) -> float | None:
+    """The q-th percentile (linear interpolation) rounded to 0.01, or None when empty."""
+    return round(float(np.percentile(values, q)), 2) if values.size else None
+
+
+def summarize(results: list[dict[str, Any]], duration: float) -> dict[str, Any]:
+    """One load's row from its client processes' results.
+
+    ``lost``: sent and never answered (no reply by the end of the grace period, or the
+    connection dropped). Percentiles are over ``ok`` replies; ``ok_share`` says how many
+    of the sent those are. ``late_*``: the generator's lateness (send start − schedule).
+    """
+    latencies = np.array([x for r in results for x in r["latencies_ms"]], np.float64)
+    late = np.array([x for r in results for x in r["lateness_ms"]], np.float64)
+    statuses: Counter[str] = Counter()
+    for r in results:
+        statuses.update(r["statuses"])
+    sent = sum(r["sent"] for r in results)
+    answered = sum(r["answered"] for r in results)
+    return {
+        "sent": sent,
+        "statuses": dict(statuses),
+        "lost": sent - answered,
+        "ok_share": round(statuses["ok"] / sent, 4) if sent else None,
+        "throughput": round(statuses["ok"] / duration, 2),
+        "p50_ms": percentile(latencies, 50),
+        "p99_ms": percentile(latencies, 99),
+        "p999_ms": percentile(latencies, 99.9),
+        "max_ms": round(float(latencies.max()), 2) if latencies.size else None,
+        "late_p50_ms": percentile(late, 50),
+        "late_p99_ms": percentile(late, 99),
+        "late_max_ms": round(float(late.max()), 2) if late.size else None,
+        "elapsed_s": round(max((r["elapsed_s"] for r in results), default=0.0), 2),
+    }
+
+
+def meets(row: dict[str, Any], p99_limit_ms: float) -> bool:
+    """Whether a load kept p99 within the limit: nothing lost, at least 99 % answered
+    ``ok`` (a p99 over the ok replies says nothing when more than 1 % failed), p99 ≤ limit."""
+    p99 = row["p99_ms"]
+    share = row["ok_share"] or 0.0
+    return row["lost"] == 0 and share >= 0.99 and p99 is not None and p99 <= p99_limit_ms
+
+
+def next_rate(
+    rates: list[float],
+    rows: list[dict[str, Any]],
+    limit: float | None,
+    step: float,
+    max_rate: float,
+) -> float | None:
+    """The next rate to run after ``rows`` (one per rate run so far), or None when done:
+    first the listed ``rates``; then, with a ``limit``, the last rate times ``step`` for as
+    long as the last load met it and the rate stays within ``max_rate``."""
+    if len(rows) < len(rates):
+        return rates[len(rows)]
+    if limit is None or not rows or not meets(rows[-1], limit):
+        return None
+    last = rows[-1]["rate"]
+    nxt = last * step
+    return nxt if nxt <= max_rate else None
+
+
+# ---- what the GPU did meanwhile -----------------------------------------------------------
+
+
+class NvmlSampler:
+    """Samples ``nvmlDeviceGetUtilizationRates`` (the share of the last sample period in
+    which a kernel ran) of every visible GPU every ``interval`` s in a thread, from the
+    bench process; ``means()`` is the per-device mean in percent. No NVML: empty."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.samples: dict[int, list[int]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml: Any = pynvml
+            count = pynvml.nvmlDeviceGetCount()
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        except Exception:
+            self._nvml, self._handles = None, []
+
+    def device_names(self) -> list[str]:
+        return [str(self._nvml.nvmlDeviceGetName(h)) for h in self._handles]
+
+    def __enter__(self) -> NvmlSampler:
+        self.samples = {i: [] for i in range(len(self._handles))}
+        self._stop.clear()
+        if self._handles:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            for i, handle in enumerate(self._handles):
+                self.samples[i].append(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+
+    def means(self) -> dict[str, float]:
+        return {f"gpu{i}": round(float(np.mean(s)), 1) for i, s in self.samples.items() if s}
+
+
+def compute_seconds(metrics_text: str) -> dict[str, float]:
+    """``scratchd_compute_seconds_sum`` per device from a /metrics page (Prometheus text)."""
+    out: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("scratchd_compute_seconds_sum{"):
+            labels, value = line.rsplit(" ", 1)
+            device = labels.split('device="', 1)[1].split('"', 1)[0]
+            out[device] = out.get(device, 0.0) + float(value)
+    return out
+
+
+def scrape_compute(port: int) -> dict[str, float]:
+    """The daemon's compute seconds so far per device (empty if /metrics is not served)."""
+    if port <= 0:
+        return {}
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
+            return compute_seconds(page.read().decode())
+    except OSError:
+        return {}
+
+
+def busy_share(
+    before: dict[str, float], after: dict[str, float], wall_s: float
+) -> dict[str, float]:
+    """Compute seconds spent per device between two scrapes, as a share of ``wall_s``."""
+    if wall_s <= 0:
+        return {}
+    return {d: round((after[d] - before.get(d, 0.0)) / wall_s, 3) for d in after}

@@ -1,0 +1,119 @@
+"""How ``bench_serve.py`` shows its results: the console table and the markdown section.
+
+``rewrite_section`` replaces what lies between ``<!-- bench_serve_gpu: start -->`` and
+``<!-- bench_serve_gpu: end -->`` in a markdown file (the section is appended when the file
+has none), so re-running the benchmark never touches the other benchmarks' sections.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Final
+
+START: Final = "<!-- bench_serve_gpu: start -->"
+END: Final = "<!-- bench_serve_gpu: end -->"
+
+
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:g}"
+
+
+def _busy(row: dict[str, Any]) -> str:
+    nvml = row.get("gpu_busy_nvml") or {}
+    compute = row.get("compute_busy") or {}
+    parts = [f"{d} {v:g} %" for d, v in nvml.items()]
+    parts += [f"{d} {100 * v:.0f} %" for d, v in compute.items()]
+    return ", ".join(parts) or "—"
+
+
+def print_table(doc: dict[str, Any]) -> None:
+    if "open_loop" in doc:
+        print_raw_table(doc)
+        return
+    head = f"{'load':<16}{'sent':>6}{'ok/s':>8}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}"
+    print(head + f"{'lost':>6}  statuses")
+    for r in doc["loads"]:
+        print(
+            f"{r['load']:<16}{r['sent']:>6}{r['throughput_ok_per_s']:>8}{r['p50_ms']!s:>9}"
+            f"{r['p99_ms']!s:>9}{r['p99_9_ms']!s:>10}{r['lost']:>6}  {r['statuses']}"
+        )
+    for r in doc["restarts"]:
+        if "worker" in r:
+            print(
+                f"restart after kill -9: {r['worker']} {r['restart_s'] * 1000:.0f} ms"
+                f" ({r['replaced_by']})"
+            )
+        else:
+            print(f"background load during kills: {r}")
+
+
+def print_raw_table(doc: dict[str, Any]) -> None:
+    print(f"{doc['device']}, {doc['date']}")
+    head = f"{'load':<28}{'sent':>7}{'ok/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}"
+    print(head + f"{'lost':>6}{'late p99':>10}  busy / statuses")
+    rows = [*doc["open_loop"], doc["burst"]]
+    if doc["kill_run"].get("sent"):
+        rows.append(doc["kill_run"])
+    for r in rows:
+        print(
+            f"{r['load']:<28}{r['sent']:>7}{r['throughput']:>9}{_ms(r['p50_ms']):>9}"
+            f"{_ms(r['p99_ms']):>9}{_ms(r['p999_ms']):>10}{r['lost']:>6}"
+            f"{_ms(r['late_p99_ms']):>10}  {_busy(r)} {r['statuses']}"
+        )
+    for k in doc["kill_run"].get("kills", []):
+        took = f"{k['restart_s'] * 1000:.0f} ms"
+        print(f"restart after kill -9: {k['worker']} {took} ({k['replaced_by']})")
+    print(f"lost under kill: {doc['lost_under_kill']}")
+
+
+def record_markdown(doc: dict[str, Any], json_path: str) -> str:
+    """The section for ``docs/benchmarks.md``: one table row per load, then the kills."""
+    daemon, machine = doc["daemon"], doc["machine"]
+    lines = [
+        START,
+        f"## Serving end to end (`scripts/bench_serve.py`, {doc['device']}, {doc['date']})",
+        "",
+        f"Daemon backend `{daemon['backend']}`; {daemon['images']}; open-loop load from "
+        f"{daemon['clients']} client processes over the Unix socket, {daemon['duration_s']:g} s "
+        f"per load; latency from each request's scheduled send to its reply (ok replies). "
+        f"`late p99`: the generator's own lateness (send start − schedule). Busy: "
+        f"{doc['gpu_busy_source']}. Load average before/after: "
+        f"{machine['loadavg_1m_before']}/{machine['loadavg_1m_after']} on "
+        f"{machine['cpus']} cores. JSON: `{json_path}`.",
+        "",
+        "| load | sent | ok/s | p50 ms | p99 ms | p99.9 ms | lost | late p99 ms | busy "
+        "| statuses |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    rows = [*doc["open_loop"], doc["burst"]]
+    if doc["kill_run"].get("sent"):
+        rows.append(doc["kill_run"])
+    for r in rows:
+        statuses = ", ".join(f"{k} {v}" for k, v in sorted(r["statuses"].items()))
+        lines.append(
+            f"| {r['load']} | {r['sent']} | {r['throughput']:g} | {_ms(r['p50_ms'])} | "
+            f"{_ms(r['p99_ms'])} | {_ms(r['p999_ms'])} | {r['lost']} | "
+            f"{_ms(r['late_p99_ms'])} | {_busy(r)} | {statuses} |"
+        )
+    kills = doc["kill_run"].get("kills", [])
+    if kills:
+        each = ", ".join(
+            f"{k['worker']} {k['restart_s'] * 1000:.0f} ms ({k['replaced_by']})" for k in kills
+        )
+        lines += [
+            "",
+            f"kill -9 → replacement READY: {each}. Lost under kill: {doc['lost_under_kill']}.",
+        ]
+    lines.append(END)
+    return "\n".join(lines) + "\n"
+
+
+def rewrite_section(path: Path, section: str) -> None:
+    """Put ``section`` (START … END) in place of the old one, or at the end of the file."""
+    text = path.read_text() if path.exists() else ""
+    begin, end = text.find(START), text.find(END)
+    if begin >= 0 and end > begin:
+        text = text[:begin] + section.rstrip("\n") + text[end + len(END) :]
+    else:
+        text = text.rstrip("\n") + ("\n\n" if text else "") + section
+    path.write_text(text if text.endswith("\n") else text + "\n")
