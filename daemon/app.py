@@ -41,8 +41,9 @@ from collections.abc import Callable
 from typing import Final
 
 from scratchd.daemon.acceptor import Acceptor
-from scratchd.daemon.config import Config, ConfigError
+from scratchd.daemon.config import Config
 from scratchd.daemon.dispatch import Dispatcher, InFlight
+from scratchd.daemon.gpus import place
 from scratchd.daemon.log import log_event
 from scratchd.daemon.observability import Observability, read_model_reference
 from scratchd.daemon.service import ServiceManager
@@ -78,11 +79,8 @@ def queue_name(socket_path: str) -> str:
 
 
 def resolve_backend(config: Config) -> str:
-    """``cpu``, or an error for a backend this build cannot run (``auto`` falls back to CPU)."""
-    backend = config.workers.backend
-    if backend == "cuda":
-        raise ConfigError("workers.backend = 'cuda': the CUDA worker is not part of this build")
-    return "cpu"
+    """``cpu`` or ``cuda`` (daemon/gpus.py); a ConfigError for one this machine cannot run."""
+    return place(config).backend
 
 
 class Daemon:
@@ -91,7 +89,8 @@ class Daemon:
     def __init__(self, config: Config, read_config: Callable[[], Config] | None = None) -> None:
         self.config = config
         self.state = Lifecycle.STARTING
-        self.backend = resolve_backend(config)
+        self.placement = place(config)
+        self.backend = self.placement.backend
         self.queue_name = queue_name(config.server.socket)
         self.started = time.time()
         self.replies: collections.Counter[str] = collections.Counter()
@@ -140,8 +139,9 @@ class Daemon:
             self.queue,
             self.queue_name,
             self.backend,
-            config.workers.cpu_workers,
+            self.placement.workers,
             self._on_reclaimed,
+            self.placement.gpus,
         )
         self.acceptor = Acceptor(config, self.queue, self.dispatcher, self.snapshot)
         # Health and metrics listen before the workers boot: /readyz says why it is not ready.
@@ -150,7 +150,10 @@ class Daemon:
             await self.obs.start()
         except OSError as exc:
             return await self._halt(f"health/metrics listener on {config.server.bind}: {exc}")
-        log_event("start", backend=self.backend, workers=config.workers.cpu_workers)
+        log_event(
+            "start", backend=self.backend, workers=self.placement.workers,
+            placement=self.placement.why,
+        )  # fmt: skip
         try:
             await self._first_of(self.supervisor.start(), self._stop.wait())
         except PoolHalted as exc:

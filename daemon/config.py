@@ -77,6 +77,13 @@ class WorkersConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     cpu_max_queue_delay_ms: NonNegative = 0
     """How long a CPU worker waits for a batch to fill (at most ``queue.max_queue_delay_ms``).
     0: a batch costs numpy as much per image as single images, so waiting only adds latency."""
+    gpu_reserve_mb: Positive = 1024
+    """Device memory (MiB) a CUDA worker leaves free when it sizes batches (gpu_memory.py)."""
+    gpu_warm_sizes: list[tuple[Positive, Positive]] = msgspec.field(
+        default_factory=lambda: [(1024, 1024)]
+    )
+    """Frame sizes ``[height, width]`` whose graphs a CUDA worker captures before READY
+    (other sizes are captured on first use)."""
     standby: bool = True
     """Keep one warm spare worker (model loaded, warmed up) that takes over a dead worker's
     slot in milliseconds; its replacement spare then boots in the background."""

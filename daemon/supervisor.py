@@ -20,6 +20,11 @@ readable the instant the process exits, whatever killed it; no SIGCHLD handler, 
 worker whose shared-memory heartbeat is older than ``hang_timeout``, SIGKILLs one that has not
 exited ``kill_grace`` after its SIGTERM, and kills a worker stuck in boot.
 
+CUDA pools (``device == "cuda"``): one worker per card in ``gpus``, each started with
+``CUDA_VISIBLE_DEVICES`` naming its card, and one warm standby *per card* (a standby has its
+CUDA context, modules and graphs on that card, so it can only replace that card's worker).
+A CPU pool shares one standby (group 0).
+
 Workers learn of *our* death through the death pipe (they hold its read end, only we hold
 the write end: EOF when we die) and PR_SET_PDEATHSIG (see ``scratchd.workers.protocol``).
 """
@@ -84,12 +89,16 @@ class Supervisor:
         device: str,
         count: int,
         on_reclaimed: Callable[[ReclaimReport], None],
+        gpus: list[int] | None = None,
     ) -> None:
         self.config = config
         self.queue = queue
         self.queue_name = queue_name
         self.device = device
         self.count = count
+        self.gpus = list(gpus or [])
+        if device == "cuda" and len(self.gpus) != count:
+            raise ValueError(f"a CUDA pool needs one GPU per worker, got {self.gpus} for {count}")
         self.on_reclaimed = on_reclaimed
         self.state = PoolState.STARTING
         self.halt_reason = ""
@@ -101,8 +110,9 @@ class Supervisor:
         self._death_r, self._death_w = os.pipe()  # workers get the read end; we keep the write
         self._watchdog: asyncio.TimerHandle | None = None
         self._changed = asyncio.Event()  # set whenever a worker becomes READY or exits
-        self.standby: Worker | None = None  # warm, not serving: the next replacement
-        self.standby_line = Lineage()
+        # Warm, not serving: the next replacement, one per group (see the module docstring).
+        self.standbys: dict[int, Worker] = {}
+        self.standby_lines = {g: Lineage() for g in self.groups()}
 
     # ---- starting ---------------------------------------------------------------------
 
@@ -117,7 +127,24 @@ class Supervisor:
         if self.state is PoolState.HALTED:
             raise PoolHalted(self.halt_reason)
         self.state = PoolState.RUNNING
-        self.spawn_standby()  # after the pool: its boot does not slow the pool's
+        for group in self.groups():  # after the pool: their boot does not slow the pool's
+            self.spawn_standby(group)
+
+    def groups(self) -> list[int]:
+        """Standby groups: one per card for CUDA, a single shared one for CPU."""
+        return list(range(self.count)) if self.device == "cuda" else [0]
+
+    def group_of(self, wid: int) -> int:
+        return wid if self.device == "cuda" else 0
+
+    @property
+    def standby(self) -> Worker | None:
+        """The first group's standby (``status`` shows it)."""
+        return self.standbys.get(0)
+
+    @property
+    def standby_line(self) -> Lineage:
+        return self.standby_lines[0]
 
     def spawn_worker(self, wid: int) -> Worker:
         """Start the process for logical worker ``wid`` in a free worker-table slot."""
@@ -127,30 +154,44 @@ class Supervisor:
         self.lineage[wid].spawned += 1
         return worker
 
-    def spawn_standby(self) -> None:
-        """Start a warm spare (``workers.standby``) unless there is one or we are stopping."""
-        self.standby_line.pending = None
-        if self.config.workers.standby and self.standby is None and self._running():
-            self.standby = self._launch(STANDBY_SLOT, STANDBY_SLOT)
-            self.standby_line.spawned += 1
+    def spawn_standby(self, group: int = 0) -> None:
+        """Start a warm spare (``workers.standby``) for ``group`` unless it has one or we are
+        stopping."""
+        line = self.standby_lines[group]
+        line.pending = None
+        if self.config.workers.standby and group not in self.standbys and self._running():
+            worker = self._launch(STANDBY_SLOT, STANDBY_SLOT, group)
+            worker.group = group
+            self.standbys[group] = worker
+            line.spawned += 1
 
     def _running(self) -> bool:
         return self.state in (PoolState.STARTING, PoolState.RUNNING)
 
-    def _launch(self, wid: int, slot: int) -> Worker:
+    def _launch(self, wid: int, slot: int, group: int | None = None) -> Worker:
+        cuda = self.device == "cuda"
+        cfg = self.config.workers
+        extra = [f"--gpu-reserve-mb={cfg.gpu_reserve_mb}"] if cuda else []
+        extra += [f"--gpu-warm-size={h}x{w}" for h, w in cfg.gpu_warm_sizes] if cuda else []
         spec = WorkerSpec(
             queue=self.queue_name,
             slot=slot,
             backend=self.device,
             model_path=self.config.model.path,
-            max_batch=min(self.config.queue.max_batch, self.config.workers.cpu_max_batch),
-            max_delay_ms=min(
-                self.config.queue.max_queue_delay_ms, self.config.workers.cpu_max_queue_delay_ms
-            ),
-            heartbeat_ms=self.config.workers.heartbeat_ms,
+            max_batch=self.config.queue.max_batch
+            if cuda
+            else min(self.config.queue.max_batch, cfg.cpu_max_batch),
+            max_delay_ms=self.config.queue.max_queue_delay_ms
+            if cuda
+            else min(self.config.queue.max_queue_delay_ms, cfg.cpu_max_queue_delay_ms),
+            heartbeat_ms=cfg.heartbeat_ms,
             parent_pid=os.getpid(),
+            extra=tuple(extra),
         )
-        worker = launch(wid, self.device, spec, self.queue, self._death_r, self._worker_env(wid))
+        group = self.group_of(wid) if group is None else group
+        env = self._worker_env(wid, group)
+        worker = launch(wid, self.device, spec, self.queue, self._death_r, env)
+        worker.group = group
         self._loop.add_reader(worker.ready_fd, self._on_ready_pipe, worker)
         self._loop.add_reader(worker.pidfd, self._on_exit, worker)
         return worker
@@ -162,9 +203,12 @@ class Supervisor:
                 return slot
         raise RuntimeError("no free worker-table slot (more workers than queue max_workers)")
 
-    def _worker_env(self, wid: int) -> dict[str, str]:
+    def _worker_env(self, wid: int, group: int) -> dict[str, str]:
         first = wid >= 0 and self.lineage[wid].spawned == 0
-        return worker_env(f"{self.device}{wid}", self.count, arm_fault=first)
+        env = worker_env(f"{self.device}{wid}", self.count, arm_fault=first)
+        if self.device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = str(self.gpus[group])
+        return env
 
     def _on_ready_pipe(self, worker: Worker) -> None:
         try:
@@ -247,10 +291,11 @@ class Supervisor:
 
     def _promote_standby(self, wid: int) -> bool:
         """Hand a free slot to the warm standby as worker ``wid``; False if there is none."""
-        standby = self.standby
+        group = self.group_of(wid)
+        standby = self.standbys.get(group)
         if standby is None or standby.state is not WorkerState.READY:
             return False
-        self.standby = None
+        del self.standbys[group]
         slot = self._free_slot()
         if not hand_over(standby, slot, self.queue.work_fd(slot)):
             standby.retiring = True  # dying anyway; its exit is a non-event
@@ -264,22 +309,24 @@ class Supervisor:
         lineage.last_restart_s = time.time()
         log_event("worker_restart", worker=standby.name, pid=standby.proc.pid, slot=slot,
                   standby=True)  # fmt: skip
-        self._loop.call_soon(self.spawn_standby)
+        self._loop.call_soon(self.spawn_standby, group)
         return True
 
     def _on_standby_exit(self, worker: Worker, code: int, was_ready: bool) -> None:
         if worker.control is not None:
             worker.control.close()
             worker.control = None
-        if worker is not self.standby:
+        group = worker.group
+        current: Worker | None = self.standbys.get(group)
+        if current is None or current.proc.pid != worker.proc.pid:
             return  # a standby retired, or one that died while being handed a slot
-        self.standby = None
+        del self.standbys[group]
         planned = not self._running()
         level = logging.INFO if planned else logging.WARNING
         log_event("standby_exited", level, pid=worker.proc.pid, cause=describe_exit(code))
         if planned:
             return
-        line = self.standby_line
+        line = self.standby_lines[group]
         if not was_ready and code == ExitCode.BOOT_ERROR:
             self.halt(f"standby worker failed to boot: {worker.boot_reason()}")
             return
@@ -287,7 +334,9 @@ class Supervisor:
         if line.failures >= MAX_CONSECUTIVE_BOOT_FAILURES:
             self.halt(f"standby worker died {line.failures} times during boot")
             return
-        line.pending = self._loop.call_later(restart_delay(line.failures + 1), self.spawn_standby)
+        line.pending = self._loop.call_later(
+            restart_delay(line.failures + 1), self.spawn_standby, group
+        )
 
     def _respawn(self, wid: int) -> None:
         lineage = self.lineage[wid]
@@ -318,8 +367,7 @@ class Supervisor:
         now = time.monotonic_ns()
         cfg = self.config.workers
         beats = {row.slot: row.heartbeat_ns for row in self.queue.worker_rows()}
-        standby = [self.standby] if self.standby is not None else []
-        for worker in [*self.workers.values(), *standby]:
+        for worker in [*self.workers.values(), *self.standbys.values()]:
             if worker.state is WorkerState.STOPPING:
                 if now - worker.term_ns > cfg.kill_grace_ms * 1_000_000:
                     self._signal(worker, signal.SIGKILL)
@@ -371,22 +419,20 @@ class Supervisor:
             old.retiring = True
             self.terminate(old)
             await old.exited.wait()
-        if self.standby is not None:  # the spare must carry the new config and model too
-            old_standby, self.standby = self.standby, None
+        for group, old_standby in list(self.standbys.items()):  # spares: new config and model
+            del self.standbys[group]
             old_standby.retiring = True
             self.terminate(old_standby)
-            self.spawn_standby()
+            self.spawn_standby(group)
 
     async def stop_all(self, grace_s: float) -> None:
         """SIGTERM every worker, wait up to ``grace_s``, SIGKILL the rest, wait for them."""
         if self.state is not PoolState.HALTED:
             self.state = PoolState.STOPPING
-        for lineage in [*self.lineage, self.standby_line]:
+        for lineage in [*self.lineage, *self.standby_lines.values()]:
             if lineage.pending is not None:
                 lineage.pending.cancel()
-        workers = list(self.workers.values())
-        if self.standby is not None:
-            workers.append(self.standby)
+        workers = [*self.workers.values(), *self.standbys.values()]
         for worker in workers:
             self.terminate(worker)
         waits = [w.exited.wait() for w in workers]

@@ -68,6 +68,8 @@ class Worker:
 
     control: socket.socket | None = None
     """Our end of a standby's control socketpair (None once it serves, or for others)."""
+    group: int = 0
+    """The standby group (the card, for CUDA) this worker belongs to (supervisor.py)."""
 
     @property
     def name(self) -> str:

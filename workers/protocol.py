@@ -58,6 +58,8 @@ class WorkerSpec:
     max_delay_ms: int
     heartbeat_ms: int
     parent_pid: int
+    extra: tuple[str, ...] = ()
+    """Backend-specific flags (CUDA: ``--gpu-reserve-mb``, ``--gpu-warm-size``)."""
 
     def argv(
         self, *, ready_fd: int, death_fd: int, work_fd: int, done_fd: int, control_fd: int = -1
@@ -79,6 +81,7 @@ class WorkerSpec:
             f"--work-fd={work_fd}",
             f"--done-fd={done_fd}",
             f"--control-fd={control_fd}",
+            *self.extra,
         ]
 
 
