@@ -1,0 +1,367 @@
+"""The device memory arena: the offset allocator against a model, stream-ordered reuse, and
+(gpu-marked) CuPy arrays served from it.
+
+The stream-ordering tests on the CPU drive events by hand (``HandEvent``: ``done`` only when the
+test says so), which is exactly the information a CUDA event gives the arena.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from scratchd.kernels.arena import (
+    ALIGN,
+    ArenaExhausted,
+    DeviceArena,
+    InvalidFree,
+    OffsetArena,
+    StreamOrderedArena,
+)
+
+# ---------------------------------------------------------------- the offset allocator
+
+
+class ArenaMachine(RuleBasedStateMachine):
+    """Random allocate/free sequences checked against a dict of live blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arena = OffsetArena(ALIGN)
+        self.live: dict[int, tuple[int, int]] = {}  # offset → (size asked, bytes reserved)
+        self.freed: set[int] = set()
+
+    @initialize(units=st.integers(1, 1024), slabs=st.booleans())
+    def create(self, units: int, slabs: bool) -> None:
+        small_max = 1024 if slabs else 0
+        self.arena = OffsetArena(units * ALIGN, small_max=small_max, slab_bytes=4096)
+
+    @rule(data=st.data())
+    def allocate(self, data: st.DataObject) -> None:
+        total = self.arena.total
+        size = data.draw(st.one_of(st.integers(0, 1100), st.integers(0, total + ALIGN)))
+        reserved = self.arena.reserved(size)
+        try:
+            offset = self.arena.allocate(size)
+        except ArenaExhausted as exc:
+            assert (exc.size, exc.free) == (size, total - self.arena.used)
+            assert exc.largest == self.arena.buddy.largest_free() < reserved
+            assert str(size) in str(exc) and str(exc.largest) in str(exc)
+            return
+        assert reserved >= max(size, 1) and reserved % ALIGN == 0
+        assert offset % ALIGN == 0 and offset >= 0 and offset + reserved <= total
+        for other, (_, other_reserved) in self.live.items():
+            assert offset + reserved <= other or other + other_reserved <= offset, "overlap"
+        self.live[offset] = (size, reserved)
+        self.freed.discard(offset)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        offset = data.draw(st.sampled_from(sorted(self.live)))
+        self.arena.free(offset)
+        del self.live[offset]
+        self.freed.add(offset)
+
+    @precondition(lambda self: self.freed - self.live.keys())
+    @rule(data=st.data())
+    def double_free_is_rejected(self, data: st.DataObject) -> None:
+        offset = data.draw(st.sampled_from(sorted(self.freed - self.live.keys())))
+        with pytest.raises(InvalidFree):
+            self.arena.free(offset)
+
+    @rule(data=st.data())
+    def foreign_pointer_is_rejected(self, data: st.DataObject) -> None:
+        offset = data.draw(st.integers(-ALIGN, self.arena.total + ALIGN))
+        if offset in self.live:
+            offset += 1  # inside a live block, not its start
+        with pytest.raises(InvalidFree):
+            self.arena.free(offset)
+
+    @invariant()
+    def accounting_matches_the_model(self) -> None:
+        stats = self.arena.stats()
+        used = sum(reserved for _, reserved in self.live.values())
+        free_blocks = list(self.arena.buddy.free_blocks())
+        assert stats.used == used and stats.free == stats.total - used
+        assert stats.largest_free == max((size for _, size in free_blocks), default=0)
+        assert stats.fragmentation_ratio == (stats.free - stats.largest_free) / stats.total
+        assert 0.0 <= stats.fragmentation_ratio < 1.0
+        assert sum(size for _, size in free_blocks) <= stats.free
+        for start, size in free_blocks:  # a free block never covers a live one
+            for offset, (_, reserved) in self.live.items():
+                assert start + size <= offset or offset + reserved <= start
+
+    def teardown(self) -> None:
+        for offset in list(self.live):
+            self.arena.free(offset)
+        stats = self.arena.stats()
+        assert stats.used == 0 and stats.slabs == {}
+        roots = [(offset, ALIGN << order) for offset, order in self.arena.buddy.roots]
+        assert list(self.arena.buddy.free_blocks()) == roots  # everything merged back
+
+
+TestArenaMachine = ArenaMachine.TestCase
+TestArenaMachine.settings = settings(max_examples=120, stateful_step_count=50)
+
+
+def test_everything_freed_is_one_block_of_the_whole_region() -> None:
+    arena = OffsetArena(1 << 20, small_max=4096, slab_bytes=16384)
+    offsets = [arena.allocate(size) for size in (1, 255, 256, 3000, 5000, 70_000, 300_000)]
+    for offset in reversed(offsets):
+        arena.free(offset)
+    assert list(arena.buddy.free_blocks()) == [(0, 1 << 20)]
+    assert arena.fragmentation_ratio() == 0.0
+
+
+def test_fragmentation_ratio_is_free_minus_largest_over_total() -> None:
+    arena = OffsetArena(4 * ALIGN, small_max=0)
+    blocks = [arena.allocate(ALIGN) for _ in range(4)]
+    arena.free(blocks[0])
+    arena.free(blocks[2])  # two free 256 B holes that are not buddies
+    assert arena.fragmentation_ratio() == (2 * ALIGN - ALIGN) / (4 * ALIGN)
+    arena.free(blocks[1])  # 0 and 1 merge; 2 stays apart
+    stats = arena.stats()
+    assert (stats.free, stats.largest_free) == (3 * ALIGN, 2 * ALIGN)
+    assert stats.fragmentation_ratio == ALIGN / (4 * ALIGN)
+
+
+def test_exhaustion_names_the_request_and_what_is_free() -> None:
+    arena = OffsetArena(1 << 20, small_max=0)
+    arena.allocate(400_000)  # a 512 KiB block
+    with pytest.raises(ArenaExhausted) as err:
+        arena.allocate(600_000)
+    assert isinstance(err.value, MemoryError)
+    assert "600000 bytes" in str(err.value)
+    assert "free 524288 bytes" in str(err.value) and "largest free block 524288" in str(err.value)
+
+
+def test_small_requests_share_a_slab_that_goes_back_when_empty() -> None:
+    arena = OffsetArena(1 << 20, small_max=4096, slab_bytes=16384)
+    objects = [arena.allocate(200) for _ in range(64)]  # 64 × 256 B = exactly one slab
+    assert arena.stats().slabs == {256: (1, 64)}
+    assert sorted(objects) == list(range(objects[0], objects[0] + 64 * 256, 256))
+    extra = arena.allocate(256)
+    assert arena.stats().slabs == {256: (2, 65)}
+    for offset in objects:
+        arena.free(offset)
+    assert arena.stats().slabs == {256: (1, 1)}
+    arena.free(extra)
+    assert arena.stats().slabs == {} and arena.stats().largest_free == 1 << 20
+
+
+def test_small_requests_fall_back_to_buddy_blocks_when_no_slab_fits() -> None:
+    arena = OffsetArena(16384, small_max=1024, slab_bytes=8192)
+    arena.allocate(8192)  # half the region: one slab would still fit
+    first = arena.allocate(100)  # takes the other half as a 256 B slab
+    arena.free(first)
+    big = arena.allocate(4096)
+    small = arena.allocate(512)  # no 8 KiB block left for a slab: a 512 B buddy block
+    assert arena.stats().slabs == {}
+    arena.free(small)
+    arena.free(big)
+
+
+def test_non_power_of_two_region_is_cut_into_roots() -> None:
+    arena = OffsetArena(3 << 20, small_max=0)
+    assert arena.buddy.roots == [(0, 13), (2 << 20, 12)]
+    assert arena.fragmentation_ratio() == pytest.approx(1 / 3)
+    with pytest.raises(ArenaExhausted):
+        arena.allocate((2 << 20) + 1)
+
+
+@given(st.lists(st.integers(0, 1 << 22), min_size=1, max_size=200))
+def test_reserved_is_the_smallest_power_of_two_block_holding_the_request(sizes: list[int]) -> None:
+    arena = OffsetArena(1 << 23)
+    for size in sizes:
+        reserved = arena.reserved(size)
+        assert reserved >= max(size, ALIGN) and reserved & (reserved - 1) == 0
+        assert reserved == ALIGN or reserved // 2 < size
+
+
+# ---------------------------------------------------------------- stream-ordered reuse
+
+
+@dataclass(frozen=True)
+class Stream:
+    ptr: int
+
+
+class HandEvent:
+    """An event the test completes by hand; ``synchronize`` completes it (as CUDA's would)."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.stream: Stream | None = None
+        self.waited = 0
+
+    def record(self, stream: Any = None) -> None:
+        self.done, self.stream = False, stream
+
+    def synchronize(self) -> None:
+        self.done, self.waited = True, self.waited + 1
+
+
+def make_arena(total: int = 1 << 20) -> tuple[StreamOrderedArena, list[HandEvent]]:
+    events: list[HandEvent] = []
+
+    def new_event() -> HandEvent:
+        events.append(HandEvent())
+        return events[-1]
+
+    return StreamOrderedArena(total, new_event, small_max=0), events
+
+
+A, B = Stream(0xA), Stream(0xB)
+
+
+def test_a_block_freed_on_one_stream_waits_for_its_event_before_another_stream_gets_it() -> None:
+    arena, events = make_arena()
+    x = arena.allocate(4096, A)
+    arena.release(x, 4096, A)
+    y = arena.allocate(4096, B)  # A's work may still read x: B must not get it
+    assert y != x
+    assert [e.stream for e in events] == [A]
+    z = arena.allocate(4096, A)  # A's own later work runs after the free in stream order
+    assert z == x
+    arena.release(z, 4096, A)
+    assert arena.allocate(4096, B) not in (x, y)
+    for event in events:
+        event.done = True
+    assert arena.allocate(4096, B) == x  # the event completed: any stream may have it now
+
+
+def test_completed_events_return_blocks_and_are_recycled() -> None:
+    arena, events = make_arena()
+    for _ in range(100):
+        offsets = [arena.allocate(size, A) for size in (1000, 70_000, 3 << 16)]
+        for offset, size in zip(offsets, (1000, 70_000, 3 << 16), strict=True):
+            arena.release(offset, arena.offsets.reserved(size), A)
+        stats = arena.collect()
+        assert stats.waiting == stats.used > 0
+        for event in events:
+            event.done = True
+        assert arena.collect().used == 0
+    assert len(events) == 1  # one event per drain, reused once completed
+    assert list(arena.offsets.buddy.free_blocks()) == [(0, 1 << 20)]
+
+
+def test_exhaustion_waits_on_pending_events_before_failing() -> None:
+    arena, events = make_arena(8192)
+    whole = arena.allocate(8192, A)
+    arena.release(whole, 8192, A)
+    assert arena.allocate(8192, B) == whole  # only by waiting for A's event
+    assert events[0].waited == 1
+    with pytest.raises(ArenaExhausted):
+        arena.allocate(256, B)  # nothing is waiting: a real exhaustion
+
+
+def test_fragmentation_counts_waiting_blocks_as_used() -> None:
+    arena, _ = make_arena(4 * ALIGN)
+    blocks = [arena.allocate(ALIGN, A) for _ in range(4)]
+    arena.release(blocks[1], ALIGN, A)
+    arena.release(blocks[3], ALIGN, B)
+    assert arena.fragmentation_ratio() == 0.0  # both still behind their events
+    arena.synchronize()
+    assert arena.fragmentation_ratio() == (2 * ALIGN - ALIGN) / (4 * ALIGN)
+
+
+# ---------------------------------------------------------------- CuPy (gpu)
+
+SPIN_FILL = r"""
+extern "C" __global__ void spin_fill(unsigned char* p, long long n, long long cycles,
+                                     unsigned char value) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    long long step = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step)
+        p[i] = value;
+}
+"""
+
+
+def cupy() -> Any:
+    import cupy
+
+    return cupy
+
+
+@pytest.mark.gpu
+def test_cupy_arrays_from_the_arena_compute_correctly_and_come_back() -> None:
+    cp = cupy()
+    arena = DeviceArena(64 << 20)
+    total = arena.arena.offsets.total
+    with arena.using():
+        a = cp.arange(100_000, dtype=cp.float64)
+        m = cp.ones((300, 300), cp.float32) @ cp.full((300, 300), 2.0, cp.float32)
+        small = [cp.full(i + 1, i, cp.int32) for i in range(300)]
+        assert arena.base <= a.data.ptr < arena.base + total
+        assert all(arena.base <= s.data.ptr < arena.base + total for s in small)
+        assert float(a.sum()) == 100_000 * 99_999 / 2
+        assert bool((m == 600.0).all())
+        assert [int(s.sum()) for s in small] == [i * (i + 1) for i in range(300)]
+        assert arena.stats().used > 0
+    del a, m, small
+    cp.cuda.get_current_stream().synchronize()
+    arena.arena.synchronize()
+    stats = arena.stats()
+    assert (stats.used, stats.largest_free, stats.fragmentation_ratio) == (0, total, 0.0)
+    arena.close()
+
+
+@pytest.mark.gpu
+def test_cross_stream_reuse_waits_for_the_event() -> None:
+    cp = cupy()
+    arena = DeviceArena(64 << 20)
+    spin = cp.RawKernel(SPIN_FILL, "spin_fill")
+    a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    n = 1 << 20
+    with arena.using():
+        with a:
+            x = cp.empty(n, cp.uint8)
+            ptr = x.data.ptr
+            spin((1,), (256,), (x, np.int64(n), np.int64(1_000_000_000), np.uint8(7)))
+            del x  # freed on A while A's kernel (≈ 0.5 s) still writes it
+        with b:
+            y = cp.empty(n, cp.uint8)
+            y.fill(1)
+        assert not a.done, "the spin kernel ended too soon for the test to mean anything"
+        assert y.data.ptr != ptr
+        with a:
+            z = cp.empty(n, cp.uint8)  # same stream: runs after the spin kernel, safe
+            z.fill(3)
+        assert z.data.ptr == ptr
+        a.synchronize()
+        b.synchronize()
+        assert int((y == 1).sum()) == n and int((z == 3).sum()) == n
+        with a:
+            del z
+        arena.stats()  # drains z's free: its event is recorded on A
+        a.synchronize()
+        with b:
+            w = cp.empty(n, cp.uint8)  # A's event has completed: B may have the block now
+        assert w.data.ptr == ptr
+    del y, w
+    arena.arena.synchronize()
+    arena.close()
+
+
+@pytest.mark.gpu
+def test_exhausted_arena_raises_a_memory_error_naming_the_request() -> None:
+    cp = cupy()
+    arena = DeviceArena(16 << 20)
+    with arena.using(), pytest.raises(MemoryError, match=str(32 << 20)):
+        cp.empty(32 << 20, cp.uint8)
+    arena.close()
