@@ -1,0 +1,137 @@
+"""Benchmark (issue 5, item 3): the serving graph per batch bucket, 1024x1024 frames.
+
+For each bucket (1, 2, 4, 8, 16) a :class:`ServeGraph` of the shipped model (its four
+test-time views) is fed real-image mosaics (SD-900 tiles) and measured:
+
+- ``graph_ms``: device time of one launch (view_stack → forward of 4 x bucket view frames →
+  view_mean → row_runs), from the CUDA events around the replay: median and p90 of
+  ``--reps`` launches after warm-up, alternating the two input buffers;
+- ``fetch_ms``: host wall time of ``fetch`` once the graph has finished (device → host
+  copies of the small outputs, the event wait, the host finish from the runs), per frame,
+  without masks and with every mask painted;
+- the device footprint and the runs per frame.
+
+For comparison, ``CudaScratchNet.predict``'s old host path (copy each view's map back,
+average and post-process on the host) is timed on 4 frames.
+
+Prints a table; writes ``--out`` (default ``docs/bench/serve-graph.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from scratchd.ipc.image import decode_image
+from scratchd.kernels.cuda_graph import BUCKETS, CudaScratchNet
+from scratchd.kernels.model import load_model
+from scratchd.kernels.serve_graph import ServeGraph
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZE = 1024
+
+
+def mosaics(data_dir: Path, count: int) -> np.ndarray:
+    """``count`` 1024x1024 frames, each a mosaic of real 200x200 SD-900 tiles."""
+    files = sorted((data_dir / "sd900" / "images").glob("*.png"))
+    tiles = [decode_image(f.read_bytes()) for f in files]
+    per = -(-SIZE // 200)
+    frames = []
+    for i in range(count):
+        pick = [tiles[(i * 37 + j * 11) % len(tiles)] for j in range(per * per)]
+        rows = [np.hstack(pick[r * per : (r + 1) * per]) for r in range(per)]
+        frames.append(np.vstack(rows)[:SIZE, :SIZE])
+    return np.ascontiguousarray(np.stack(frames))
+
+
+def bench_bucket(net: CudaScratchNet, frames: np.ndarray, bucket: int, reps: int) -> dict[str, Any]:
+    g = ServeGraph(net, bucket, SIZE, SIZE)
+    for k, buf in enumerate(g.inputs):
+        buf.set(frames[k * bucket : (k + 1) * bucket], stream=g.stream)
+    graph_ms: list[float] = []
+    plain_s: list[float] = []
+    mask_s: list[float] = []
+    runs: list[int] = []
+    for r in range(reps + 3):
+        k = r % len(g.inputs)
+        g.launch(k)
+        g.released[k].synchronize()  # graph done: what follows is fetch's own host time
+        want = [r % 2 == 1] * bucket
+        t0 = time.perf_counter()
+        results = g.fetch(bucket, want)
+        took = time.perf_counter() - t0
+        if r < 3:
+            continue  # warm-up
+        graph_ms.append(g.last_compute_ms)
+        (mask_s if want[0] else plain_s).append(took)
+        runs += [res.runs for res in results]
+    return {
+        "bucket": bucket,
+        "view_frames": bucket * len(net.model.views),
+        "graph_ms_median": round(float(np.median(graph_ms)), 4),
+        "graph_ms_p90": round(float(np.percentile(graph_ms, 90)), 4),
+        "graph_ms_per_frame": round(float(np.median(graph_ms)) / bucket, 4),
+        "fetch_ms_per_frame_no_mask": round(1e3 * float(np.median(plain_s)) / bucket, 4),
+        "fetch_ms_per_frame_mask": round(1e3 * float(np.median(mask_s)) / bucket, 4),
+        "runs_per_frame": round(float(np.mean(runs)), 1),
+        "host_fallbacks": g.host_fallbacks,
+        "footprint_mb": round(g.footprint_bytes / 2**20, 1),
+    }
+
+
+def old_predict_ms(net: CudaScratchNet, frames: np.ndarray) -> float:
+    """Wall ms per frame of CudaScratchNet.predict (views averaged on the host), 4 frames."""
+    part = list(frames[:4])
+    net.predict(part)  # warm-up: captures its graph
+    t0 = time.perf_counter()
+    net.predict(part)
+    return 1e3 * (time.perf_counter() - t0) / len(part)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "serve-graph.json")
+    args = ap.parse_args()
+    import cupy as cp
+
+    model = load_model()
+    net = CudaScratchNet(model)
+    frames = mosaics(args.data, 2 * BUCKETS[-1])
+    rows = []
+    for b in BUCKETS:
+        rows.append(bench_bucket(net, frames, b, args.reps))
+        cp.get_default_memory_pool().free_all_blocks()
+    old = old_predict_ms(net, frames)
+    cols = list(rows[0])
+    print(" ".join(f"{c:>26}" if i == 0 else f"{c[:14]:>14}" for i, c in enumerate(cols)))
+    for row in rows:
+        print(
+            " ".join(f"{row[c]!s:>26}" if i == 0 else f"{row[c]!s:>14}" for i, c in enumerate(cols))
+        )
+    print(f"old CudaScratchNet.predict (host views + postprocess): {old:.2f} ms/frame")
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    record = {
+        "device": props["name"].decode(),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "size": SIZE,
+        "views": list(model.views),
+        "reps": args.reps,
+        "frames": "1024x1024 mosaics of real SD-900 tiles",
+        "results": rows,
+        "old_predict_ms_per_frame": round(old, 3),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
