@@ -78,7 +78,10 @@ class WorkersConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """How long a CPU worker waits for a batch to fill (at most ``queue.max_queue_delay_ms``).
     0: a batch costs numpy as much per image as single images, so waiting only adds latency."""
     gpu_reserve_mb: Positive = 1024
-    """Device memory (MiB) a CUDA worker leaves free when it sizes batches (gpu_memory.py)."""
+    """Device memory (MiB) a CUDA worker leaves free beside its arena (gpu_memory.py)."""
+    gpu_arena_mb: Positive = 16384
+    """The most device memory (MiB) one CUDA worker takes for its arena (kernels/arena.py);
+    a warm standby takes as much again on the same card."""
     gpu_warm_sizes: list[tuple[Positive, Positive]] = msgspec.field(
         default_factory=lambda: [(1024, 1024)]
     )

@@ -171,7 +171,11 @@ class Supervisor:
     def _launch(self, wid: int, slot: int, group: int | None = None) -> Worker:
         cuda = self.device == "cuda"
         cfg = self.config.workers
-        extra = [f"--gpu-reserve-mb={cfg.gpu_reserve_mb}"] if cuda else []
+        extra = (
+            [f"--gpu-reserve-mb={cfg.gpu_reserve_mb}", f"--gpu-arena-mb={cfg.gpu_arena_mb}"]
+            if cuda
+            else []
+        )
         extra += [f"--gpu-warm-size={h}x{w}" for h, w in cfg.gpu_warm_sizes] if cuda else []
         spec = WorkerSpec(
             queue=self.queue_name,

@@ -42,6 +42,7 @@ from scratchd.workers.gpu_memory import MIB, BatchSizer, free_bytes, pin_near, s
 BUCKETS: Final = (1, 2, 4, 8, 16)
 H2D: Final = 1  # cudaMemcpyHostToDevice
 WARM_SIZES: Final = ((1024, 1024),)
+MIN_ARENA: Final = 256 * MIB
 
 
 @dataclass
@@ -49,17 +50,18 @@ class Chunk:
     """Frames of one size run through one graph launch."""
 
     graph: Any  # kernels.serve_graph.ServeGraph
-    k: int  # which input buffer
     positions: list[int]  # indices into the batch
+    frames: list[np.ndarray]
     want_mask: list[bool]
-    uploaded: Any  # cupy Event on the copy stream
-    start: Any = None  # cupy Events on the graph's stream
-    end: Any = None
+    k: int = -1  # which input buffer; -1 until uploaded
+    uploaded: Any = None  # cupy Event on the copy stream
+    results: list[Any] | None = None  # FrameResults once fetched
+    compute_ms: float = 0.0
 
 
 @dataclass
 class Batch:
-    """A submitted batch: its chunks, in the order they were uploaded."""
+    """A submitted batch: its chunks, in order."""
 
     size: int
     chunks: list[Chunk] = field(default_factory=list)
@@ -78,6 +80,7 @@ class CudaBackend:
         max_batch: int,
         reserve_mb: int = 1024,
         warm_sizes: Sequence[tuple[int, int]] = WARM_SIZES,
+        arena_mb: int = 16384,
     ) -> None:
         from scratchd.kernels import _cuda as cu
         from scratchd.kernels.cuda_graph import CudaScratchNet
@@ -93,6 +96,7 @@ class CudaBackend:
 
         self.nvml = handle_for_pci_bus(bus_id)
         self.cpus, self.affinity_note = pin_near(self.nvml)
+        self.arena = self._open_arena(arena_mb * MIB, reserve_mb * MIB)
         t0 = time.perf_counter()
         model = load_model(model_path or None)
         self.net = CudaScratchNet(model)
@@ -101,12 +105,13 @@ class CudaBackend:
         self.device = f"cuda:{bus_id.lower()}"
         self.max_batch = max_batch
         self.warm_sizes = [(int(h), int(w)) for h, w in warm_sizes]
-        self.sizer = BatchSizer(BUCKETS, max_batch, reserve_mb * MIB, lambda: free_bytes(self.nvml))
+        # The reserve is outside the arena already: inside it, the largest free block is
+        # what a new graph can get.
+        self.sizer = BatchSizer(BUCKETS, max_batch, 0, lambda: self.arena.stats().largest_free)
         self.graphs: dict[tuple[int, int, int], Any] = {}
         self.copy_stream = cp.cuda.Stream(non_blocking=True)
         self._registered: list[tuple[int, int]] = []  # (ptr, nbytes) registered with CUDA
         self._staging: Any = None  # pinned host buffer for frames outside registered memory
-        self._consumed: dict[tuple[int, int, int, int], Any] = {}  # (graph key, k) → event
         self._next_k: dict[tuple[int, int, int], int] = {}
 
     # ---- boot -------------------------------------------------------------------------
@@ -132,6 +137,27 @@ class CudaBackend:
         h, w = self.warm_sizes[0]
         self.infer([np.zeros((h, w), np.uint8)], [True])
         self.boot_ms["graphs"] = _ms(t0)
+
+    def _open_arena(self, want: int, reserve: int) -> Any:
+        """One arena for all of this worker's device memory, sized by NVML's free memory
+        now (v2) less the reserve, at most ``want`` bytes; CuPy allocates from it."""
+        from scratchd.kernels.arena import DeviceArena
+
+        free = free_bytes(self.nvml)
+        size = min(want, free - reserve)
+        if size < MIN_ARENA:
+            raise RuntimeError(
+                f"{free / MIB:.0f} MiB free on the card, {reserve / MIB:.0f} MiB reserved: "
+                f"less than the {MIN_ARENA / MIB:.0f} MiB a CUDA worker needs"
+            )
+        arena = DeviceArena(size)
+        arena.install()
+        self.boot_ms["arena_mb"] = round(size / MIB)
+        return arena
+
+    def fragmentation_ratio(self) -> float:
+        """The arena's ``(free − largest free block) / total`` (kernels/arena.py)."""
+        return float(self.arena.fragmentation_ratio())
 
     def register_host(self, region: np.ndarray) -> None:
         """Page-lock ``region`` (the queue's input slots) so uploads DMA straight from it."""
@@ -160,7 +186,9 @@ class CudaBackend:
         return self.finish(batch)
 
     def submit(self, images: Sequence[np.ndarray], want_mask: Sequence[bool]) -> Batch:
-        """Upload the frames (copy stream, asynchronous); nothing computes yet."""
+        """Plan the chunks and upload the first one of each graph (copy stream, asynchronous;
+        nothing computes yet). A graph's further chunks in this batch are uploaded by
+        ``start``, once the launch before them is enqueued (see ``_upload``)."""
         batch = Batch(len(images))
         by_size: dict[tuple[int, int], list[int]] = {}
         for i, img in enumerate(images):
@@ -168,6 +196,7 @@ class CudaBackend:
                 batch.errors[i] = f"expected a non-empty uint8 (H, W) frame, got {img.shape}"
                 continue
             by_size.setdefault((int(img.shape[0]), int(img.shape[1])), []).append(i)
+        seen: set[int] = set()
         for size, positions in by_size.items():
             lo = 0
             for n in split_batch(len(positions), self.sizer.limit(size), BUCKETS):
@@ -178,21 +207,27 @@ class CudaBackend:
                     for i in part:
                         batch.errors[i] = f"no device memory for a {size[0]}x{size[1]} graph"
                     continue
-                batch.chunks.append(self._upload(g, [images[i] for i in part], part, want_mask))
+                chunk = Chunk(
+                    g, part, [images[i] for i in part], [bool(want_mask[i]) for i in part]
+                )
+                if id(g) not in seen:
+                    seen.add(id(g))
+                    self._upload(chunk)
+                batch.chunks.append(chunk)
         return batch
 
     def start(self, batch: Batch) -> None:
-        """Launch every chunk's graph after its upload (asynchronous)."""
-        cp = self.cp
+        """Launch every chunk's graph after its upload (asynchronous). A graph used by two
+        chunks of the batch has the first fetched before the second launches."""
+        launched: dict[int, Chunk] = {}
         for c in batch.chunks:
-            stream = c.graph.stream
-            stream.wait_event(c.uploaded)
-            c.start = cp.cuda.Event()
-            c.end = cp.cuda.Event()
-            c.start.record(stream)
-            c.graph.launch(c.k)
-            c.end.record(stream)
-            self._consumed[(*_key(c.graph), c.k)] = c.end
+            earlier = launched.get(id(c.graph))
+            if earlier is not None:
+                self._fetch(earlier)
+            if c.uploaded is None:
+                self._upload(c)
+            c.graph.launch(c.k, after=c.uploaded)
+            launched[id(c.graph)] = c
         batch.started = True
 
     def finish(self, batch: Batch) -> list[Result]:
@@ -201,10 +236,11 @@ class CudaBackend:
             raise RuntimeError("CudaBackend.finish before start")
         results: list[Result | None] = [None] * batch.size
         for c in batch.chunks:
-            frames = c.graph.fetch(len(c.positions), c.want_mask)
-            c.end.synchronize()
-            compute_ns = int(self.cp.cuda.get_elapsed_time(c.start, c.end) * 1e6)
-            for pos, frame, want in zip(c.positions, frames, c.want_mask, strict=True):
+            if c.results is None:
+                self._fetch(c)
+            compute_ns = int(c.compute_ms * 1e6)
+            assert c.results is not None
+            for pos, frame, want in zip(c.positions, c.results, c.want_mask, strict=True):
                 results[pos] = _to_result(frame, want, compute_ns, len(c.positions))
         for pos, reason in batch.errors.items():
             results[pos] = error_result(reason, batch.size, Status.INVALID)
@@ -212,6 +248,11 @@ class CudaBackend:
         if missing:
             raise RuntimeError(f"CudaBackend.finish: no result for batch positions {missing}")
         return [r for r in results if r is not None]
+
+    def _fetch(self, c: Chunk) -> None:
+        c.results = c.graph.fetch(len(c.positions), c.want_mask)
+        c.compute_ms = float(c.graph.last_compute_ms)
+        c.frames = []  # the shared-memory views are no longer needed
 
     # ---- helpers ----------------------------------------------------------------------
 
@@ -232,38 +273,35 @@ class CudaBackend:
     def _capture(self, bucket: int, size: tuple[int, int]) -> Any:
         from scratchd.kernels.serve_graph import ServeGraph
 
-        cp = self.cp
         try:
             g = ServeGraph(self.net, bucket, size[0], size[1], n_inputs=2)
-        except cp.cuda.memory.OutOfMemoryError:
+        except MemoryError:  # ArenaExhausted (and CuPy's OutOfMemoryError) are MemoryErrors
             self.sizer.refuse(size, bucket)
-            cp.get_default_memory_pool().free_all_blocks()
             return None
         self.graphs[(bucket, *size)] = g
         self.sizer.hold(size, bucket)
         return g
 
-    def _upload(
-        self, g: Any, frames: list[np.ndarray], positions: list[int], want_mask: Sequence[bool]
-    ) -> Chunk:
+    def _upload(self, c: Chunk) -> None:
+        """Copy the chunk's frames into the graph's next input buffer. The copy stream first
+        waits for ``released[k]``: recorded after the last enqueued launch that read
+        ``inputs[k]`` (a wait on an event never recorded is a no-op)."""
         cp = self.cp
+        g = c.graph
         key = _key(g)
-        k = self._next_k.get(key, 0)
-        self._next_k[key] = 1 - k
-        consumed = self._consumed.get((*key, k))
-        if consumed is not None:
-            self.copy_stream.wait_event(consumed)
+        c.k = k = self._next_k.get(key, 0)
+        self._next_k[key] = (k + 1) % len(g.inputs)
+        self.copy_stream.wait_event(g.released[k])
         dst = g.inputs[k]
         base = int(dst.data.ptr)
         frame_bytes = int(dst[0].nbytes)
-        for j, img in enumerate(frames):
+        for j, img in enumerate(c.frames):
             src = self._host_ptr(img, j, frame_bytes)
             cp.cuda.runtime.memcpyAsync(
                 base + j * frame_bytes, src, frame_bytes, H2D, self.copy_stream.ptr
             )
-        uploaded = cp.cuda.Event()
-        uploaded.record(self.copy_stream)
-        return Chunk(g, k, positions, [bool(want_mask[i]) for i in positions], uploaded)
+        c.uploaded = cp.cuda.Event(disable_timing=True)
+        c.uploaded.record(self.copy_stream)
 
     def _host_ptr(self, img: np.ndarray, j: int, nbytes: int) -> int:
         """A page-locked address holding ``img``: the frame itself if it lies in registered

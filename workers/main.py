@@ -88,6 +88,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--slot", type=int, required=True)
     p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--gpu-reserve-mb", type=int, default=1024)
+    p.add_argument("--gpu-arena-mb", type=int, default=16384)
     p.add_argument(
         "--gpu-warm-size", action="append", default=[], metavar="HxW",
         help="a frame size whose graphs are captured before READY (repeatable)",
@@ -116,7 +117,9 @@ def make_backend(args: argparse.Namespace) -> Backend:
         from scratchd.workers.cuda import WARM_SIZES, CudaBackend
 
         sizes = [_parse_size(s) for s in args.gpu_warm_size] or list(WARM_SIZES)
-        return CudaBackend(args.model or None, args.max_batch, args.gpu_reserve_mb, sizes)
+        return CudaBackend(
+            args.model or None, args.max_batch, args.gpu_reserve_mb, sizes, args.gpu_arena_mb
+        )
     from scratchd.workers.cpu import CpuBackend  # the model's imports, only in workers
 
     return CpuBackend(args.model or None, args.max_batch)

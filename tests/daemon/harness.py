@@ -38,6 +38,7 @@ class DaemonProcess:
         workers_extra: str = "",
         model: str | None = None,
         env: dict[str, str] | None = None,
+        backend: str = "cpu",
     ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="sd-", dir="/tmp"))
         self.socket = str(self.dir / "s.sock")
@@ -49,7 +50,7 @@ class DaemonProcess:
             # health/metrics on ports the kernel picks: test daemons run side by side
             "health_port = 0\nmetrics_port = 0\n"
             f"[queue]\nslots = {slots}\nslot_bytes = {slot_bytes}\nmax_batch = {max_batch}\n"
-            f'[workers]\nbackend = "cpu"\ncpu_workers = {workers}\nheartbeat_ms = 100\n'
+            f'[workers]\nbackend = "{backend}"\ncpu_workers = {workers}\nheartbeat_ms = 100\n'
             f"{workers_extra}"
             # Generous deadlines: on a loaded two-core CI machine a queue of real images can
             # take seconds, and only the tests about expiry want timeouts (they ask for them).

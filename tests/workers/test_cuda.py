@@ -1,0 +1,188 @@
+"""The CUDA worker: results equal the CPU backend's, batches sized by memory, zero-copy input
+from shared memory, and a daemon whose GPU worker is SIGKILLed loses nothing.
+
+All gpu-marked: they skip cleanly on a machine without CUDA (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from scratchd.ipc.image import decode_image
+from scratchd.ipc.queue import Geometry, RequestQueue, Result, Status
+
+pytestmark = pytest.mark.gpu
+
+SIZE = (256, 256)
+
+
+def real_frames(data_dir: Path, n: int, size: tuple[int, int] = SIZE) -> list[np.ndarray]:
+    """Real SD-900 images tiled / cropped to ``size`` (defects stay real)."""
+    paths = sorted((data_dir / "sd900" / "images").glob("Sc_*.png"))[:n]
+    frames = []
+    for p in paths:
+        img = decode_image(p.read_bytes())
+        reps = (-(-size[0] // img.shape[0]), -(-size[1] // img.shape[1]))
+        frames.append(np.ascontiguousarray(np.tile(img, reps)[: size[0], : size[1]]))
+    return frames
+
+
+def backend(max_batch: int = 4, arena_mb: int = 4096, sizes=(SIZE,)):  # type: ignore[no-untyped-def]
+    from scratchd.workers.cuda import CudaBackend
+
+    b = CudaBackend(None, max_batch, reserve_mb=1024, warm_sizes=sizes, arena_mb=arena_mb)
+    b.warm_up()
+    return b
+
+
+def same(got: Result, want: Result) -> None:
+    assert got.status is Status.OK, got.error
+    assert got.verdict_defect == want.verdict_defect
+    assert abs(got.score - want.score) < 1e-2
+    assert len(got.boxes) == len(want.boxes)
+    assert np.array_equal(got.histogram, want.histogram)
+    if want.mask is not None:
+        assert got.mask is not None
+        inter = np.logical_and(got.mask > 0, want.mask > 0).sum()
+        union = np.logical_or(got.mask > 0, want.mask > 0).sum()
+        assert union == 0 or inter / union >= 0.99
+
+
+@pytest.fixture(scope="module")
+def gpu():  # type: ignore[no-untyped-def]
+    b = backend()
+    yield b
+    b.close()
+
+
+def test_results_equal_the_cpu_backend_on_real_images(gpu, data_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    from scratchd.workers.cpu import CpuBackend
+
+    frames = real_frames(data_dir, 6)
+    want = CpuBackend(None, 8).infer(frames, [True] * 6)
+    got = gpu.infer(frames, [True] * 6)  # 6 > max_batch 4: two chunks, one graph reused
+    for g, w in zip(got, want, strict=True):
+        same(g, w)
+    assert any(r.verdict_defect for r in got)
+    assert all(r.compute_ns > 0 for r in got)  # GPU time from CUDA events
+
+
+def test_masks_only_where_asked_and_bad_frames_answered_alone(gpu, data_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    frames = real_frames(data_dir, 2)
+    bad = np.zeros((0, 5), np.uint8)
+    got = gpu.infer([frames[0], bad, frames[1]], [False, True, True])
+    assert got[0].status is Status.OK and got[0].mask is None
+    assert got[1].status is Status.INVALID
+    assert got[2].status is Status.OK and got[2].mask is not None
+
+
+def test_a_new_size_is_captured_on_first_use(gpu, data_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    from scratchd.workers.cpu import CpuBackend
+
+    frames = real_frames(data_dir, 2, (200, 320))  # non-square: the transpose view's own shape
+    got = gpu.infer(frames, [True, True])
+    for g, w in zip(got, CpuBackend(None, 2).infer(frames, [True, True]), strict=True):
+        same(g, w)
+    assert (2, 200, 320) in gpu.graphs
+
+
+def test_pipelined_batches_overlap_and_stay_in_order(gpu, data_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    frames = real_frames(data_dir, 8)
+    singles = gpu.infer(frames, [False] * 8)
+    first = gpu.submit(frames[:4], [False] * 4)
+    gpu.start(first)
+    second = gpu.submit(frames[4:], [False] * 4)  # uploaded while the first computes
+    a = gpu.finish(first)
+    gpu.start(second)
+    b = gpu.finish(second)
+    for g, w in zip(a + b, singles, strict=True):
+        assert g.score == pytest.approx(w.score, abs=1e-6)
+        assert g.boxes == w.boxes
+
+
+def test_frames_read_straight_from_registered_shared_memory(gpu, data_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    frames = real_frames(data_dir, 3)
+    q = RequestQueue.create(
+        f"/scratchd-test-cuda-{os.getpid()}", Geometry(slots=8, slot_bytes=SIZE[0] * SIZE[1])
+    )
+    try:
+        region = q.input_region()
+        gpu.register_host(region)
+        for i, f in enumerate(frames):
+            region[i, : f.size] = f.reshape(-1)
+        views = [region[i, : SIZE[0] * SIZE[1]].reshape(SIZE) for i in range(3)]
+        ptr = gpu._host_ptr(views[0], 0, views[0].nbytes)
+        assert ptr == views[0].ctypes.data  # no staging copy
+        got = gpu.infer(views, [False] * 3)
+        want = gpu.infer([f.copy() for f in frames], [False] * 3)  # the staged path
+        assert [r.score for r in got] == [r.score for r in want]
+    finally:
+        gpu.close()
+        q.close()
+
+
+def test_batch_limit_follows_the_memory_the_card_lets_us_have(gpu, data_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    """Another process takes most of the card before a worker boots: the worker's arena is
+    smaller, fewer buckets fit, batches are split — and it still serves, without OOM."""
+    import cupy as cp
+
+    per_frame = gpu.sizer.per_frame[SIZE]
+    free = cp.cuda.runtime.memGetInfo()[0]
+    leave = 1024 * 2**20 + 512 * 2**20 + 3 * per_frame  # the reserve + room for ~3 frames
+    hog = subprocess.Popen(
+        [sys.executable, "-c",
+         "import cupy, sys\n"
+         f"a = cupy.cuda.runtime.malloc({max(0, free - leave - 700 * 2**20)})\n"
+         "print('held', flush=True)\n"
+         "sys.stdin.read()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert hog.stdout is not None and hog.stdout.readline().strip() == b"held"
+        small = backend(max_batch=16, arena_mb=65536)
+        assert small.arena.stats().total < 4 * 2**30
+        assert 1 <= small.batch_limit() < 16
+        frames = real_frames(data_dir, 5)
+        got = small.infer(frames, [False] * 5)
+        assert all(r.status is Status.OK for r in got)
+        want = gpu.infer(frames, [False] * 5)
+        assert [r.boxes for r in got] == [r.boxes for r in want]
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+def test_killed_gpu_worker_is_replaced_and_nothing_is_lost(data_dir: Path) -> None:
+    from scratchd.client import Client
+    from tests.daemon.harness import DaemonProcess
+
+    frames = real_frames(data_dir, 4)
+    extra = "gpu_warm_sizes = [[256, 256]]\ngpu_arena_mb = 4096\n"
+    with DaemonProcess(backend="cuda", max_batch=4, slot_bytes=SIZE[0] * SIZE[1],
+                       workers_extra=extra) as d:  # fmt: skip
+        before = d.status().workers[0]
+        assert before.state == "ready" and before.device.startswith("cuda")
+
+        def send(i: int) -> str:
+            with Client(d.socket, timeout=60.0) as c:
+                return c.infer(frames[i % 4], part_class="normal").status
+
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(send, i) for i in range(200)]
+            time.sleep(0.3)
+            os.kill(before.pid, signal.SIGKILL)
+            statuses = [f.result() for f in futures]
+        assert statuses == ["ok"] * 200
+        d.wait_ready(restarts={before.name: 1})
+        after = d.status().workers[0]
+        assert after.pid != before.pid and after.state == "ready"
+        assert d.stop() == 0
+    assert not d.shm_path.exists()
