@@ -135,7 +135,7 @@ class ServeGraph:
         views = self.layout.views
         a, b = self.fwd_a, self.fwd_b
         out_a = a.images if a is not None else self._no_a[0]
-        view_stack_cuda(self.inputs[k], views, out_a=out_a, out_b=b.images if b else None)
+        view_stack_cuda(self.inputs[k], views, out_a=out_a, out_b=None if b is None else b.images)
         for buf in (a, b):
             if buf is not None:
                 self.net.fwd.run(buf)

@@ -107,7 +107,7 @@ def test_serve_graph_matches_cpu_on_real_1024_square_frames(
 ) -> None:
     frames = square_frames(data_dir, 3)
     want = shipped.predict(frames)
-    assert {p.verdict for p in want} == {"defect"}, "the mosaics should show defects"
+    assert "defect" in {p.verdict for p in want}, "the mosaics should show defects"
     got = serve(shipped, frames, bucket=2)  # a full batch, then a partial one
     assert_matches(got, want, "1024x1024")
     assert not any(r.host_path for r in got)
