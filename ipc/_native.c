@@ -31,8 +31,10 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <time.h>
+#include <unistd.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -502,6 +504,24 @@ fail:
     return NULL;
 }
 
+/* The claim is still this worker's (state, generation, attempt, slot, pid); racy unless
+ * the lock is held, which is how complete() uses it to skip writing a stale result. */
+static int owns(Core *c, long i, unsigned long generation, unsigned long attempt, long slot,
+                long pid) {
+    return STATE(c, i) == CLAIMED && F(c, i, uint32_t, d_generation) == generation &&
+           F(c, i, uint32_t, d_attempt) == attempt && F(c, i, int32_t, d_worker) == slot &&
+           F(c, i, int32_t, d_worker_pid) == pid;
+}
+
+static PyObject *Core_owns(Core *c, PyObject *args) {
+    CORE_OPEN(c);
+    long i, slot, pid;
+    unsigned long generation, attempt;
+    if (!PyArg_ParseTuple(args, "lkkll", &i, &generation, &attempt, &slot, &pid)) return NULL;
+    if (!index_ok(c, i)) return NULL;
+    return PyBool_FromLong(owns(c, i, generation, attempt, slot, pid));
+}
+
 static PyObject *Core_complete(Core *c, PyObject *args) {
     CORE_OPEN(c);
     long i, slot, pid;
@@ -510,10 +530,7 @@ static PyObject *Core_complete(Core *c, PyObject *args) {
     if (!PyArg_ParseTuple(args, "lkkllL", &i, &generation, &attempt, &slot, &pid, &now))
         return NULL;
     if (!index_ok(c, i)) return NULL;
-    if (STATE(c, i) != CLAIMED || F(c, i, uint32_t, d_generation) != generation ||
-        F(c, i, uint32_t, d_attempt) != attempt || F(c, i, int32_t, d_worker) != slot ||
-        F(c, i, int32_t, d_worker_pid) != pid)
-        Py_RETURN_FALSE;
+    if (!owns(c, i, generation, attempt, slot, pid)) Py_RETURN_FALSE;
     finish(c, (int32_t)i, DONE, now);
     if (reach(c, "complete.flipped") < 0) return NULL;
     Py_RETURN_TRUE;
@@ -570,6 +587,9 @@ static int spin(Core *c, long min_ready, int64_t spin_ns) {
         found = min_ready ? ready_total(c) >= min_ready : done_waiting(c);
         if (found || now_ns() >= end) break;
         for (int k = 0; k < 8; k++) CPU_RELAX();
+        /* Let a runnable process on this CPU go first: on a busy machine the one we wait
+         * for may be queued behind us (e.g. woken onto our CPU). */
+        sched_yield();
     }
     Py_END_ALLOW_THREADS
     return found;
@@ -624,6 +644,7 @@ static PyMethodDef Core_methods[] = {
     {"submit", (PyCFunction)Core_submit, METH_O, "link a WRITTEN descriptor, QUEUED"},
     {"claim", (PyCFunction)Core_claim, METH_VARARGS, "claim up to max_n in order"},
     {"complete", (PyCFunction)Core_complete, METH_VARARGS, "flip an owned claim to DONE"},
+    {"owns", (PyCFunction)Core_owns, METH_VARARGS, "the claim is still this worker's"},
     {"collect", (PyCFunction)Core_collect, METH_NOARGS, "pop the done stack, FREE"},
     {"ready_total", (PyCFunction)Core_ready_total, METH_NOARGS, "queued requests, racy"},
     {"spin_ready", (PyCFunction)Core_spin_ready, METH_VARARGS, "spin for queued work"},
@@ -643,10 +664,39 @@ static PyTypeObject CoreType = {
     .tp_methods = Core_methods,
 };
 
+/* ---------------------------------------------------------------------------- eventfd */
+/* A doorbell's ring and drain without Python's exception for EAGAIN (≈ 1 µs saved each). */
+static PyObject *eventfd_ring(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    long fd = PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred()) return NULL;
+    uint64_t one = 1;
+    if (write((int)fd, &one, sizeof one) < 0 && errno != EAGAIN) return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+static PyObject *eventfd_drain(PyObject *mod, PyObject *arg) {
+    (void)mod;
+    long fd = PyLong_AsLong(arg);
+    if (fd == -1 && PyErr_Occurred()) return NULL;
+    uint64_t count = 0;
+    if (read((int)fd, &count, sizeof count) < 0) {
+        if (errno == EAGAIN) return PyLong_FromLong(0);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromUnsignedLongLong(count);
+}
+
+static PyMethodDef module_functions[] = {
+    {"eventfd_ring", eventfd_ring, METH_O, "add 1 to a non-blocking eventfd (full: ignored)"},
+    {"eventfd_drain", eventfd_drain, METH_O, "read and reset a non-blocking eventfd; 0 if unset"},
+    {NULL, NULL, 0, NULL},
+};
+
 /* ------------------------------------------------------------------------------ module */
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT, .m_name = "scratchd.ipc._native",
-    .m_doc = "The queue's hot paths in C.", .m_size = -1,
+    .m_doc = "The queue's hot paths in C.", .m_size = -1, .m_methods = module_functions,
 };
 
 PyMODINIT_FUNC PyInit__native(void) {

@@ -203,14 +203,8 @@ class WorkerOps(QueueCore):
             raise QueueError(f"worker slot {slot} outside 0..{self.geometry.max_workers - 1}")
 
     def _owns(self, slot: int, c: Claim) -> bool:
-        i, d = c.handle.index, self._d
-        return bool(
-            d.state[i] == CLAIMED
-            and d.generation[i] == c.handle.generation
-            and d.attempt[i] == c.attempt
-            and d.worker[i] == slot
-            and d.worker_pid[i] == os.getpid()
-        )
+        h = c.handle
+        return self._native.owns(h.index, h.generation, c.attempt, slot, os.getpid())
 
     def _row_of(self, s: int, claimed: int) -> WorkerRow:
         w = self._seg.workers[s]

@@ -21,9 +21,10 @@ numbers, and the worker wraps them again with :meth:`Doorbell.from_fd`.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import select
+
+from scratchd.ipc._native import eventfd_drain, eventfd_ring
 
 
 class Doorbell:
@@ -53,15 +54,11 @@ class Doorbell:
 
     def ring(self) -> None:
         """Wake the reader. Never blocks; a full counter (2**64 - 2 rings unread) is ignored."""
-        with contextlib.suppress(BlockingIOError):
-            os.eventfd_write(self._fd, 1)
+        eventfd_ring(self._fd)  # C: no exception object for a full counter (EAGAIN)
 
     def drain(self) -> int:
         """Reset the counter; returns how many rings were pending (0 if none)."""
-        try:
-            return os.eventfd_read(self._fd)
-        except BlockingIOError:
-            return 0
+        return eventfd_drain(self._fd)  # C: an unset counter is 0, not an EAGAIN exception
 
     def wait(self, timeout_s: float | None) -> bool:
         """Block until rung or ``timeout_s`` passes (None: forever); drains; True if rung."""
