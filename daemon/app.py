@@ -122,7 +122,7 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self.service.request_reload)
         q = self.config.queue
         geometry = Geometry(slots=q.slots, slot_bytes=q.slot_bytes, tick_ms=q.tick_ms)
-        self.queue = RequestQueue.create(self.queue_name, geometry)
+        self.queue = RequestQueue.create(self.queue_name, geometry, worker_spin_us=q.worker_spin_us)
         try:
             return await self._serve()
         finally:

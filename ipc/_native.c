@@ -561,6 +561,7 @@ static PyObject *Core_collect(Core *c, PyObject *unused) {
 }
 
 /* ---------------------------------------------------------- lock-free reads and spins */
+
 static long ready_total(Core *c) {
     long total = 0;
     for (int p = 0; p < PRIORITIES; p++) total += __atomic_load_n(&c->ready_count[p], __ATOMIC_RELAXED);
