@@ -1,18 +1,23 @@
-"""The acceptor: the daemon's Unix socket, one asyncio task per client connection.
+"""The acceptor: the daemon's Unix socket; each client connection is a ``Connection``
+protocol (``daemon/connection.py``) that reads frames straight into reused buffers.
 
 Per frame (see ``scratchd.ipc.wire`` for the format), in this order:
 
-1. read the 4-byte length and check it against the frame cap *before* reading the body
+1. the 4-byte length is checked against the frame cap *before* the body is read
    (cap = 3 x ``slot_bytes`` for raw RGB + 64 KiB); an oversized frame gets one ``invalid``
    reply (id 0: its body is never read) and the connection is closed, since the stream can
    no longer be trusted; so is a body that does not arrive within ``frame_timeout_ms``;
-2. typed msgpack decode; a body that fails it is answered ``invalid`` with msgspec's reason
+2. typed msgpack decode (``wire.decode_client_frame``: raw pixels stay a view of the
+   received frame); a body that fails it is answered ``invalid`` with msgspec's reason
    (addressed to the body's ``id`` when one can be read) and the connection carries on;
-3. resolve the part class and check the image's declared size (``invalid`` with a reason);
+3. resolve the part class and check the image's declared size (``invalid`` with a reason;
+   ``daemon/images.py``);
 4. ``reserve()`` a descriptor; none free → ``overloaded`` at once (backpressure);
 5. write the image into the reserved payload slot as raw greyscale: raw grey pixels are copied
-   on the loop (a memcpy); encoded images (PNG/BMP/JPEG, ``decode_image``) and raw RGB are
-   converted in a thread pool straight into the slot, never on the loop;
+   on the loop, from the frame's buffer (one memcpy: the only copy the daemon makes of
+   them); encoded images (PNG/BMP/JPEG, ``decode_image``) and raw RGB (copied out of the
+   frame first: the buffer is reused by the next frame) are converted in a thread pool
+   straight into the slot, never on the loop;
 6. ``submit()`` and record the request in the dispatcher's in-flight table.
 
 No slot leaks: a reserved descriptor is either submitted or released on every path
@@ -37,24 +42,41 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-import numpy as np
+import msgspec
 
 from scratchd.daemon.access import AccessGate
 from scratchd.daemon.config import Config
+from scratchd.daemon.connection import BufferPool, Connection
 from scratchd.daemon.dispatch import Dispatcher, InFlight
+from scratchd.daemon.images import (
+    AnyInferRequest,
+    Invalid,
+    check_image,
+    convert_into,
+    rgb_to_luma,
+    shape_cost_error,
+    write_raw_grey,
+)
 from scratchd.daemon.log import log_event
 from scratchd.ipc import wire
-from scratchd.ipc.image import ImageError, decode_image, sniff_format
-from scratchd.ipc.queue import Handle, RequestQueue
+from scratchd.ipc.image import ImageError
+from scratchd.ipc.queue import RequestQueue
+
+__all__ = [
+    "Acceptor",
+    "Admission",
+    "Connection",
+    "Invalid",
+    "check_image",
+    "convert_into",
+    "rgb_to_luma",
+    "shape_cost_error",
+]
 
 MS: Final = 1_000_000
 MAX_DEADLINE_MS: Final = 86_400_000
 """No part waits a day; and a deadline must fit the queue's int64 nanoseconds."""
 DECODE_THREADS: Final = 2
-
-
-class Invalid(ValueError):
-    """A request that cannot be served as sent; the message goes back to the client."""
 
 
 @dataclass(frozen=True)
@@ -67,33 +89,12 @@ class Admission:
     deadline_ms: int
 
 
-class Connection:
-    """One client: its writer, whether it is gone, and its requests still in the queue."""
-
-    def __init__(self, conn_id: int, writer: asyncio.StreamWriter) -> None:
-        self.id = conn_id
-        self.writer = writer
-        self.closed = False
-        self.in_queue: set[Handle] = set()
-        self.converting = 0  # images of this connection in the decode pool, not yet queued
-
-    def converted(self, _task: asyncio.Task[None]) -> None:
-        self.converting -= 1
-
-    def in_flight(self) -> int:
-        """Accepted and not yet answered (the per-connection limit counts these)."""
-        return len(self.in_queue) + self.converting
-
-    def send(self, message: wire.DaemonMessage) -> None:
-        if not self.closed:
-            self.writer.write(wire.encode_frame(message))
-
-
 class Acceptor:
     """Accepts connections and turns frames into queued requests or immediate replies.
 
     ``status`` builds the reply to a status request; ``draining`` (set by the daemon on
     SIGTERM) makes new inference requests get ``overloaded`` while accepted ones finish.
+    It is every connection's ``FrameHandler`` (``daemon/connection.py``).
     """
 
     def __init__(
@@ -109,11 +110,14 @@ class Acceptor:
         self.status = status
         self.draining = False
         self.max_frame = 3 * config.queue.slot_bytes + wire.MAX_FRAME_OVERHEAD
+        self.frame_timeout_s = config.server.frame_timeout_ms / 1000.0
+        self.pool = BufferPool()
         self.connections: dict[int, Connection] = {}
         self._class_index = {name: i for i, name in enumerate(config.class_names())}
         self.gate = AccessGate.from_config(config.server.allowed_uids, config.server.allowed_gids)
         self._ids = itertools.count(1)
         self._decoding: set[asyncio.Task[None]] = set()
+        self._lingering: set[asyncio.Task[None]] = set()
         self._pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="scratchd-decode")
         self._server: asyncio.AbstractServer | None = None
         self._path: str | None = None
@@ -122,14 +126,19 @@ class Acceptor:
 
     async def listen(self, path: str, sock: socket.socket | None = None) -> None:
         """Listen on ``path`` (or on an inherited, already-bound ``sock``)."""
+        loop = asyncio.get_running_loop()
+
+        def connection() -> Connection:
+            return Connection(next(self._ids), self)
+
         if sock is None:
             _clear_stale_socket(path)
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self._server = await asyncio.start_unix_server(self._serve, path=path)
+            self._server = await loop.create_unix_server(connection, path=path)
             os.chmod(path, self.config.server.socket_mode)
             self._path = path
         else:
-            self._server = await asyncio.start_unix_server(self._serve, sock=sock)
+            self._server = await loop.create_unix_server(connection, sock=sock)
 
     def stop_listening(self) -> None:
         """Stop accepting connections; the socket file goes (established ones stay)."""
@@ -148,75 +157,73 @@ class Acceptor:
     async def close_connections(self) -> None:
         """Wait for running decodes, then flush and close every connection."""
         await self.wait_for_decodes()
-        for conn in list(self.connections.values()):
-            conn.writer.close()
-        for conn in list(self.connections.values()):
-            with contextlib.suppress(OSError, asyncio.TimeoutError):
-                await asyncio.wait_for(conn.writer.wait_closed(), 1.0)
+        conns = list(self.connections.values())
+        for conn in conns:
+            conn.close()
+        for conn in conns:
+            await conn.wait_closed(1.0)
         self._pool.shutdown(wait=True)
 
-    # ---- one connection ---------------------------------------------------------------
+    # ---- one connection (FrameHandler) ------------------------------------------------
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = Connection(next(self._ids), writer)
+    def opened(self, conn: Connection) -> str | None:
+        """Register ``conn``; None to serve it, else why it is refused (not on the
+        allow-list, or one connection too many)."""
         self.connections[conn.id] = conn
-        try:
-            refusal = self.gate.admit(writer.get_extra_info("socket"))
-            if refusal is None:
-                limit = self.config.server.max_connections
-                refusal = self.gate.over_capacity(len(self.connections), limit)
-            if refusal is not None:  # not on the allow-list, or too many: one reply, closed
-                conn.send(wire.Reply(id=0, status="error", error=refusal))
+        refusal = self.gate.admit(conn.socket())  # type: ignore[arg-type]
+        if refusal is None:
+            limit = self.config.server.max_connections
+            refusal = self.gate.over_capacity(len(self.connections), limit)
+        return refusal
+
+    def refused(self, conn: Connection, reader: asyncio.StreamReader) -> None:
+        """After the refusal reply: let the peer's first request arrive (``linger``),
+        then close."""
+        assert conn.transport is not None
+        loop = asyncio.get_running_loop()
+        writer = asyncio.StreamWriter(conn.transport, conn, reader, loop)
+
+        async def linger() -> None:
+            try:
                 await self.gate.linger(reader, writer)
-                return
-            while True:
-                prefix = await reader.readexactly(wire.PREFIX_BYTES)
-                length = wire.frame_length(prefix)
-                if length > self.max_frame:
-                    reason = f"frame of {length} bytes exceeds the limit of {self.max_frame}"
-                    flight = InFlight(conn, 0, "unknown", 0, time.monotonic_ns())
-                    self.dispatcher.reject(flight, "invalid", reason + "; closing the connection")
-                    break
-                body = await self._read_body(conn, reader, length)
-                if body is None:
-                    break
-                received_ns = time.monotonic_ns()
-                try:
-                    self.handle_frame(conn, body, received_ns)
-                except Exception as exc:  # a bug must cost one reply, not the connection
-                    log_event("request_failed", logging.ERROR, error=repr(exc))
-                    rid = wire.salvage_request_id(body)
-                    flight = InFlight(conn, rid, "unknown", 0, received_ns)
-                    self.dispatcher.reject(flight, "error", f"internal error: {exc}")
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the client left, possibly mid-frame
-        finally:
-            self._disconnect(conn)
+            finally:
+                conn.close()
 
-    async def _read_body(
-        self, conn: Connection, reader: asyncio.StreamReader, length: int
-    ) -> bytes | None:
-        """The frame's body, or None (after an ``invalid`` reply) if it stalls."""
+        task = loop.create_task(linger())
+        self._lingering.add(task)
+        task.add_done_callback(self._lingering.discard)
+
+    def oversized(self, conn: Connection, length: int) -> None:
+        reason = f"frame of {length} bytes exceeds the limit of {self.max_frame}"
+        flight = InFlight(conn, 0, "unknown", 0, time.monotonic_ns())
+        self.dispatcher.reject(flight, "invalid", reason + "; closing the connection")
+        conn.close()
+
+    def stalled(self, conn: Connection, length: int) -> None:
         timeout_ms = self.config.server.frame_timeout_ms
-        try:
-            async with asyncio.timeout(timeout_ms / 1000.0):
-                return await reader.readexactly(length)
-        except TimeoutError:
-            reason = f"frame body of {length} bytes not received within {timeout_ms} ms"
-            flight = InFlight(conn, 0, "unknown", 0, time.monotonic_ns())
-            self.dispatcher.reject(flight, "invalid", reason + "; closing the connection")
-            return None
+        reason = f"frame body of {length} bytes not received within {timeout_ms} ms"
+        flight = InFlight(conn, 0, "unknown", 0, time.monotonic_ns())
+        self.dispatcher.reject(flight, "invalid", reason + "; closing the connection")
+        conn.close()
 
-    def _disconnect(self, conn: Connection) -> None:
-        conn.closed = True
+    def closed(self, conn: Connection) -> None:
+        """The client left (or was closed): drop its requests from the books."""
         self.connections.pop(conn.id, None)
         self.dispatcher.forget_connection(conn)
         self.queue.abandon_connection(conn.id)
-        conn.writer.close()
 
-    def handle_frame(self, conn: Connection, body: bytes, received_ns: int) -> None:
+    def frame(self, conn: Connection, body: memoryview, received_ns: int) -> None:
         try:
-            message = wire.decode_client_message(body)
+            self.handle_frame(conn, body, received_ns)
+        except Exception as exc:  # a bug must cost one reply, not the connection
+            log_event("request_failed", logging.ERROR, error=repr(exc))
+            rid = wire.salvage_request_id(body)
+            flight = InFlight(conn, rid, "unknown", 0, received_ns)
+            self.dispatcher.reject(flight, "error", f"internal error: {exc}")
+
+    def handle_frame(self, conn: Connection, body: memoryview | bytes, received_ns: int) -> None:
+        try:
+            message = wire.decode_client_frame(body)
         except wire.DecodeError as exc:
             flight = InFlight(conn, wire.salvage_request_id(body), "unknown", 0, received_ns)
             self.dispatcher.reject(flight, "invalid", f"malformed request: {exc}")
@@ -226,7 +233,7 @@ class Acceptor:
             return
         self._admit(conn, message, received_ns)
 
-    def _admit(self, conn: Connection, request: wire.InferRequest, received_ns: int) -> None:
+    def _admit(self, conn: Connection, request: wire.InferFrame, received_ns: int) -> None:
         flight = InFlight(conn, request.id, "unknown", 0, received_ns, request.want_mask)
         try:
             admission = self.classify(request)
@@ -258,6 +265,8 @@ class Acceptor:
                 self.queue.release(handle)
                 self.dispatcher.reject(flight, "error", f"could not queue the request: {exc}")
         else:
+            if request.pixels is not None:  # raw RGB: off the frame buffer, which is reused
+                request = msgspec.structs.replace(request, pixels=memoryview(bytes(request.pixels)))
             task = asyncio.get_running_loop().create_task(
                 self._convert_and_submit(flight, admission, request)
             )
@@ -267,7 +276,7 @@ class Acceptor:
             task.add_done_callback(conn.converted)
 
     async def _convert_and_submit(
-        self, flight: InFlight, admission: Admission, request: wire.InferRequest
+        self, flight: InFlight, admission: Admission, request: wire.InferFrame
     ) -> None:
         assert flight.handle is not None
         handle, submitted = flight.handle, False
@@ -310,7 +319,7 @@ class Acceptor:
             config.server.allowed_uids, config.server.allowed_gids
         ).policy
 
-    def classify(self, request: wire.InferRequest) -> Admission:
+    def classify(self, request: AnyInferRequest) -> Admission:
         """The request's class, priority and deadline (its own values override the class's)."""
         cls = self.config.classes.get(request.part_class)
         if cls is None:
@@ -328,85 +337,6 @@ class Acceptor:
             )
         index = self._class_index[request.part_class]
         return Admission(request.part_class, index, priority, deadline_ms)
-
-
-def check_image(request: wire.InferRequest, slot_bytes: int) -> None:
-    """Reject what can be seen to be wrong before any pixel is touched."""
-    if (request.pixels is None) == (request.encoded is None):
-        raise Invalid("exactly one of 'pixels' (raw) or 'encoded' (PNG/BMP/JPEG) must be set")
-    if request.encoded is not None:
-        if sniff_format(request.encoded) is None:
-            raise Invalid("'encoded' is not a PNG, BMP or JPEG image")
-        return
-    assert request.pixels is not None
-    h, w, c = request.height, request.width, request.channels
-    if c not in (1, 3):
-        raise Invalid(f"channels must be 1 (grey) or 3 (RGB), got {c}")
-    if h <= 0 or w <= 0:
-        raise Invalid(f"raw image needs positive height and width, got {h}x{w}")
-    if h * w > slot_bytes:
-        raise Invalid(f"image of {h}x{w} = {h * w} pixels exceeds the limit of {slot_bytes}")
-    reason = shape_cost_error(h, w, slot_bytes)
-    if reason:
-        raise Invalid(reason)
-    if len(request.pixels) != h * w * c:
-        raise Invalid(f"'pixels' has {len(request.pixels)} bytes, {h}x{w}x{c} needs {h * w * c}")
-
-
-def write_raw_grey(payload: memoryview, request: wire.InferRequest) -> tuple[int, int]:
-    assert request.pixels is not None
-    n = request.height * request.width
-    np.frombuffer(payload, dtype=np.uint8, count=n)[:] = np.frombuffer(request.pixels, np.uint8)
-    return request.height, request.width
-
-
-def convert_into(payload: memoryview, request: wire.InferRequest) -> tuple[int, int]:
-    """Decode/convert the request's image into ``payload`` as grey uint8; returns (H, W).
-
-    Runs in the decode thread pool. Encoded images go through ``decode_image`` with the slot
-    size as the pixel limit (checked from the header, before decoding).
-    """
-    slot_bytes = len(payload)
-    if request.encoded is not None:
-        grey = decode_image(request.encoded, max_pixels=slot_bytes)
-    else:
-        assert request.pixels is not None
-        rgb = np.frombuffer(request.pixels, np.uint8).reshape(request.height, request.width, 3)
-        grey = rgb_to_luma(rgb)
-    height, width = grey.shape
-    reason = shape_cost_error(height, width, slot_bytes)
-    if reason:
-        raise ImageError(reason)
-    np.frombuffer(payload, dtype=np.uint8, count=grey.size)[:] = grey.ravel()
-    return int(height), int(width)
-
-
-PAD_MULTIPLE: Final = 16
-"""The network pads each side to a multiple of 16 (``kernels.net.forward``): its cost and
-memory follow the padded area, not the pixel count."""
-
-
-def shape_cost_error(height: int, width: int, slot_bytes: int) -> str:
-    """Why a frame's shape would cost far more than its pixel count, or "" if it will not.
-
-    A 1 x 4M frame fits a 4 MiB slot but pads to 16 x 4M: sixteen times the largest frame's
-    compute and activation memory, enough to OOM a worker or stall it past its heartbeat.
-    The padded area may be at most twice the slot: room for the padding of any frame that
-    is not extremely elongated (a full-slot frame needs a shorter side of about 8 or more).
-    """
-    padded = -(-height // PAD_MULTIPLE) * PAD_MULTIPLE * (-(-width // PAD_MULTIPLE) * PAD_MULTIPLE)
-    if padded <= 2 * slot_bytes:
-        return ""
-    return (
-        f"image of {height}x{width} pads to {padded} pixels for the network, more than twice "
-        f"the limit of {slot_bytes}; send frames that are less elongated"
-    )
-
-
-def rgb_to_luma(rgb: np.ndarray) -> np.ndarray:
-    """ITU-R 601-2 luma exactly as Pillow's ``convert("L")`` computes it (fixed point)."""
-    r, g, b = (rgb[..., i].astype(np.uint32) for i in range(3))
-    return ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).astype(np.uint8)
 
 
 def _clear_stale_socket(path: str) -> None:

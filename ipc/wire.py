@@ -64,6 +64,28 @@ class InferRequest(msgspec.Struct, frozen=True, tag="infer", tag_field="type"):
     want_mask: bool = False
 
 
+class InferFrame(msgspec.Struct, frozen=True, tag="infer", tag_field="type"):
+    """An :class:`InferRequest` as the daemon decodes it (:func:`decode_client_frame`).
+
+    The same fields with the same defaults (``tests/ipc/test_wire.py`` keeps the two lists
+    identical: append a field to both), but ``pixels`` is a zero-copy ``memoryview`` of the
+    received frame rather than a copy of it. The view is valid only until the connection
+    reads its next frame into the same buffer: the acceptor copies the pixels into their
+    payload slot (or into ``bytes`` for the decode pool) before it reads on.
+    """
+
+    id: RequestId
+    part_class: str = "normal"
+    pixels: memoryview | None = None
+    height: int = 0
+    width: int = 0
+    channels: int = 1
+    encoded: bytes | None = None
+    priority: int | None = None
+    deadline_ms: int | None = None
+    want_mask: bool = False
+
+
 class StatusRequest(msgspec.Struct, frozen=True, tag="status", tag_field="type"):
     """Ask for the daemon's status snapshot."""
 
@@ -205,10 +227,12 @@ class StatusReply(msgspec.Struct, frozen=True, tag="status_reply", tag_field="ty
 
 
 ClientMessage = InferRequest | StatusRequest
+ClientFrame = InferFrame | StatusRequest
 DaemonMessage = Reply | StatusReply
 
 _encoder: Final = msgspec.msgpack.Encoder()
 _client_decoder: Final = msgspec.msgpack.Decoder(ClientMessage)
+_frame_decoder: Final = msgspec.msgpack.Decoder(ClientFrame)
 _daemon_decoder: Final = msgspec.msgpack.Decoder(DaemonMessage)
 _loose_decoder: Final = msgspec.msgpack.Decoder()
 
@@ -217,14 +241,23 @@ DecodeError = msgspec.DecodeError
 
 
 def encode_frame(message: ClientMessage | DaemonMessage) -> bytes:
-    """The length-prefixed frame for ``message``."""
-    buf = bytearray(PREFIX_BYTES)
+    """The length-prefixed frame for ``message``.
+
+    The buffer is sized for the image up front (``encode_into`` truncates it to the
+    message), so a 1 MiB frame is encoded once, without regrowing, then copied once to bytes.
+    """
+    image = message.pixels or message.encoded if isinstance(message, InferRequest) else None
+    buf = bytearray(PREFIX_BYTES + (len(image) if image else 0) + _SMALL_MESSAGE)
     _encoder.encode_into(message, buf, PREFIX_BYTES)
     LENGTH_PREFIX.pack_into(buf, 0, len(buf) - PREFIX_BYTES)
     return bytes(buf)
 
 
-def frame_length(prefix: bytes) -> int:
+_SMALL_MESSAGE: Final = 512
+"""Room for everything of a request but its image (the buffer grows if it is not enough)."""
+
+
+def frame_length(prefix: bytes | memoryview) -> int:
     """The body length announced by a 4-byte prefix."""
     (length,) = LENGTH_PREFIX.unpack(prefix)
     return int(length)
@@ -233,6 +266,12 @@ def frame_length(prefix: bytes) -> int:
 def decode_client_message(body: bytes | memoryview) -> ClientMessage:
     """Decode a request body; raises :data:`DecodeError` with a readable reason."""
     return _client_decoder.decode(body)
+
+
+def decode_client_frame(body: bytes | bytearray | memoryview) -> ClientFrame:
+    """Decode a request body as the daemon does: like :func:`decode_client_message` (same
+    schema, same errors), but raw ``pixels`` stay a view into ``body`` (:class:`InferFrame`)."""
+    return _frame_decoder.decode(body)
 
 
 def decode_daemon_message(body: bytes | memoryview) -> DaemonMessage:

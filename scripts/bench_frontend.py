@@ -108,6 +108,8 @@ async def measure(args: argparse.Namespace, size: int, tmp: Path) -> dict[str, A
             spawn_client(args, config.server.socket, frames_path) for _ in range(args.clients)
         ]
         outs = [await asyncio.to_thread(p.communicate) for p in clients]
+        if any(p.returncode for p in clients):
+            raise SystemExit("a client process failed (its error is above)")
         wall = time.perf_counter() - t0
         after = resource.getrusage(resource.RUSAGE_SELF)
     finally:

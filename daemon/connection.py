@@ -1,0 +1,259 @@
+"""One client connection: frames read straight into reused buffers, replies written back.
+
+A :class:`Connection` is the connection's ``asyncio.BufferedProtocol``: the event loop
+``recv``\\ s into memory this class lends it (``get_buffer``), so a frame's bytes are
+copied once by the kernel into a buffer that is reused, and then once more, by the acceptor,
+into their shared-memory payload slot. Nothing in between (no stream buffer, no ``bytes``
+per read, no copy of the body, no copy of ``pixels`` when decoding: see
+``wire.decode_client_frame``).
+
+Reading is a small state machine (:class:`ReadState`); what is lent in each state::
+
+    HEAD   head (64 KiB, the connection's own)    ┌─────┬──────────┬─────┬──────────┬──...
+           complete frames are handled in place:  │ len │ body     │ len │ body ... │
+           views of ``head``; leftover bytes      └─────┴──────────┴─────┴──────────┴──...
+           move to its front
+    BODY   body[got:length] (from the acceptor's  a frame too big for ``head``: the part
+           BufferPool, returned when it is done)  already in ``head`` is moved over first
+    CLOSED nothing more is handled (a scratch buffer is lent; what arrives is dropped)
+
+The length prefix is checked against the frame cap before a byte of the body is read
+(``FrameHandler.oversized``, then CLOSED); a body must arrive within ``frame_timeout_ms``
+of its prefix (a timer armed at the prefix, cancelled when the frame is whole;
+``FrameHandler.stalled``, then CLOSED). Each complete frame goes to
+``FrameHandler.frame(conn, body, received_ns)`` synchronously, on the loop: ``body`` is a
+view that is reused after the call returns, so the handler copies what it keeps.
+
+A refused connection (allow-list, connection limit) is decided in ``connection_made``; it is
+then handed to ``AccessGate.linger`` through a ``StreamReader`` this protocol feeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+from typing import Final, Protocol, cast
+
+from scratchd.ipc import wire
+from scratchd.ipc.queue import Handle
+
+HEAD_BYTES: Final = 64 * 1024
+BODY_ROUND: Final = 64 * 1024
+"""Body buffers are sized in multiples of this, so frames of nearly one size share them."""
+POOL_KEEP: Final = 8
+
+
+class ReadState(enum.Enum):
+    HEAD = "head"
+    BODY = "body"
+    CLOSED = "closed"
+
+
+class FrameHandler(Protocol):
+    """What the acceptor does for a connection (see ``daemon/acceptor.py``)."""
+
+    pool: BufferPool
+    max_frame: int
+    frame_timeout_s: float
+
+    def opened(self, conn: Connection) -> str | None:
+        """None to serve the connection, else the reason it is refused."""
+
+    def frame(self, conn: Connection, body: memoryview, received_ns: int) -> None: ...
+
+    def oversized(self, conn: Connection, length: int) -> None: ...
+
+    def stalled(self, conn: Connection, length: int) -> None: ...
+
+    def refused(self, conn: Connection, reader: asyncio.StreamReader) -> None: ...
+
+    def closed(self, conn: Connection) -> None: ...
+
+
+class BufferPool:
+    """Body buffers for frames larger than a connection's head, reused across connections.
+
+    Only frames being received hold one, so idle connections hold none; at most
+    ``POOL_KEEP`` spare buffers are kept.
+    """
+
+    def __init__(self, keep: int = POOL_KEEP) -> None:
+        self.keep = keep
+        self._free: list[bytearray] = []
+
+    def take(self, n: int) -> bytearray:
+        fits = [b for b in self._free if len(b) >= n]
+        if fits:
+            buf = min(fits, key=len)
+            self._free.remove(buf)
+            return buf
+        return bytearray(-(-n // BODY_ROUND) * BODY_ROUND)
+
+    def give(self, buf: bytearray) -> None:
+        if len(self._free) < self.keep:
+            self._free.append(buf)
+
+
+class Connection(asyncio.BufferedProtocol):
+    """One client: its transport, its read state, whether it is gone, and its requests
+    still in the queue (``in_queue``) or in the decode pool (``converting``)."""
+
+    def __init__(self, conn_id: int, handler: FrameHandler) -> None:
+        self.id = conn_id
+        self.handler = handler
+        self.closed = False
+        self.in_queue: set[Handle] = set()
+        self.converting = 0  # images of this connection in the decode pool, not yet queued
+        self.transport: asyncio.Transport | None = None
+        self.state = ReadState.HEAD
+        self.gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._head = bytearray(HEAD_BYTES)
+        self._head_view = memoryview(self._head)
+        self._have = 0  # bytes of head in use, from its start
+        self._body: bytearray | None = None
+        self._length = 0  # the current body's length (BODY), or 0
+        self._got = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._refused: asyncio.StreamReader | None = None
+
+    # ---- bookkeeping the acceptor uses ------------------------------------------------
+
+    def converted(self, _task: asyncio.Task[None]) -> None:
+        self.converting -= 1
+
+    def in_flight(self) -> int:
+        """Accepted and not yet answered (the per-connection limit counts these)."""
+        return len(self.in_queue) + self.converting
+
+    def send(self, message: wire.DaemonMessage) -> None:
+        if not self.closed and self.transport is not None:
+            self.transport.write(wire.encode_frame(message))
+
+    def close(self) -> None:
+        """Stop handling frames; the transport flushes what was written, then closes."""
+        self._enter(ReadState.CLOSED)
+        if self.transport is not None:
+            self.transport.close()
+
+    def socket(self) -> object:
+        return None if self.transport is None else self.transport.get_extra_info("socket")
+
+    # ---- asyncio.BufferedProtocol -----------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        refusal = self.handler.opened(self)
+        if refusal is not None:
+            self.send(wire.Reply(id=0, status="error", error=refusal))
+            self._refused = asyncio.StreamReader()
+            self._enter(ReadState.CLOSED)
+            self.handler.refused(self, self._refused)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.state is ReadState.BODY:
+            assert self._body is not None
+            return memoryview(self._body)[self._got : self._length]
+        if self.state is ReadState.CLOSED:
+            return self._head_view
+        return self._head_view[self._have :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.state is ReadState.CLOSED:
+            if self._refused is not None:
+                self._refused.feed_data(bytes(self._head_view[:nbytes]))
+            return
+        if self.state is ReadState.BODY:
+            self._got += nbytes
+            if self._got == self._length:
+                self._finish_body()
+            return
+        self._have += nbytes
+        self._parse_head()
+
+    def eof_received(self) -> bool | None:
+        if self._refused is not None:
+            self._refused.feed_eof()
+        return None  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._refused is not None:
+            self._refused.feed_eof()
+        self._enter(ReadState.CLOSED)
+        if not self.closed:
+            self.closed = True
+            self.handler.closed(self)
+        if not self.gone.done():
+            self.gone.set_result(None)
+
+    # ---- frames -----------------------------------------------------------------------
+
+    def _parse_head(self) -> None:
+        """Handle every complete frame in head; keep a partial one for the next read."""
+        pos, have, view = 0, self._have, self._head_view
+        while self.state is ReadState.HEAD and have - pos >= wire.PREFIX_BYTES:
+            length = wire.frame_length(view[pos : pos + wire.PREFIX_BYTES])
+            if length > self.handler.max_frame:
+                self.handler.oversized(self, length)
+                return
+            start = pos + wire.PREFIX_BYTES
+            if have - start >= length:
+                self._disarm()
+                self.handler.frame(self, view[start : start + length], time.monotonic_ns())
+                pos = start + length
+                continue
+            self._arm(length)
+            if wire.PREFIX_BYTES + length > HEAD_BYTES:  # too big for head: lend a body
+                self._start_body(length, view[start:have])
+                return
+            break
+        if self.state is ReadState.HEAD:  # the partial frame moves to the front
+            view[: have - pos] = view[pos:have]
+            self._have = have - pos
+
+    def _start_body(self, length: int, already: memoryview) -> None:
+        self._body = self.handler.pool.take(length)
+        self._length, self._got = length, len(already)
+        self._body[: self._got] = already
+        self._have = 0
+        self._enter(ReadState.BODY)
+        if self._got == length:
+            self._finish_body()
+
+    def _finish_body(self) -> None:
+        body, length = self._body, self._length
+        assert body is not None
+        self._disarm()
+        self._enter(ReadState.HEAD)
+        try:
+            with memoryview(body) as view:
+                self.handler.frame(self, view[:length], time.monotonic_ns())
+        finally:
+            self.handler.pool.give(body)
+
+    def _arm(self, length: int) -> None:
+        if self._timer is None:
+            loop = asyncio.get_running_loop()
+            timeout = self.handler.frame_timeout_s
+            self._timer = loop.call_later(timeout, self.handler.stalled, self, length)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _enter(self, state: ReadState) -> None:
+        if state is not ReadState.HEAD:
+            self._have = 0
+        if state is ReadState.CLOSED:
+            self._disarm()
+            if self._body is not None and self.state is ReadState.BODY:
+                self.handler.pool.give(self._body)
+        if state is not ReadState.BODY:
+            self._body, self._length, self._got = None, 0, 0
+        self.state = state
+
+    async def wait_closed(self, timeout: float) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.gone), timeout)
