@@ -115,13 +115,24 @@ ALWAYS void run_interior(const Run *r, int nr, int nk, int p0, int p1) {
 }
 
 /* One pixel whose column taps are only partly inside the image (bit k of mask: tap k is). */
-static void run_edge(const Run *r, int nr, int nk, int p, unsigned mask) {
-    for (int c = 0; c < r->C; c++) {
-        float a = r->b[c];
-        for (int t = 0; t < nr * nk; t++)
+ALWAYS void run_edge(const Run *r, int nr, int nk, int p, unsigned mask) {
+    const int nt = nr * nk, C = r->C, cv = C - C % V;
+    const ptrdiff_t in = p * r->in_step;
+    float *out = r->out + p * r->out_step;
+    for (int c = 0; c < cv; c += V) {
+        v8 a = vload(r->b + c);
+        for (int t = 0; t < nt; t++)
             if (mask >> (t % nk) & 1u)
-                a += r->row[t / nk][p * r->in_step + r->col[t % nk] + c] * r->w[t * r->wstep + c];
-        r->out[p * r->out_step + c] = relu(a);
+                a += vload(r->row[t / nk] + in + r->col[t % nk] + c) *
+                     vload(r->w + t * r->wstep + c);
+        vstore(out + c, vrelu(a));
+    }
+    for (int c = cv; c < C; c++) {
+        float a = r->b[c];
+        for (int t = 0; t < nt; t++)
+            if (mask >> (t % nk) & 1u)
+                a += r->row[t / nk][in + r->col[t % nk] + c] * r->w[t * r->wstep + c];
+        out[c] = relu(a);
     }
 }
 
@@ -223,6 +234,26 @@ ALWAYS void stem_row_body(const StemRow *g, int oy) {
             for (int t = 0; t < 9; t++) a += s[t] * g->wt[t * g->cout + c];
             o[c] = relu(a);
         }
+    }
+}
+
+/* The head's bilinear 2x upsampling (kernels/upsample_bilinear2x.py) of a one-channel
+ * image [h, w], output row oy cropped to width columns, in the reference's exact float32
+ * operations (0.75 * centre + 0.25 * clamped neighbour, rows first, then columns; no FMA:
+ * the module is built with -ffp-contract=off, the ISO C default), so that the result is
+ * bit for bit the reference's. tmp holds one upsampled-by-rows low-res row [w]. */
+static void bilinear_row(const float *x, int h, int w, float *out, int width, int oy,
+                         float *tmp) {
+    const int i = oy >> 1, n = oy & 1 ? (i + 1 < h ? i + 1 : h - 1) : (i > 0 ? i - 1 : 0);
+    const float *c = x + (ptrdiff_t)i * w, *o = x + (ptrdiff_t)n * w;
+    for (int j = 0; j < w; j++) {
+        float m = 0.75f * c[j], q = 0.25f * o[j];
+        tmp[j] = m + q;
+    }
+    for (int k = 0; k < width; k++) {
+        const int j = k >> 1, jn = k & 1 ? (j + 1 < w ? j + 1 : w - 1) : (j > 0 ? j - 1 : 0);
+        float m = 0.75f * tmp[j], q = 0.25f * tmp[jn];
+        out[k] = m + q;
     }
 }
 
@@ -484,6 +515,43 @@ static PyObject *py_stem3x3(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static const char BILINEAR_DOC[] =
+    "bilinear2x(x, y, r0)\n\n"
+    "Rows r0 .. r0 + len(y) - 1 of upsample_bilinear2x_ref(x) cropped to y's width, bit\n"
+    "for bit; x [h, w] (one channel), y [R, width] with width <= 2w, r0 + R <= 2h.";
+
+static PyObject *py_bilinear2x(PyObject *self, PyObject *args) {
+    (void)self;
+    static const char *op = "bilinear2x";
+    PyObject *ox, *oy;
+    int r0;
+    if (!PyArg_ParseTuple(args, "OOi", &ox, &oy, &r0)) return NULL;
+    Held h = {.n = 0};
+    Py_buffer *x, *y;
+    if (!(x = take(&h, ox, 0, 2, op, "x")) || !(y = take(&h, oy, 1, 2, op, "y"))) {
+        release(&h);
+        return NULL;
+    }
+    Py_ssize_t lh = x->shape[0], lw = x->shape[1], R = y->shape[0], width = y->shape[1];
+    if (lh < 1 || lw < 1) return fail(&h, op, "x must not be empty");
+    if (width > 2 * lw) return fail(&h, op, "y is wider than the upsampled x");
+    if (r0 < 0 || r0 + R > 2 * lh) return fail(&h, op, "rows r0 .. r0 + R are not all output rows");
+    if (overlaps(y, x)) return fail(&h, op, "y must not overlap x");
+    float *tmp = malloc((size_t)lw * sizeof(float));
+    if (!tmp) {
+        release(&h);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS;
+    for (Py_ssize_t r = 0; r < R; r++)
+        bilinear_row(x->buf, (int)lh, (int)lw, (float *)y->buf + r * width, (int)width,
+                     (int)(r0 + r), tmp);
+    Py_END_ALLOW_THREADS;
+    free(tmp);
+    release(&h);
+    Py_RETURN_NONE;
+}
+
 static const char BIAS_DOC[] =
     "bias_relu(o, b, res)\n\n"
     "o = relu(o + b (+ res)) in place (pwconv's epilogue, same order of additions);\n"
@@ -545,6 +613,7 @@ static PyMethodDef methods[] = {
     {"dwconv3x3_join", py_dwconv3x3_join, METH_VARARGS, JOIN_DOC},
     {"stem3x3", py_stem3x3, METH_VARARGS, STEM_DOC},
     {"bias_relu", py_bias_relu, METH_VARARGS, BIAS_DOC},
+    {"bilinear2x", py_bilinear2x, METH_VARARGS, BILINEAR_DOC},
     {NULL, NULL, 0, NULL},
 };
 

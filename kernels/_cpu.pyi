@@ -38,3 +38,9 @@ def bias_relu(
     res: np.ndarray | None,  # [P, C]
     /,
 ) -> None: ...
+def bilinear2x(
+    x: np.ndarray,  # [h, w] float32
+    y: np.ndarray,  # [R, width], written: rows r0 .. of upsample_bilinear2x_ref(x), cropped
+    r0: int,
+    /,
+) -> None: ...

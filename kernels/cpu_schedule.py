@@ -142,32 +142,18 @@ def prob_head_cpu(
     logits: np.ndarray,  # [N, h, w, 1] float32
     height: int,
     width: int,
-) -> np.ndarray:  # [N, height, width]: prob_head_ref(logits, height, width)
-    """Bilinear 2x upsampling, crop and sigmoid, band by band over the logit rows."""
-    n, h, w, _ = logits.shape
-    lg = logits[..., 0]
+) -> np.ndarray:  # [N, height, width]: prob_head_ref(logits, height, width), bit for bit
+    """Bilinear 2x upsampling and crop (``_cpu.bilinear2x``, the reference's exact float32
+    operations) then ``sigmoid_ref``, band by band over the output rows."""
+    logits = np.ascontiguousarray(logits)
+    n = logits.shape[0]
     out = np.empty((n, height, width), dtype=np.float32)
-    q, three = np.float32(0.25), np.float32(0.75)
-
-    def twice(src: np.ndarray, prev: np.ndarray, nxt: np.ndarray, axis: int) -> np.ndarray:
-        up = np.empty((*src.shape[:axis], src.shape[axis], 2, *src.shape[axis + 1 :]), np.float32)
-        even, odd = np.moveaxis(up, axis + 1, 0)  # out[2i] and out[2i + 1]
-        np.multiply(src, three, out=even)
-        even += q * prev
-        np.multiply(src, three, out=odd)
-        odd += q * nxt
-        return up.reshape(*src.shape[:axis], 2 * src.shape[axis], *src.shape[axis + 1 :])
 
     def run(task: Task) -> None:
-        i, a, b = task  # logit rows a..b give output rows 2a..2b
-        idx = np.arange(a, b)
-        rows = twice(
-            lg[i, a:b], lg[i, np.maximum(idx - 1, 0)], lg[i, np.minimum(idx + 1, h - 1)], 0
-        )
-        cols = np.arange(w)
-        up = twice(rows, rows[:, np.maximum(cols - 1, 0)], rows[:, np.minimum(cols + 1, w - 1)], 1)
-        top, bottom = 2 * a, min(2 * b, height)
-        out[i, top:bottom] = sigmoid_ref(np.ascontiguousarray(up[: bottom - top, :width]))
+        i, r0, r1 = task
+        up = scratch("up", (r1 - r0, width))
+        _cpu.bilinear2x(logits[i, :, :, 0], up, r0)
+        out[i, r0:r1] = sigmoid_ref(up)
 
-    run_bands(run, bands(n, (height + 1) // 2, w * 64))
+    run_bands(run, bands(n, height, width * 32))  # sigmoid_ref's temporaries: ~8 per pixel
     return out

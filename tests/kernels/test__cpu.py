@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from scratchd.kernels import _cpu
 from scratchd.kernels.conv3x3 import conv3x3_ref
 from scratchd.kernels.dwconv3x3 import dwconv3x3_ref
+from scratchd.kernels.upsample_bilinear2x import upsample_bilinear2x_ref
 from scratchd.kernels.upsample_concat import upsample_concat_ref
 
 
@@ -109,6 +110,20 @@ def test_bias_relu_is_pwconv_epilogue(isa: str, p: int, c: int, seed: int) -> No
         np.testing.assert_array_equal(got, np.maximum(want, 0.0))
 
 
+@settings(max_examples=40, deadline=None)
+@given(h=dims, w=dims, seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_bilinear2x_is_the_reference_bit_for_bit(
+    h: int, w: int, seed: int, data: st.DataObject
+) -> None:
+    x = randn(seed, 1, h, w, 1, scale=4.0)
+    width = data.draw(st.integers(1, 2 * w), label="width")
+    ref = upsample_bilinear2x_ref(x)[0, :, :width, 0]
+    r0, r1 = band(data, 2 * h)
+    y = poisoned((r1 - r0, width))
+    _cpu.bilinear2x(x[0, :, :, 0], y, r0)
+    np.testing.assert_array_equal(y, ref[r0:r1])
+
+
 def test_edge_pixels_see_zero_padding_not_neighbours() -> None:
     """A 1x1 image: every tap but the centre falls outside; a constant image: the border
     pixels sum fewer taps than the interior ones."""
@@ -166,5 +181,7 @@ def test_kernels_reject_bad_rows_strides_overlap_and_readonly_output() -> None:
         _cpu.dwconv3x3_join(x, skip, np.zeros((3, 3, 5), np.float32), b, y, 0)
     with pytest.raises(ValueError, match="bias_relu: res must have o's shape"):
         _cpu.bias_relu(np.zeros((4, 3), np.float32), b, np.zeros((3, 3), np.float32))
+    with pytest.raises(ValueError, match="bilinear2x: y is wider"):
+        _cpu.bilinear2x(np.zeros((2, 3), np.float32), np.zeros((4, 7), np.float32), 0)
     with pytest.raises(ValueError, match="use_isa"):
         _cpu.use_isa("sse9")
