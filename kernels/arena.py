@@ -23,6 +23,13 @@ relative to the region start; its buddy is ``offset ^ size``)::
     split's upper half goes on its order's free list. free: while the buddy is free at the same
     order, take it off its list and merge. Both O(log n) (a set and a lazy heap per order).
 
+Trimmed blocks: a large request is rounded up to ``TRIM_BITS`` (4) significant bits of
+256-byte units (≤ 12.5 % over, against up to 100 % for a whole power of two), takes the
+power-of-two block that holds it, and gives the tail back at once as buddy blocks::
+
+    request 5 units (of 8):  [ 4 units | 1 ] [1] [ 2 ]     kept: 4 + 1, tail: 1 + 2 freed now
+                              kept ───────┘ └─ tail ─┘      free: the kept pieces, smallest first
+
 A region that is not a power of two is cut into its binary digits from offset 0 (3 MiB → a
 2 MiB root then a 1 MiB root); roots never merge, so an empty 3 MiB arena already reports
 (3 − 2) / 3 = 0.33: no request above 2 MiB can be served.
@@ -80,6 +87,7 @@ from typing import Any, Protocol
 ALIGN = 256  # bytes; CuPy's allocation granularity is a multiple of it
 SMALL_MAX = 64 << 10  # largest request served from a slab
 SLAB_BYTES = 1 << 20  # one slab, carved from one buddy block
+TRIM_BITS = 4  # significant bits kept of a large request's size (see "Trimmed blocks")
 
 
 class ArenaError(Exception):
@@ -105,6 +113,26 @@ def order_of(size: int) -> int:
     """The buddy order whose block (``ALIGN << order`` bytes) is the smallest to hold ``size``."""
     units = max(1, -(-size // ALIGN))
     return (units - 1).bit_length()
+
+
+def large_units(size: int) -> int:
+    """``ALIGN`` units a buddy request takes: rounded up to 4 significant bits (≤ 12.5 % over)."""
+    units = max(1, -(-size // ALIGN))
+    step = 1 << max(0, units.bit_length() - TRIM_BITS)
+    return -(-units // step) * step
+
+
+def pieces(offset: int, units: int) -> list[tuple[int, int]]:
+    """``(offset, order)`` of the buddy blocks spelling ``units`` from ``offset``, largest first.
+
+    Each piece is aligned to its size when ``offset`` is aligned to the largest one.
+    """
+    out = []
+    for order in range(units.bit_length() - 1, -1, -1):
+        if units >> order & 1:
+            out.append((offset, order))
+            offset += ALIGN << order
+    return out
 
 
 @dataclass(frozen=True)
@@ -162,7 +190,6 @@ class BuddyAllocator:
             k -= 1
             self._push(offset + (ALIGN << k), k)
         self.free_bytes -= ALIGN << order
-        self.high_water = max(self.high_water, offset + (ALIGN << order))
         return offset
 
     def release(self, offset: int, order: int) -> None:
@@ -175,6 +202,25 @@ class BuddyAllocator:
             self._free[order].remove(buddy)
             offset, order = min(offset, buddy), order + 1
         self._push(offset, order)
+
+    def allocate_units(self, units: int) -> int | None:
+        """Offset of ``units`` contiguous free units: a block of the next power of two whose
+        tail beyond ``units`` goes straight back (at most ``TRIM_BITS`` pieces for large ones)."""
+        order = (units - 1).bit_length()
+        offset = self.allocate(order)
+        if offset is None:
+            return None
+        tail, end = (1 << order) - units, offset + units * ALIGN
+        for k in range(order):  # smallest first: each piece is then aligned to its size
+            if tail >> k & 1:
+                self.release(end, k)
+                end += ALIGN << k
+        self.high_water = max(self.high_water, offset + units * ALIGN)
+        return offset
+
+    def release_units(self, offset: int, units: int) -> None:
+        for start, order in reversed(pieces(offset, units)):
+            self.release(start, order)
 
     def largest_free(self) -> int:
         return next((ALIGN << k for k in range(self.max_order, -1, -1) if self._free[k]), 0)
@@ -214,28 +260,30 @@ class OffsetArena:
         self.buddy = BuddyAllocator(total)
         self.total, self.used = total, 0
         self.slab_bytes, self._slab_order = slab_bytes, order_of(slab_bytes)
-        self._blocks: dict[int, int] = {}  # buddy blocks handed out: offset → order
+        self._blocks: dict[int, int] = {}  # buddy blocks handed out: offset → units
         self._slabs: dict[int, _Slab] = {}  # slab base → slab
         self._partial: dict[int, dict[int, _Slab]] = {}  # class → slabs with a free object
 
     def reserved(self, size: int) -> int:
-        """Bytes a request of ``size`` takes (its class or buddy block size)."""
-        return ALIGN << order_of(size)
+        """Bytes a request of ``size`` takes (its slab class, or its trimmed buddy blocks)."""
+        if self.small_max > 0 and size <= self.small_max:
+            return ALIGN << order_of(size)
+        return ALIGN * large_units(size)
 
     def allocate(self, size: int) -> int:
         """Offset of a new block of at least ``size`` bytes, aligned to ``ALIGN``."""
         if size < 0:
             raise ValueError(f"negative allocation size {size}")
-        order = order_of(size)
-        small = size <= self.small_max and self.small_max > 0
-        offset = self._allocate_small(ALIGN << order) if small else None
-        if offset is None:
-            found = self.buddy.allocate(order)
+        reserved = self.reserved(size)
+        small = self.small_max > 0 and size <= self.small_max
+        offset = self._allocate_small(reserved) if small else None
+        if offset is None:  # a large request, or a small one with no room for a new slab
+            found = self.buddy.allocate_units(reserved // ALIGN)
             if found is None:
                 raise ArenaExhausted(size, self.total - self.used, self.buddy.largest_free())
             offset = found
-            self._blocks[offset] = order
-        self.used += ALIGN << order
+            self._blocks[offset] = reserved // ALIGN
+        self.used += reserved
         return offset
 
     def _allocate_small(self, cls: int) -> int | None:
@@ -245,6 +293,7 @@ class OffsetArena:
             base = self.buddy.allocate(self._slab_order)
             if base is None:
                 return None  # the caller falls back to a buddy block of the class size
+            self.buddy.high_water = max(self.buddy.high_water, base + self.slab_bytes)
             slab = self._slabs[base] = partial[base] = _Slab(base, cls, self.slab_bytes // cls)
         index = slab.free.pop()
         slab.live[index] = 1
@@ -254,10 +303,10 @@ class OffsetArena:
 
     def free(self, offset: int) -> None:
         """Give back the block that starts at ``offset``."""
-        order = self._blocks.pop(offset, None)
-        if order is not None:
-            self.buddy.release(offset, order)
-            self.used -= ALIGN << order
+        units = self._blocks.pop(offset, None)
+        if units is not None:
+            self.buddy.release_units(offset, units)
+            self.used -= units * ALIGN
             return
         slab = self._slabs.get(offset & ~(self.slab_bytes - 1))
         index, rest = divmod(offset - slab.base, slab.size) if slab else (0, 1)

@@ -140,12 +140,12 @@ def test_fragmentation_ratio_is_free_minus_largest_over_total() -> None:
 
 def test_exhaustion_names_the_request_and_what_is_free() -> None:
     arena = OffsetArena(1 << 20, small_max=0)
-    arena.allocate(400_000)  # a 512 KiB block
+    arena.allocate(400_000)  # from a 512 KiB block
     with pytest.raises(ArenaExhausted) as err:
         arena.allocate(600_000)
     assert isinstance(err.value, MemoryError)
-    assert "600000 bytes" in str(err.value)
-    assert "free 524288 bytes" in str(err.value) and "largest free block 524288" in str(err.value)
+    assert "600000 bytes" in str(err.value)  # 425984 used (1664 units), tail 98304 back
+    assert "free 622592 bytes" in str(err.value) and "largest free block 524288" in str(err.value)
 
 
 def test_small_requests_share_a_slab_that_goes_back_when_empty() -> None:
@@ -182,13 +182,30 @@ def test_non_power_of_two_region_is_cut_into_roots() -> None:
         arena.allocate((2 << 20) + 1)
 
 
-@given(st.lists(st.integers(0, 1 << 22), min_size=1, max_size=200))
-def test_reserved_is_the_smallest_power_of_two_block_holding_the_request(sizes: list[int]) -> None:
-    arena = OffsetArena(1 << 23)
+@given(st.lists(st.integers(0, 1 << 26), min_size=1, max_size=200))
+def test_reserved_sizes_waste_little(sizes: list[int]) -> None:
+    arena = OffsetArena(1 << 27)
     for size in sizes:
         reserved = arena.reserved(size)
-        assert reserved >= max(size, ALIGN) and reserved & (reserved - 1) == 0
-        assert reserved == ALIGN or reserved // 2 < size
+        assert reserved >= max(size, 1) and reserved % ALIGN == 0
+        if size <= arena.small_max:  # a slab class: the power of two that holds it
+            assert reserved & (reserved - 1) == 0 and (reserved == ALIGN or reserved // 2 < size)
+        else:  # four significant bits of 256-byte units
+            assert reserved <= max(size * 1.125, size + ALIGN)
+
+
+def test_a_large_block_gives_its_tail_back() -> None:
+    arena = OffsetArena(1 << 20, small_max=0)
+    offset = arena.allocate(5 * ALIGN)  # a block of 8 units; 3 go back at once
+    assert arena.stats().used == 5 * ALIGN
+    assert [b for b in arena.buddy.free_blocks() if b[0] < 8 * ALIGN] == [
+        (5 * ALIGN, ALIGN),
+        (6 * ALIGN, 2 * ALIGN),
+    ]
+    assert arena.allocate(ALIGN) == 5 * ALIGN  # the tail serves the next request
+    arena.free(offset)
+    arena.free(5 * ALIGN)
+    assert list(arena.buddy.free_blocks()) == [(0, 1 << 20)]
 
 
 # ---------------------------------------------------------------- stream-ordered reuse
