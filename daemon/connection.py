@@ -36,6 +36,7 @@ import enum
 import time
 from typing import Final, Protocol, cast
 
+from scratchd.daemon.access import LINGER_BYTES
 from scratchd.ipc import wire
 from scratchd.ipc.queue import Handle
 
@@ -43,6 +44,8 @@ HEAD_BYTES: Final = 64 * 1024
 BODY_ROUND: Final = 64 * 1024
 """Body buffers are sized in multiples of this, so frames of nearly one size share them."""
 POOL_KEEP: Final = 8
+REFUSED_FEED_BYTES: Final = LINGER_BYTES + HEAD_BYTES
+"""What a refused peer may still send into ``linger``'s reader (it reads LINGER_BYTES)."""
 
 
 class ReadState(enum.Enum):
@@ -117,6 +120,7 @@ class Connection(asyncio.BufferedProtocol):
         self._got = 0
         self._timer: asyncio.TimerHandle | None = None
         self._refused: asyncio.StreamReader | None = None
+        self._fed = 0
 
     # ---- bookkeeping the acceptor uses ------------------------------------------------
 
@@ -161,8 +165,9 @@ class Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.state is ReadState.CLOSED:
-            if self._refused is not None:
+            if self._refused is not None and self._fed < REFUSED_FEED_BYTES:
                 self._refused.feed_data(bytes(self._head_view[:nbytes]))
+                self._fed += nbytes
             return
         if self.state is ReadState.BODY:
             self._got += nbytes

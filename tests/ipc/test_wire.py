@@ -127,3 +127,61 @@ def test_a_truncated_mask_is_refused() -> None:
     reply = wire.Reply(id=1, status="ok", mask=b"\xff", mask_shape=(4, 4))
     with pytest.raises(ValueError, match="mask"):
         wire.unpack_mask(reply)
+
+
+# ---- the daemon's zero-copy decoding (InferFrame) -------------------------------------------
+
+
+def test_infer_frame_has_exactly_the_fields_of_infer_request() -> None:
+    """Appending a field to one and not the other would silently drop it in the daemon."""
+    request, frame = wire.InferRequest(id=0), wire.InferFrame(id=0)
+    assert wire.InferFrame.__struct_fields__ == wire.InferRequest.__struct_fields__
+    for name in wire.InferRequest.__struct_fields__:
+        assert getattr(frame, name) == getattr(request, name), name
+    assert wire.InferFrame.__struct_config__.tag == wire.InferRequest.__struct_config__.tag
+
+
+def _decoded(decode: object, body: bytes) -> object:
+    try:
+        return decode(body)  # type: ignore[operator]
+    except wire.DecodeError as exc:
+        return ("error", str(exc))
+
+
+@given(requests)
+def test_the_daemon_decodes_every_request_as_the_schema_does(request: wire.InferRequest) -> None:
+    body = _body(wire.encode_frame(request))
+    frame = wire.decode_client_frame(body)
+    assert isinstance(frame, wire.InferFrame)
+    for name in wire.InferRequest.__struct_fields__:
+        assert getattr(frame, name) == getattr(request, name), name
+
+
+@given(st.one_of(st.binary(max_size=200), requests.map(lambda r: _body(wire.encode_frame(r)))))
+def test_garbage_is_refused_by_both_decoders_with_the_same_reason(body: bytes) -> None:
+    strict, frame = (
+        _decoded(wire.decode_client_message, body),
+        _decoded(wire.decode_client_frame, body),
+    )
+    if isinstance(strict, tuple):
+        assert frame == strict
+    else:
+        assert not isinstance(frame, tuple)
+
+
+def test_raw_pixels_are_a_view_of_the_received_frame_not_a_copy() -> None:
+    pixels = bytes(range(256)) * 16
+    body = bytearray(_body(wire.encode_frame(wire.InferRequest(id=1, pixels=pixels))))
+    frame = wire.decode_client_frame(memoryview(body))
+    assert isinstance(frame, wire.InferFrame) and isinstance(frame.pixels, memoryview)
+    assert frame.pixels == pixels
+    start = bytes(body).index(pixels)
+    body[start] ^= 0xFF  # the buffer changes under it: it is the same memory
+    assert frame.pixels[0] == pixels[0] ^ 0xFF
+
+
+@given(requests)
+def test_encode_frame_sizes_its_buffer_for_any_request(request: wire.InferRequest) -> None:
+    frame = wire.encode_frame(request)
+    assert isinstance(frame, bytes)
+    assert len(frame) == wire.PREFIX_BYTES + len(msgspec.msgpack.encode(request))
