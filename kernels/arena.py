@@ -384,7 +384,7 @@ class StreamOrderedArena:
         self._batches: dict[int, deque[_Batch]] = {}  # stream ptr → batches, record order
         self._waiting: dict[int, _Batch] = {}  # offset → the batch it waits in
         self._reusable: dict[tuple[int, int], dict[int, None]] = {}  # (stream, size) → offsets
-        self._waiting_bytes = 0
+        self._waiting_bytes = self._batch_count = 0
         self._lock = threading.Lock()
 
     def release(self, offset: int, reserved: int, stream: Any) -> None:
@@ -395,8 +395,10 @@ class StreamOrderedArena:
         """Offset of a block that work enqueued on ``stream`` from now on may use."""
         reserved = self.offsets.reserved(size)
         with self._lock:
-            self._drain()
-            self._retire()
+            if self._released:
+                self._drain()
+            if self._batch_count:
+                self._retire()
             bucket = self._reusable.get((stream.ptr, reserved))
             if bucket:  # still behind this stream's own event: stream order makes it safe
                 offset, _ = bucket.popitem()
@@ -437,6 +439,7 @@ class StreamOrderedArena:
             event.record(stream)
             batch = _Batch(event, stream, blocks)
             self._batches.setdefault(ptr, deque()).append(batch)
+            self._batch_count += 1
             for offset, reserved in blocks:
                 self._waiting[offset] = batch
                 self._reusable.setdefault((ptr, reserved), {})[offset] = None
@@ -446,6 +449,7 @@ class StreamOrderedArena:
         for ptr, batches in self._batches.items():
             while batches and batches[0].event.done:  # one stream's events complete in order
                 batch = batches.popleft()
+                self._batch_count -= 1
                 for offset, reserved in batch.blocks:
                     if self._waiting.get(offset) is batch:  # not reused on its stream meanwhile
                         del self._waiting[offset]
