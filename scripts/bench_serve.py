@@ -242,16 +242,29 @@ def raw_record(args: argparse.Namespace, sock: str) -> dict[str, Any]:
         rows.append(run_load(args, sock, "poisson", rate))
     burst = run_load(args, sock, "burst", 0.0)
     kill_row, kills = kill_run(args, sock) if args.kills > 0 else ({}, [])
-    nvml = sl.NvmlSampler()
+    device = device_name(args.backend, sl.NvmlSampler().device_names())
+    return assemble_record(device, rows, burst, kill_row, kills, args.until_p99_ms)
+
+
+def assemble_record(
+    device: str,
+    rows: list[dict[str, Any]],
+    burst: dict[str, Any],
+    kill_row: dict[str, Any],
+    kills: list[dict[str, Any]],
+    p99_limit_ms: float | None,
+) -> dict[str, Any]:
+    """The issue's record (``device``, ``date``, ``open_loop``, ``restart_ms``,
+    ``lost_under_kill``) and, beyond it, the burst, the kill run and how busy was measured."""
     return {
-        "device": device_name(args.backend, nvml.device_names()),
+        "device": device,
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "open_loop": rows,
         "restart_ms": [round(k["restart_s"] * 1000.0, 1) for k in kills],
         "lost_under_kill": int(kill_row.get("lost", 0)),
         "burst": burst,
         "kill_run": {**kill_row, "kills": kills},
-        "p99_limit_ms": args.until_p99_ms,
+        "p99_limit_ms": p99_limit_ms,
         "gpu_busy_source": "gpu_busy_nvml: NVML utilisation sampled by the bench process; "
         "compute_busy: the daemon's scratchd_compute_seconds over the load's wall time",
     }

@@ -1,0 +1,230 @@
+"""bench_serve's logic: when requests are sent, how rows are summarised and when the rate
+stepping stops, where GPU busy time comes from, the frames, the record's schema and the
+markdown section. (The load itself runs against a daemon: see the script's smoke command.)"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from PIL import Image
+
+from scratchd.ipc.image import decode_image
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def _script(name: str) -> ModuleType:
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    return importlib.import_module(name)
+
+
+sl = _script("serve_load")
+report = _script("serve_report")
+bench = _script("bench_serve")
+
+
+# ---- schedules ----------------------------------------------------------------------------
+
+
+@given(rate=st.floats(1.0, 5000.0), duration=st.floats(0.1, 5.0), seed=st.integers(0, 99))
+def test_poisson_sends_are_ascending_inside_the_window_and_seeded(
+    rate: float, duration: float, seed: int
+) -> None:
+    times = sl.schedule("poisson", duration, rate, seed)
+    assert times == sorted(times)
+    assert all(0.0 <= t < duration for t in times)
+    assert times == sl.schedule("poisson", duration, rate, seed)
+
+
+def test_poisson_sends_come_at_the_rate_asked() -> None:
+    times = np.array(sl.schedule("poisson", 10.0, 2000.0, 7))
+    assert abs(times.size - 20000) < 4 * np.sqrt(20000)  # 4 sigma of a Poisson count
+    gaps = np.diff(times)
+    assert abs(gaps.mean() - 1 / 2000) < 0.03 / 2000
+    assert abs(gaps.std() / gaps.mean() - 1.0) < 0.05  # exponential: std = mean
+
+
+def test_bursts_are_the_seed_pattern() -> None:
+    times = sl.schedule("burst", 6.0, 0.0, 3, burst=23)
+    assert len(times) == 3 * 23
+    for cycle in range(3):
+        inside = [t for t in times if 2.0 * cycle <= t < 2.0 * cycle + 2.0]
+        assert len(inside) == 23
+        assert all(t - 2.0 * cycle <= 0.3 for t in inside)
+
+
+def test_a_bad_pattern_or_rate_is_refused() -> None:
+    with pytest.raises(ValueError, match="pattern"):
+        sl.schedule("steady", 1.0, 10.0, 0)
+    with pytest.raises(ValueError, match="positive"):
+        sl.schedule("poisson", 1.0, 0.0, 0)
+
+
+# ---- summaries and stepping ---------------------------------------------------------------
+
+
+def _client(sent: int, ok: list[float], late: list[float], **other: int) -> dict[str, Any]:
+    statuses = {"ok": len(ok), **other}
+    answered = sum(n for s, n in statuses.items() if s != "connection_lost")
+    return {
+        "sent": sent,
+        "answered": answered,
+        "statuses": statuses,
+        "latencies_ms": ok,
+        "lateness_ms": late,
+        "elapsed_s": 2.0,
+    }
+
+
+def test_a_row_counts_what_was_lost_and_takes_percentiles_over_ok_replies() -> None:
+    a = _client(60, [float(x) for x in range(1, 51)], [0.1] * 60, timeout=5)
+    b = _client(50, [float(x) for x in range(51, 101)], [0.3] * 50, connection_lost=0)
+    row = sl.summarize([a, b], duration=2.0)
+    assert row["sent"] == 110
+    assert row["lost"] == 110 - 105  # five never answered
+    assert row["statuses"] == {"ok": 100, "timeout": 5, "connection_lost": 0}
+    assert row["ok_share"] == round(100 / 110, 4)
+    assert row["throughput"] == 50.0
+    assert row["p50_ms"] == 50.5 and row["p99_ms"] == 99.01 and row["max_ms"] == 100.0
+    assert row["late_p50_ms"] == 0.1 and row["late_max_ms"] == 0.3
+
+
+def test_a_row_without_ok_replies_has_no_percentiles() -> None:
+    row = sl.summarize([_client(10, [], [0.0] * 10, overloaded=10)], duration=1.0)
+    assert row["p99_ms"] is None and row["lost"] == 0 and row["ok_share"] == 0.0
+    assert not sl.meets(row, 1e9)
+
+
+def _row(rate: float, p99: float, lost: int = 0, ok_share: float = 1.0) -> dict[str, Any]:
+    return {"rate": rate, "p99_ms": p99, "lost": lost, "ok_share": ok_share}
+
+
+def test_rates_run_as_listed_then_double_while_p99_holds() -> None:
+    rates = [500.0, 1000.0]
+    rows: list[dict[str, Any]] = []
+    p99_at = {500.0: 3.0, 1000.0: 4.0, 2000.0: 9.0, 4000.0: 25.0}
+    while rate := sl.next_rate(rates, rows, 20.0, 2.0, 64000.0):
+        rows.append(_row(rate, p99_at[rate]))
+    assert [r["rate"] for r in rows] == [500.0, 1000.0, 2000.0, 4000.0]  # 4000 broke 20 ms
+
+
+def test_stepping_stops_at_a_loss_at_failures_and_at_the_cap() -> None:
+    assert sl.next_rate([100.0], [_row(100.0, 1.0, lost=1)], 20.0, 2.0, 1e6) is None
+    assert sl.next_rate([100.0], [_row(100.0, 1.0, ok_share=0.98)], 20.0, 2.0, 1e6) is None
+    assert sl.next_rate([100.0], [_row(100.0, 1.0)], 20.0, 2.0, 150.0) is None
+    assert sl.next_rate([100.0], [_row(100.0, 1.0)], None, 2.0, 1e6) is None  # no --until
+    assert sl.next_rate([100.0], [_row(100.0, 1.0)], 20.0, 1.5, 1e6) == 150.0
+
+
+# ---- GPU busy -----------------------------------------------------------------------------
+
+METRICS = """# HELP scratchd_compute_seconds Compute time per batch.
+# TYPE scratchd_compute_seconds histogram
+scratchd_compute_seconds_bucket{device="cuda:0",le="0.001"} 3.0
+scratchd_compute_seconds_sum{device="cuda:0"} 1.25
+scratchd_compute_seconds_count{device="cuda:0"} 40.0
+scratchd_compute_seconds_sum{device="cuda:1"} 0.5
+scratchd_batch_size_sum{device="cuda:0"} 99.0
+"""
+
+
+def test_compute_seconds_are_read_per_device_from_the_metrics_page() -> None:
+    assert sl.compute_seconds(METRICS) == {"cuda:0": 1.25, "cuda:1": 0.5}
+    after = {"cuda:0": 3.25, "cuda:1": 0.5}
+    assert sl.busy_share(sl.compute_seconds(METRICS), after, 4.0) == {"cuda:0": 0.5, "cuda:1": 0.0}
+
+
+# ---- frames -------------------------------------------------------------------------------
+
+
+def test_frames_are_mosaics_of_real_images_without_masks(data_dir: Path) -> None:
+    paths = sl.image_paths(data_dir)
+    assert not any("masks" in p.parts for p in paths)
+    assert not any(p.suffix == ".png" and p.with_suffix(".jpg").exists() for p in paths)
+    assert {p.suffix for p in paths} >= {".png", ".jpg"}  # SD-900 and magnetic tiles
+    frames = sl.build_frames(paths, 64, 3, seed=5)
+    assert frames.shape == (3, 64, 64) and frames.dtype == np.uint8
+    first = random.Random(5).choice(paths)  # the seeded draw of the first cell
+    grey = Image.fromarray(decode_image(first.read_bytes()))
+    cell = grey.resize((16, 16), Image.Resampling.BILINEAR)
+    assert np.array_equal(frames[0, :16, :16], np.asarray(cell))
+    assert not np.array_equal(frames[0], frames[1])
+    assert np.array_equal(frames, sl.build_frames(paths, 64, 3, seed=5))
+
+
+def test_odd_frame_sizes_are_cropped_mosaics(data_dir: Path) -> None:
+    frames = sl.build_frames(sl.image_paths(data_dir / "sd900"), 30, 1, seed=0)
+    assert frames.shape == (1, 30, 30) and frames.std() > 0
+
+
+# ---- the record and its section -----------------------------------------------------------
+
+
+def _open_loop_row(rate: float) -> dict[str, Any]:
+    row = sl.summarize([_client(10, [1.0] * 10, [0.0] * 10)], duration=1.0)
+    return {"load": f"poisson@{rate:g}/s", "rate": rate, "size": 1024, **row}
+
+
+def test_the_record_has_the_issue_schema() -> None:
+    rows = [_open_loop_row(500.0), _open_loop_row(1000.0)]
+    burst = {**_open_loop_row(0.0), "load": "burst"}
+    kill_row = {**_open_loop_row(2000.0), "lost": 0}
+    kills = [{"worker": "gpu0", "restart_s": 0.0123, "replaced_by": "standby"}]
+    doc = json.loads(
+        json.dumps(bench.assemble_record("NVIDIA H200", rows, burst, kill_row, kills, 20.0))
+    )
+    assert isinstance(doc["device"], str) and doc["date"].endswith("Z")
+    assert doc["restart_ms"] == [12.3] and doc["lost_under_kill"] == 0
+    for row in doc["open_loop"]:
+        for key in ("rate", "size", "p50_ms", "p99_ms", "p999_ms", "throughput", "lost"):
+            assert key in row, key
+        assert isinstance(row["lost"], int)
+
+
+def _doc() -> dict[str, Any]:
+    kill_row = {**_open_loop_row(2000.0), "load": "poisson@2000/s + kill -9"}
+    kills = [{"worker": "gpu0", "restart_s": 0.02, "replaced_by": "standby"}]
+    doc = bench.assemble_record(
+        "NVIDIA H200",
+        [_open_loop_row(500.0)],
+        {**_open_loop_row(0.0), "load": "burst"},
+        kill_row,
+        kills,
+        20.0,
+    )
+    machine = {"cpus": 16, "loadavg_1m_before": 0.1, "loadavg_1m_after": 0.2}
+    daemon = {"backend": "cuda", "duration_s": 10.0, "clients": 8, "images": "mosaics"}
+    return {"machine": machine, "daemon": daemon, **doc}
+
+
+def test_the_markdown_section_is_replaced_in_place_and_nothing_else_moves(tmp_path: Path) -> None:
+    md = tmp_path / "benchmarks.md"
+    md.write_text("# Benchmarks\n\n<!-- other: start -->\nkeep\n<!-- other: end -->\n")
+    section = report.record_markdown(_doc(), "docs/bench/serve-gpu.json")
+    report.rewrite_section(md, section)
+    first = md.read_text()
+    assert first.startswith("# Benchmarks\n\n<!-- other: start -->\nkeep\n<!-- other: end -->\n")
+    assert "| poisson@500/s |" in first and "gpu0 20 ms (standby)" in first
+    report.rewrite_section(md, section.replace("poisson@500/s", "poisson@700/s"))
+    second = md.read_text()
+    assert second.count(report.START) == 1 and "poisson@500/s" not in second
+    assert second.replace("poisson@700/s", "poisson@500/s") == first
+
+
+def test_the_cuda_command_line_defaults_to_the_issue_load() -> None:
+    args = bench.parse_args(["--backend", "cuda"])
+    assert (args.size, args.rates, args.kill_rate) == (1024, "500,1000,2000,4000", 2000.0)
+    assert args.json.endswith("docs/bench/serve-gpu.json")
+    cpu = bench.parse_args([])
+    assert (cpu.size, cpu.rates) == (None, "2,5,10") and cpu.json.endswith("serve-cpu.json")
