@@ -4,10 +4,11 @@ Kept apart from the orchestration so the logic a reader must trust (when request
 how latency and lateness are counted, how percentiles are taken) is small and tested
 (``tests/scripts/test_bench_serve.py``).
 
-A client process (``bench_serve.py --client``) runs one connection and one send loop: it
-sleeps until the next scheduled send, starts that request as its own task (so a slow reply
-never delays a later send: open loop) and records, per request, its *lateness* (when the
-send started minus when it was scheduled: the generator's own delay) and, on a reply, its
+A client process (``bench_serve.py --client``) runs one connection, and a sender thread that
+sleeps until the next scheduled send (``pace``) and has the event loop start that request
+as its own task (so a slow reply never delays a later send: open loop). It records, per
+request, its *lateness* (when the send started minus when it was scheduled: the
+generator's own delay) and, on a reply, its
 latency from the *scheduled* time (no coordinated omission: a stalled generator cannot
 hide a stall of the daemon, it adds to the latency). It prints one JSON object.
 
@@ -22,10 +23,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import sys
 import threading
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
 
@@ -40,6 +43,7 @@ GRID: Final = 4
 BURST_SPREAD_S: Final = 0.3
 BURST_PERIOD_S: Final = 2.0
 IMAGE_SUFFIXES: Final = (".png", ".jpg", ".jpeg", ".bmp")
+SWITCH_INTERVAL_S: Final = 0.0002
 
 
 # ---- schedules ----------------------------------------------------------------------------
@@ -124,7 +128,28 @@ def load_payloads(args: argparse.Namespace) -> list[ImageInput]:
 # ---- one client process -------------------------------------------------------------------
 
 
+def pace(
+    offsets: list[float],
+    start: float,
+    loop: asyncio.AbstractEventLoop,
+    begin: Callable[[int, float], None],
+) -> None:
+    """The sender thread: sleep until each send is due, then hand it to the event loop.
+
+    ``time.sleep`` (nanosleep) wakes within tens of microseconds; an event-loop timer wakes
+    only at the next millisecond (epoll's timeout resolution), which would add up to 1 ms
+    of the generator's own lateness to every latency. ``call_soon_threadsafe`` wakes the
+    loop at once.
+    """
+    for i, at in enumerate(offsets):
+        delay = start + at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        loop.call_soon_threadsafe(begin, i, start + at)
+
+
 async def run_client(args: argparse.Namespace) -> dict[str, Any]:
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # the sender thread gets the GIL when due
     payloads = load_payloads(args)
     offsets = schedule(args.pattern, args.duration, args.rate, args.seed, args.burst)
     latency = [float("nan")] * len(offsets)
@@ -133,6 +158,7 @@ async def run_client(args: argparse.Namespace) -> dict[str, Any]:
     async with await AsyncClient.connect(args.socket) as client:
         loop = asyncio.get_running_loop()
         start = time.perf_counter() + 0.2
+        tasks: list[asyncio.Task[None]] = []
 
         async def one(i: int, due: float) -> None:
             lateness[i] = (time.perf_counter() - due) * 1000.0
@@ -145,11 +171,11 @@ async def run_client(args: argparse.Namespace) -> dict[str, Any]:
             if reply.status == "ok":
                 latency[i] = (time.perf_counter() - due) * 1000.0
 
-        tasks = []
-        for i, at in enumerate(offsets):
-            delay = start + at - time.perf_counter()
-            await asyncio.sleep(max(0.0, delay))  # yields even when behind: replies get read
-            tasks.append(loop.create_task(one(i, start + at)))
+        def begin(i: int, due: float) -> None:
+            tasks.append(loop.create_task(one(i, due)))
+
+        # Every begin() is queued on the loop before the thread's own completion is.
+        await asyncio.to_thread(pace, offsets, start, loop, begin)
         end = start + args.duration + args.grace
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=max(0.0, end - time.perf_counter()))

@@ -63,7 +63,8 @@ def print_raw_table(doc: dict[str, Any]) -> None:
     for k in doc["kill_run"].get("kills", []):
         took = f"{k['restart_s'] * 1000:.0f} ms"
         print(f"restart after kill -9: {k['worker']} {took} ({k['replaced_by']})")
-    print(f"lost under kill: {doc['lost_under_kill']}")
+    if doc["kill_run"].get("kills"):
+        print(f"lost under kill: {doc['lost_under_kill']}")
 
 
 def record_markdown(doc: dict[str, Any], json_path: str) -> str:

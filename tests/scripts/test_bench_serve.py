@@ -8,6 +8,7 @@ import importlib
 import json
 import random
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -228,3 +229,18 @@ def test_the_cuda_command_line_defaults_to_the_issue_load() -> None:
     assert args.json.endswith("docs/bench/serve-gpu.json")
     cpu = bench.parse_args([])
     assert (cpu.size, cpu.rates) == (None, "2,5,10") and cpu.json.endswith("serve-cpu.json")
+
+
+def test_the_sender_hands_every_send_to_the_loop_in_order_and_never_early() -> None:
+    offsets = sl.schedule("poisson", 0.3, 200.0, 11)
+    calls: list[tuple[int, float, float]] = []
+
+    class Loop:
+        def call_soon_threadsafe(self, fn: Any, i: int, due: float) -> None:
+            calls.append((i, due, time.perf_counter()))
+
+    start = time.perf_counter() + 0.01
+    sl.pace(offsets, start, Loop(), lambda i, due: None)
+    assert [i for i, _, _ in calls] == list(range(len(offsets)))
+    assert [due for _, due, _ in calls] == [start + at for at in offsets]
+    assert all(at >= due for _, due, at in calls)
