@@ -1,6 +1,6 @@
 """CPU benchmark: the numpy forward against onnxruntime on the same weights.
 
-    python scripts/bench_cpu.py [--model PATH] [--repeats 5] [--threads N]
+    python scripts/bench_cpu.py [--model PATH] [--repeats 5] [--threads N] [--profile]
         [--json docs/bench/cpu.json]
 
 For each frame size (200x200 single SD-900 tile, 1024x1024 line-camera frame) it times one
@@ -12,18 +12,22 @@ input (onnxruntime gets that work for free). ``--repeats`` runs of each after on
 the table shows the fastest run of each (``*_median_ms`` in the JSON:
 the medians) and the largest probability difference between the two. Also times the full
 ``predict`` (post-processing and the model's test-time views included, median) per image.
+``--profile`` adds each layer's median time within the forward (``layers_ms`` in the JSON;
+the schedule's layer functions timed in place, so the sum is a little under the total).
 Time it on an otherwise idle machine (``uptime`` load well under 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,7 @@ import onnxruntime as ort
 import torch
 import torch.nn.functional as F
 
+from scratchd.kernels import _cpu, cpu_schedule, net
 from scratchd.kernels.model import ScratchNet, load_model
 from scratchd.kernels.normalize_pad import normalize_pad_ref
 from scratchd.kernels.torchnet import TorchScratchNet, load_weights
@@ -80,7 +85,53 @@ def run_seconds(fn: Any, repeats: int) -> list[float]:
     return times
 
 
-def bench_size(model: ScratchNet, h: int, w: int, threads: int, repeats: int) -> dict[str, Any]:
+@contextlib.contextmanager
+def layer_timer(model: ScratchNet) -> Iterator[dict[str, list[float]]]:
+    """Times every layer function the CPU forward calls (by name, one list per layer),
+    by wrapping them in ``cpu_schedule`` / ``net`` for the duration."""
+    times: dict[str, list[float]] = {}
+    blocks = [b.name for b in net.block_plan(model.config)]
+    calls = {"n": 0}
+    names = {"stem_cpu": "stem", "prob_head_cpu": "prob_head"}
+    saved = {k: getattr(cpu_schedule, k) for k in ("stem_cpu", "ds_block_cpu", "prob_head_cpu")}
+    saved_head = net.pwconv_ref
+
+    def timed(fn: Any, label: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            times.setdefault(label(), []).append(time.perf_counter() - t)
+            return out
+
+        return wrapper
+
+    def block() -> str:
+        calls["n"] += 1
+        return blocks[(calls["n"] - 1) % len(blocks)]
+
+    for k, fn in saved.items():
+        setattr(cpu_schedule, k, timed(fn, block if k == "ds_block_cpu" else lambda k=k: names[k]))
+    net.pwconv_ref = timed(saved_head, lambda: "head")
+    try:
+        yield times
+    finally:
+        for k, fn in saved.items():
+            setattr(cpu_schedule, k, fn)
+        net.pwconv_ref = saved_head
+
+
+def profile_layers(model: ScratchNet, image: np.ndarray, repeats: int) -> dict[str, float]:
+    """Median milliseconds of each layer over ``repeats`` forwards (after one warm-up)."""
+    model.forward(image)
+    with layer_timer(model) as times:
+        for _ in range(repeats):
+            model.forward(image)
+    return {k: round(statistics.median(v) * 1000, 3) for k, v in times.items()}
+
+
+def bench_size(
+    model: ScratchNet, h: int, w: int, threads: int, repeats: int, profile: bool
+) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     image = np.clip(rng.normal(110, 25, (1, h, w)), 0, 255).astype(np.uint8)
     sess = onnx_session(model, h, w, threads)
@@ -90,6 +141,7 @@ def bench_size(model: ScratchNet, h: int, w: int, threads: int, repeats: int) ->
     t_np = run_seconds(lambda: model.forward(image), repeats)
     t_ort = run_seconds(lambda: sess.run(["prob"], {"x": x}), repeats)
     t_pred = run_seconds(lambda: model.predict([image[0]]), max(1, repeats // 2))
+    layers = profile_layers(model, image, max(repeats, 10)) if profile else None
     return {
         "size": f"{h}x{w}",
         "numpy_ms": round(min(t_np) * 1000, 2),
@@ -101,6 +153,7 @@ def bench_size(model: ScratchNet, h: int, w: int, threads: int, repeats: int) ->
         "max_abs_prob_diff": float(np.abs(ours - theirs).max()),
         "predict_ms": round(statistics.median(t_pred) * 1000, 2),
         "predict_views": len(model.views),
+        **({"layers_ms": layers} if layers else {}),
     }
 
 
@@ -112,11 +165,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", type=Path, default=Path("docs/bench/cpu.json"))
+    ap.add_argument("--profile", action="store_true", help="also time each layer")
     args = ap.parse_args()
     load_before = os.getloadavg()[0]
     torch.set_num_threads(args.threads)
     model = load_model(args.model)
-    rows = [bench_size(model, h, w, args.threads, args.repeats) for h, w in SIZES]
+    rows = [bench_size(model, h, w, args.threads, args.repeats, args.profile) for h, w in SIZES]
     head = ("size", "numpy ms", "ort ms", "ratio", "(median)", "max diff", "predict ms")
     print("{:>10} {:>10} {:>10} {:>6} {:>9} {:>9} {:>11}".format(*head))
     for r in rows:
@@ -125,10 +179,16 @@ def main() -> None:
             f"{r['ratio']:>6.2f} {r['ratio_median']:>9.2f} {r['max_abs_prob_diff']:>9.1e} "
             f"{r['predict_ms']:>11.1f}"
         )
+    for r in rows:
+        if "layers_ms" in r:
+            print(f"{r['size']} per layer (median ms): " + ", ".join(
+                f"{k} {v:.2f}" for k, v in r["layers_ms"].items()
+            ))  # fmt: skip
     report = {
         "machine": {
             "cpu_count": os.cpu_count(), "threads": args.threads, "numpy": np.__version__,
             "onnxruntime": ort.__version__, "python": platform.python_version(),
+            "kernels_isa": _cpu.ISAS[-1],
         },
         "model": model.version,
         "params": model.meta.params,
