@@ -89,14 +89,19 @@ class CudaBackend:
         self.boot_ms: dict[str, float] = {}
         t0 = time.perf_counter()
         self.cp = cp = cu.cupy()
+        self.boot_ms["import_cupy"] = _ms(t0)
+        t0 = time.perf_counter()
         cp.cuda.Device(0).use()
+        cp.cuda.runtime.free(0)  # creates the primary context now, not at the first kernel
         bus_id = cp.cuda.runtime.deviceGetPCIBusId(0)
         self.boot_ms["cuda_context"] = _ms(t0)
         from scratchd.workers.gpu_memory import handle_for_pci_bus
 
         self.nvml = handle_for_pci_bus(bus_id)
         self.cpus, self.affinity_note = pin_near(self.nvml)
+        t0 = time.perf_counter()
         self.arena = self._open_arena(arena_mb * MIB, reserve_mb * MIB)
+        self.boot_ms["arena"] = _ms(t0)
         t0 = time.perf_counter()
         model = load_model(model_path or None)
         self.net = CudaScratchNet(model)
@@ -117,7 +122,8 @@ class CudaBackend:
     # ---- boot -------------------------------------------------------------------------
 
     def warm_up(self) -> None:
-        """Capture the warm sizes' graphs for every bucket free memory allows."""
+        """Capture the warm sizes' graphs for every bucket free memory allows (``graphs``:
+        modules from CuPy's disk cache, buffers, capture, one real pass)."""
         t0 = time.perf_counter()
         for size in self.warm_sizes:
             footprints: dict[int, int] = {}
@@ -152,7 +158,6 @@ class CudaBackend:
             )
         arena = DeviceArena(size)
         arena.install()
-        self.boot_ms["arena_mb"] = round(size / MIB)
         return arena
 
     def fragmentation_ratio(self) -> float:

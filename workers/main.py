@@ -272,6 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"scratchd worker slot {args.slot}: boot failed: {reason}", file=sys.stderr)
         _write_all(args.ready_fd, f"BOOT_ERROR {reason}\n".encode())
         return ExitCode.BOOT_ERROR
+    _log_boot(args.slot, backend)
     _write_all(args.ready_fd, ready_line(backend.device, backend.version))
     os.close(args.ready_fd)
     slot = args.slot
@@ -342,6 +343,22 @@ def serve(
     if code is ExitCode.OK:
         queue.close()
     return code
+
+
+def since_exec_ms() -> float:
+    """Milliseconds since this process was exec'd (``/proc/self/stat`` start time; the
+    kernel counts it in clock ticks, so ±10 ms)."""
+    with open("/proc/self/stat") as f:
+        start_ticks = int(f.read().rpartition(")")[2].split()[19])
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / ticks) * 1000.0
+
+
+def _log_boot(slot: int, backend: Backend) -> None:
+    """One stderr line with the boot's parts (the CUDA backend measures its own)."""
+    parts = {"total": round(since_exec_ms()), **getattr(backend, "boot_ms", {})}
+    where = "standby" if slot == STANDBY_SLOT else f"slot {slot}"
+    print(f"scratchd worker {where}: ready on {backend.device}, boot ms {parts}", file=sys.stderr)
 
 
 def _write_all(fd: int, data: bytes) -> None:
