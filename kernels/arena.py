@@ -54,19 +54,23 @@ Stream-ordered reuse (``StreamOrderedArena`` / ``DeviceArena``), in the order th
 1. Free (the last reference to a CuPy array's memory dies): the block's owner appends
    ``(offset, size, current stream)`` to a lock-free deque — nothing else, no CUDA call, because
    this runs inside ``__del__``, at any point, possibly while this thread holds the arena lock.
-2. The next allocation (or ``collect``/``stats``) drains that deque under the lock: per stream,
-   one event is recorded on that stream for all blocks it freed. Recording at drain time rather
-   than at free time is later in the same stream's order, so the event still completes only
-   after every kernel enqueued before the free.
-3. Each stream's batches wait in record order. An allocation first retires, per stream, the
-   batches whose event has completed (``cudaEventQuery``, never a synchronisation): their
-   blocks go back to the buddy/slab allocator and may go to any stream.
-4. An allocation on stream S of the same rounded size takes a block still waiting behind S's
-   own event: stream order makes that safe (its kernels run after S's earlier ones). A block
-   waiting on stream S is never handed to another stream before its event completes.
-5. Otherwise the buddy/slab allocator serves it. Only when that is exhausted does the arena
-   block the host: it waits on the oldest waiting events one at a time and retries, and raises
-   :class:`ArenaExhausted` (a ``MemoryError``, like CuPy's) when nothing is left to wait for.
+2. The next allocation (or ``collect``/``stats``) drains that deque under the lock into the
+   freeing stream's open batch. Those blocks are in no free list: no other stream can get them.
+3. A stream's open batch is sealed — one event recorded on that stream for all its blocks —
+   once it holds ``SEAL_BLOCKS`` blocks or ``SEAL_BYTES`` bytes, and always in ``collect``,
+   ``stats``, ``synchronize`` and before the slow path (6). Recording later than the free is
+   later in the same stream's order, so the event still completes only after every kernel
+   enqueued before the free; batching saves an event record per free.
+4. Sealed batches wait per stream in record order. An allocation retires (at most every
+   ``RETIRE_INTERVAL_NS``), per stream, the batches whose event has completed
+   (``cudaEventQuery``, never a synchronisation): their blocks go back to the buddy/slab
+   allocator and may go to any stream. Completed events are recorded again later.
+5. An allocation on stream S of the same rounded size takes a block waiting in one of S's own
+   batches (open or sealed): stream order makes that safe (its kernels run after S's earlier
+   ones). A block freed on S never goes to another stream before S's event has completed.
+6. Otherwise the buddy/slab allocator serves it. Only when that is exhausted does the arena
+   block the host: it seals every batch, waits on the oldest events one at a time and retries,
+   and raises :class:`ArenaExhausted` (a ``MemoryError``, like CuPy's) when nothing is left.
 
 The free-time stream is the one that must order every use of the block before the free (the
 convention of CuPy's stream-ordered memory). Threads: ``allocate`` holds ``_lock``; ``release``
@@ -79,14 +83,18 @@ from __future__ import annotations
 import enum
 import heapq
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-ALIGN = 256  # bytes; CuPy's allocation granularity is a multiple of it
+ALIGN_SHIFT = 8
+ALIGN = 1 << ALIGN_SHIFT  # 256 bytes; CuPy's allocation granularity is a multiple of it
 SMALL_MAX = 64 << 10  # largest request served from a slab
 SLAB_BYTES = 1 << 20  # one slab, carved from one buddy block
+SEAL_BLOCKS, SEAL_BYTES = 32, 32 << 20  # a stream's frees get an event after this many
+RETIRE_INTERVAL_NS = 20_000  # the allocation path asks the events at most this often
 TRIM_BITS = 4  # significant bits kept of a large request's size (see "Trimmed blocks")
 
 
@@ -254,8 +262,10 @@ class OffsetArena:
     def __init__(
         self, total: int, *, small_max: int = SMALL_MAX, slab_bytes: int = SLAB_BYTES
     ) -> None:
-        self.small_max = ALIGN << order_of(small_max) if small_max > 0 else 0  # 0: no slabs
-        if self.small_max and (slab_bytes & (slab_bytes - 1) or slab_bytes < 2 * self.small_max):
+        self.small_max = ALIGN << order_of(small_max) if small_max > 0 else -1  # -1: no slabs
+        if self.small_max > 0 and (
+            slab_bytes & (slab_bytes - 1) or slab_bytes < 2 * self.small_max
+        ):
             raise ValueError(f"slab_bytes {slab_bytes}: need a power of two ≥ 2 × {small_max}")
         self.buddy = BuddyAllocator(total)
         self.total, self.used = total, 0
@@ -266,17 +276,19 @@ class OffsetArena:
 
     def reserved(self, size: int) -> int:
         """Bytes a request of ``size`` takes (its slab class, or its trimmed buddy blocks)."""
-        if self.small_max > 0 and size <= self.small_max:
-            return ALIGN << order_of(size)
+        if size <= self.small_max:
+            return ALIGN << ((size - 1) >> ALIGN_SHIFT).bit_length() if size > ALIGN else ALIGN
         return ALIGN * large_units(size)
 
-    def allocate(self, size: int) -> int:
-        """Offset of a new block of at least ``size`` bytes, aligned to ``ALIGN``."""
+    def allocate(self, size: int, reserved: int = 0) -> int:
+        """Offset of a new block of at least ``size`` bytes, aligned to ``ALIGN``.
+
+        ``reserved``: ``self.reserved(size)`` when the caller has it already.
+        """
         if size < 0:
             raise ValueError(f"negative allocation size {size}")
-        reserved = self.reserved(size)
-        small = self.small_max > 0 and size <= self.small_max
-        offset = self._allocate_small(reserved) if small else None
+        reserved = reserved or self.reserved(size)
+        offset = self._allocate_small(reserved) if size <= self.small_max else None
         if offset is None:  # a large request, or a small one with no room for a new slab
             found = self.buddy.allocate_units(reserved // ALIGN)
             if found is None:
@@ -363,57 +375,65 @@ class Event(Protocol):
 
 
 class _Batch:
-    """Blocks one stream freed between two drains, behind one event recorded on that stream."""
+    """Blocks one stream freed, then (once sealed) behind one event recorded on that stream."""
 
-    __slots__ = ("blocks", "event", "stream")
+    __slots__ = ("blocks", "event", "nbytes", "stream")
 
-    def __init__(self, event: Event, stream: Any, blocks: list[tuple[int, int]]) -> None:
+    def __init__(self, stream: Any) -> None:
         # Holding the stream keeps it alive while blocks wait on it: a destroyed stream's
         # handle could be reused by a new stream that is not ordered after the old one.
-        self.event, self.stream, self.blocks = event, stream, blocks  # (offset, reserved size)
+        self.stream = stream
+        self.event: Event | None = None  # recorded on ``stream`` when the batch is sealed
+        self.blocks: list[tuple[int, int]] = []  # (offset, reserved size)
+        self.nbytes = 0
 
 
 class StreamOrderedArena:
-    """An :class:`OffsetArena` whose freed blocks wait behind events (module docstring, 1–5)."""
+    """An :class:`OffsetArena` whose freed blocks wait behind events (module docstring, 1–6)."""
 
     def __init__(self, total: int, new_event: Callable[[], Event], **slabs: int) -> None:
         self.offsets = OffsetArena(total, **slabs)
         self._new_event = new_event
         self._spare_events: list[Event] = []
         self._released: deque[tuple[int, int, Any]] = deque()  # (offset, reserved, stream)
-        self._batches: dict[int, deque[_Batch]] = {}  # stream ptr → batches, record order
+        self._open: dict[int, _Batch] = {}  # stream ptr → its batch not sealed yet
+        self._sealed: dict[int, deque[_Batch]] = {}  # stream ptr → sealed batches, record order
         self._waiting: dict[int, _Batch] = {}  # offset → the batch it waits in
         self._reusable: dict[tuple[int, int], dict[int, None]] = {}  # (stream, size) → offsets
-        self._waiting_bytes = self._batch_count = 0
+        self._waiting_bytes = self._sealed_count = self._next_retire_ns = 0
         self._lock = threading.Lock()
 
     def release(self, offset: int, reserved: int, stream: Any) -> None:
         """Called when the last user of a block is gone (any thread, inside ``__del__``)."""
         self._released.append((offset, reserved, stream))
 
-    def allocate(self, size: int, stream: Any) -> int:
-        """Offset of a block that work enqueued on ``stream`` from now on may use."""
-        reserved = self.offsets.reserved(size)
+    def allocate(self, size: int, stream: Any, reserved: int = 0) -> int:
+        """Offset of a block that work enqueued on ``stream`` from now on may use.
+
+        ``reserved``: ``offsets.reserved(size)`` when the caller has it already.
+        """
+        reserved = reserved or self.offsets.reserved(size)
         with self._lock:
             if self._released:
                 self._drain()
-            if self._batch_count:
+            if self._sealed_count and time.perf_counter_ns() >= self._next_retire_ns:
                 self._retire()
             bucket = self._reusable.get((stream.ptr, reserved))
-            if bucket:  # still behind this stream's own event: stream order makes it safe
+            if bucket:  # freed on this stream: its later work runs after the earlier frees
                 offset, _ = bucket.popitem()
                 del self._waiting[offset]
                 self._waiting_bytes -= reserved
                 return offset
             try:
-                return self.offsets.allocate(size)
+                return self.offsets.allocate(size, reserved)
             except ArenaExhausted:
                 return self._allocate_after_waiting(size)
 
     def collect(self) -> ArenaStats:
-        """Drain released blocks, retire completed events; the stats after that."""
+        """Drain released blocks, seal every batch, retire completed events; the stats then."""
         with self._lock:
             self._drain()
+            self._seal_all()
             self._retire()
             return self.offsets.stats(self._waiting_bytes)
 
@@ -421,8 +441,10 @@ class StreamOrderedArena:
         """Wait for every pending event (not in the hot path: tests, shutdown)."""
         with self._lock:
             self._drain()
-            for batches in self._batches.values():
+            self._seal_all()
+            for batches in self._sealed.values():
                 for batch in batches:
+                    assert batch.event is not None
                     batch.event.synchronize()
             self._retire()
 
@@ -430,41 +452,54 @@ class StreamOrderedArena:
         return self.collect().fragmentation_ratio
 
     def _drain(self) -> None:
-        by_stream: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
         while self._released:
             offset, reserved, stream = self._released.popleft()
-            by_stream.setdefault(stream.ptr, (stream, []))[1].append((offset, reserved))
-        for ptr, (stream, blocks) in by_stream.items():
-            event = self._spare_events.pop() if self._spare_events else self._new_event()
-            event.record(stream)
-            batch = _Batch(event, stream, blocks)
-            self._batches.setdefault(ptr, deque()).append(batch)
-            self._batch_count += 1
-            for offset, reserved in blocks:
-                self._waiting[offset] = batch
-                self._reusable.setdefault((ptr, reserved), {})[offset] = None
-                self._waiting_bytes += reserved
+            ptr = stream.ptr
+            batch = self._open.get(ptr)
+            if batch is None:
+                batch = self._open[ptr] = _Batch(stream)
+            batch.blocks.append((offset, reserved))
+            batch.nbytes += reserved
+            self._waiting[offset] = batch
+            self._reusable.setdefault((ptr, reserved), {})[offset] = None
+            self._waiting_bytes += reserved
+            if len(batch.blocks) >= SEAL_BLOCKS or batch.nbytes >= SEAL_BYTES:
+                self._seal(ptr)
+
+    def _seal(self, ptr: int) -> None:
+        batch = self._open.pop(ptr)
+        event = self._spare_events.pop() if self._spare_events else self._new_event()
+        event.record(batch.stream)
+        batch.event = event
+        self._sealed.setdefault(ptr, deque()).append(batch)
+        self._sealed_count += 1
+
+    def _seal_all(self) -> None:
+        for ptr in list(self._open):
+            self._seal(ptr)
 
     def _retire(self) -> None:
-        for ptr, batches in self._batches.items():
-            while batches and batches[0].event.done:  # one stream's events complete in order
-                batch = batches.popleft()
-                self._batch_count -= 1
+        self._next_retire_ns = time.perf_counter_ns() + RETIRE_INTERVAL_NS
+        for ptr, batches in self._sealed.items():
+            while batches and batches[0].event.done:  # type: ignore[union-attr]
+                batch = batches.popleft()  # one stream's events complete in record order
+                self._sealed_count -= 1
                 for offset, reserved in batch.blocks:
                     if self._waiting.get(offset) is batch:  # not reused on its stream meanwhile
                         del self._waiting[offset]
                         del self._reusable[(ptr, reserved)][offset]
                         self._waiting_bytes -= reserved
                         self.offsets.free(offset)
-                self._spare_events.append(batch.event)
+                self._spare_events.append(batch.event)  # type: ignore[arg-type]
 
     def _allocate_after_waiting(self, size: int) -> int:
-        """The slow path: block on the oldest waiting events, one at a time, and retry."""
+        """The slow path: seal everything, block on the oldest events one at a time, retry."""
+        self._seal_all()
         while True:
-            heads = [batches[0] for batches in self._batches.values() if batches]
+            heads = [batches[0] for batches in self._sealed.values() if batches]
             if not heads:
                 return self.offsets.allocate(size)  # raises ArenaExhausted
-            heads[0].event.synchronize()
+            heads[0].event.synchronize()  # type: ignore[union-attr]
             self._retire()
             try:
                 return self.offsets.allocate(size)
@@ -532,8 +567,9 @@ class DeviceArena:
         if self._runtime.getDevice() != self.device_id:
             raise ArenaError(f"arena of device {self.device_id} asked from another device")
         stream = self._current_stream()
-        offset = self.arena.allocate(size, stream)
-        block = _Block(self.arena, offset, self.arena.offsets.reserved(size), self._current_stream)
+        reserved = self.arena.offsets.reserved(size)
+        offset = self.arena.allocate(size, stream, reserved)
+        block = _Block(self.arena, offset, reserved, self._current_stream)
         return self._pointer(self._unowned(self.base + offset, size, block, self.device_id), 0)
 
     __call__ = malloc

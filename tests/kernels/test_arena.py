@@ -24,6 +24,7 @@ from hypothesis.stateful import (
 
 from scratchd.kernels.arena import (
     ALIGN,
+    SEAL_BLOCKS,
     ArenaExhausted,
     DeviceArena,
     InvalidFree,
@@ -250,14 +251,29 @@ def test_a_block_freed_on_one_stream_waits_for_its_event_before_another_stream_g
     arena.release(x, 4096, A)
     y = arena.allocate(4096, B)  # A's work may still read x: B must not get it
     assert y != x
-    assert [e.stream for e in events] == [A]
     z = arena.allocate(4096, A)  # A's own later work runs after the free in stream order
     assert z == x
     arena.release(z, 4096, A)
+    arena.collect()  # seals A's batch: one event recorded on A
+    assert [e.stream for e in events] == [A]
     assert arena.allocate(4096, B) not in (x, y)
+    events[0].done = True
+    arena.collect()
+    assert arena.allocate(4096, B) == x  # the event completed: any stream may have it now
+
+
+def test_a_stream_seals_its_frees_behind_one_event_per_batch() -> None:
+    arena, events = make_arena(64 << 20)
+    blocks = [arena.allocate(4096, A) for _ in range(3 * SEAL_BLOCKS)]
+    for offset in blocks:
+        arena.release(offset, 4096, A)
+    arena.allocate(ALIGN, B)  # drains: every SEAL_BLOCKS frees of A get one event
+    assert [e.stream for e in events] == [A] * 3
+    assert arena.allocate(4096, B) not in blocks
     for event in events:
         event.done = True
-    assert arena.allocate(4096, B) == x  # the event completed: any stream may have it now
+    arena.collect()
+    assert arena.collect().used == ALIGN + 4096
 
 
 def test_completed_events_return_blocks_and_are_recycled() -> None:
@@ -367,6 +383,7 @@ def test_cross_stream_reuse_waits_for_the_event() -> None:
             del z
         arena.stats()  # drains z's free: its event is recorded on A
         a.synchronize()
+        arena.stats()  # retires the completed event
         with b:
             w = cp.empty(n, cp.uint8)  # A's event has completed: B may have the block now
         assert w.data.ptr == ptr
