@@ -4,6 +4,10 @@ The model is a few dicts. Every rule applies an operation to both and compares w
 depends on: claim order (priority, then deadline, then FIFO), which requests time out, that
 every submitted request is answered exactly once (or dropped because its client left), that
 no descriptor leaks and that stale claims cannot complete.
+
+submit, claim, complete and collect run in C (``ipc/_native.c``) while expiry, reclaim,
+abandonment and repair stay in Python over the same links, so the state machine interleaves
+both writers; ``index_is_well_formed`` walks every list after every step.
 """
 
 from __future__ import annotations
@@ -262,6 +266,40 @@ class QueueModel(RuleBasedStateMachine):
         assert self.q.depth_by_priority() == depth
         earliest = min((r.deadline for r in self.queued.values()), default=None)
         assert self.q.next_deadline_ns() == earliest
+
+    @invariant()
+    def index_is_well_formed(self) -> None:
+        """Ready lists, wheel buckets and the done stack hold exactly the descriptors their
+        states say, doubly linked both ways, ready lists in (deadline, seq) order."""
+        seg, d = self.q._seg, self.q._seg.descs
+        state = d["state"]
+        queued = {int(i) for i in np.flatnonzero(state == DescState.QUEUED)}
+        in_lists: set[int] = set()
+        for p in range(8):
+            walk, i, prev = [], int(seg.ready_head[p]), -1
+            while i != -1:
+                assert int(d["rprev"][i]) == prev and int(d["priority"][i]) == p
+                walk.append(i)
+                prev, i = i, int(d["rnext"][i])
+            assert int(seg.ready_tail[p]) == prev and int(seg.ready_count[p]) == len(walk)
+            keys = [(int(d["deadline_ns"][i]), int(d["seq"][i])) for i in walk]
+            assert keys == sorted(keys)
+            in_lists |= set(walk)
+        assert in_lists == queued
+        in_wheel: set[int] = set()
+        for b in np.flatnonzero(seg.wheel_head != -1).tolist():
+            i, prev = int(seg.wheel_head[b]), -1
+            while i != -1:
+                assert int(d["wprev"][i]) == prev and int(d["wbucket"][i]) == b
+                in_wheel.add(i)
+                prev, i = i, int(d["wnext"][i])
+        assert in_wheel == queued
+        stacked, i = set(), int(self.q._done_head[0])
+        while i != -1:
+            stacked.add(i)
+            i = int(d["rnext"][i])
+        assert stacked == {int(i) for i in np.flatnonzero(state >= DescState.DONE)}
+        assert self.q.ready_count() == len(queued)
 
     def teardown(self) -> None:
         # Drain: finish every claim, expire the rest, collect. Then every request ever
