@@ -13,7 +13,10 @@ EXTENSIONS: list[Extension] = [
     # Each entry: Extension("scratchd.<subpkg>._<name>", ["<subpkg>/_<name>.c"], ...)
     Extension("scratchd.ipc._native", ["ipc/_native.c"], extra_compile_args=CFLAGS),
     Extension(
-        "scratchd.kernels._cpu", ["kernels/_cpu.c"], extra_compile_args=[*CFLAGS, "-Wno-psabi"]
+        "scratchd.kernels._cpu",
+        ["kernels/_cpu.c"],
+        depends=["kernels/_cpu_kernels.h"],
+        extra_compile_args=[*CFLAGS, "-Wno-psabi"],
     ),
 ]
 

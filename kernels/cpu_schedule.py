@@ -13,11 +13,11 @@ for each band (i, rows r0..r1), on the calling thread and the pool's threads:
     o = relu(o + pw_b (+ x[i, r0:r1]))           # _cpu.bias_relu: one pass, in place
 ```
 
-The band kernels are C (``kernels/_cpu.c``: zero padding never materialised, channels
-vectorised, the GIL released); the pointwise convolutions stay BLAS. The depthwise kernel
-adds the taps in the reference's order and rounding, so ``y`` equals ``dwconv3x3_ref``'s
-rows exactly; only BLAS's summation order differs from ``pwconv_ref`` (float32 rounding,
-well under 1e-5; ``tests/kernels/test_net.py`` checks the whole network).
+The band kernels are C (``kernels/_cpu.c``, ``_cpu_kernels.h``: zero padding never
+materialised, channels vectorised, the GIL released); the pointwise convolutions stay BLAS.
+The depthwise kernel adds the taps in the reference's order and rounding, so ``y`` equals
+``dwconv3x3_ref``'s rows exactly; only BLAS's summation order differs from ``pwconv_ref``
+(float32 rounding, well under 1e-5; ``tests/kernels/test_net.py`` checks the network).
 
 Decoder blocks never build ``upsample_concat``'s tensor: ``_cpu.dwconv3x3_join`` reads the
 low-resolution input and the skip directly. A 3x3 tap on a nearest-2x-upsampled image
@@ -26,12 +26,18 @@ reads, for output row ``2i + a``, low-res rows ``i - 1, i, i`` (``a = 0``) or
 channels is a 2x2 convolution at low resolution with summed weights (4 taps instead of 9;
 float32 rounding of the sums differs from the reference's order). The skip's channels are
 a plain 3x3; both land in one ``[R, Wo, C1 + C2]`` band and one matmul with ``pw_w``.
+(The pointwise conv itself cannot move to low resolution: the depthwise conv and ReLU sit
+between the upsampling and it.)
 
-The stem (one input channel, stride 2) is ``_cpu.stem3x3``, direct; the head's bilinear
-upsampling is numpy band by band (:func:`prob_head_cpu`).
+The stem (one input channel, stride 2) is ``_cpu.stem3x3``, direct. The head upsamples with
+``_cpu.bilinear2x`` (the reference's float32 operations, so bit for bit) and applies
+``sigmoid_ref`` band by band.
 
-Costs that are not arithmetic: every Python-level call costs about 1-2 us and holds the
-GIL that long, and a band also streams its layer's weights, so bands are large (2 MB, and
+Where the time goes (one thread, 200x200, shipped model): the pointwise matmuls ~9.5 ms at
+OpenBLAS's peak, the depthwise kernels ~1.6 ms, stem 0.2, epilogues 0.3, head 0.1; two
+threads take ~8 ms (``scripts/bench_cpu.py --profile`` times each layer). What is not
+arithmetic: each layer hands bands to the pool (~20-50 us of wake-up), and every Python call
+between the kernels holds the GIL for a microsecond or two, so bands are large (2 MB, and
 at least one per core: a 200x200 frame's layers are one band per core).
 """
 

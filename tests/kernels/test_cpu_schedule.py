@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from scratchd.kernels import cpu_bands, cpu_schedule
 from scratchd.kernels.conv3x3 import conv3x3_ref
 from scratchd.kernels.dwconv3x3 import dwconv3x3_ref
+from scratchd.kernels.prob_head import prob_head_ref
 from scratchd.kernels.pwconv import pwconv_ref
 from scratchd.kernels.upsample_concat import upsample_concat_ref
 
@@ -82,6 +83,16 @@ def test_stem_equals_reference(band_bytes: int, shape: tuple[int, int, int]) -> 
     w, b = randn(2, 3, 3, 1, 16), randn(3, 16, scale=0.1)
     got = cpu_schedule.stem_cpu(x, w, b)
     np.testing.assert_allclose(got, conv3x3_ref(x, w, b, 2, "relu"), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("crop", [(1, 6, 7, 11, 13), (2, 52, 52, 104, 103), (1, 1, 1, 1, 2)])
+def test_prob_head_is_the_reference_bit_for_bit(
+    band_bytes: int, crop: tuple[int, int, int, int, int]
+) -> None:
+    n, h, w, height, width = crop
+    logits = randn(h, n, h, w, 1, scale=4.0)
+    got = cpu_schedule.prob_head_cpu(logits, height, width)
+    np.testing.assert_array_equal(got, prob_head_ref(logits, height, width))
 
 
 def test_block_output_comes_from_the_workspace_and_is_fully_rewritten() -> None:
