@@ -6,8 +6,8 @@ For one image (all numpy, no Python loop over pixels):
 2. Connected components (8-connectivity) are found on *runs*: each row of the mask is split
    into maximal horizontal runs of foreground pixels; two runs on adjacent rows touch when
    their column ranges overlap or meet diagonally. Runs are joined by vectorised union-find
-   (min-label propagation over the touching pairs with pointer jumping), so the cost grows
-   with the number of runs, not of pixels.
+   (hooking the roots of touching pairs, then full path compression, until no pair spans
+   two roots), so the cost grows with the number of runs, not of pixels.
 3. Components with fewer than ``min_area`` pixels are dropped; the returned mask holds only
    the kept ones (0/255), so mask and boxes always agree.
 4. Each kept component gives a box ``(x0, y0, x1, y1, score)`` in pixel-edge coordinates
@@ -84,19 +84,25 @@ def label_runs(mask: np.ndarray) -> Runs:
 
 def link_runs(row: np.ndarray, start: np.ndarray, end: np.ndarray, width: int) -> Runs:
     """Label row-major sorted runs (``find_runs`` order) by 8-connected component."""
-    labels = np.arange(len(row))
+    labels = np.arange(len(row))  # parent of each run; a parent index never exceeds its own
     pairs = _touching_pairs(row, start, end, width)
     if len(pairs):
         a, b = pairs[:, 0], pairs[:, 1]
         while True:
-            low = np.minimum(labels[a], labels[b])
-            new = labels.copy()
-            np.minimum.at(new, a, low)
-            np.minimum.at(new, b, low)
-            new = new[new]  # pointer jumping: follow each label to its own label
-            if np.array_equal(new, labels):
+            # Hook: the larger root of each touching pair points to the smaller one; then
+            # compress every path to its root. A root is the smallest run of its tree, so
+            # at the end each run is labelled with its component's first run.
+            ra, rb = labels[a], labels[b]
+            split = ra != rb
+            if not split.any():
                 break
-            labels = new
+            ra, rb = ra[split], rb[split]
+            np.minimum.at(labels, np.maximum(ra, rb), np.minimum(ra, rb))
+            while True:
+                up = labels[labels]
+                if np.array_equal(up, labels):
+                    break
+                labels = up
     roots, label = np.unique(labels, return_inverse=True)
     return Runs(row, start, end, label.astype(np.int64), len(roots))
 
