@@ -14,16 +14,20 @@ in the constructor; one CUDA graph is captured per input buffer ``k``::
 All buffers but the inputs are shared by the ``k`` graphs: compute is serialised on
 ``stream``, so the worker uploads batch k+1 into the other input while batch k computes.
 
-Lifecycle (``ServeState``), one batch at a time::
+Lifecycle (``ServeState``), one batch on the device at a time::
 
-    READY ──launch(k)──▶ LAUNCHED ──fetch(n, want_mask)──▶ READY
+    READY ──launch(k)──▶ LAUNCHED ──collect(n)──▶ READY        fetch = collect + finish
+
+``collect`` leaves the results on the host (:class:`Collected`), so a worker can launch the
+next batch before it ``finish`` es this one: the host finish overlaps the next graph.
 
 ``launch`` is asynchronous (it only enqueues: an optional wait on the worker's upload event,
 the graph, two timing events and ``released[k]``, after which ``inputs[k]`` may be
-overwritten). ``fetch`` enqueues the device → host copies of the small outputs of the first
-``n`` frames into pinned staging buffers (score, entropy and run count of the bucket;
-histograms and run records of ``n`` frames: 16 KB + 64 KB a frame at the default capacity),
-waits on an event recorded after them, and finishes each frame on the host from its runs
+overwritten). ``fetch`` copies the small outputs device → host into pinned staging buffers
+on ``stream``, in two steps that each end waiting on an event: first score, entropy and run
+count of the bucket and the histograms of the first ``n`` frames (256 B a frame); then, in one
+strided copy, as many run records of each of the ``n`` frames as the fullest one has (16 B a
+run). It then finishes each frame on the host from its runs
 (``postprocess.finish_runs``: the CPU path's own code). A frame whose runs overflowed the
 capacity is finished from its mean map (one 4 B/pixel copy, then ``postprocess``); it is
 counted in ``host_fallbacks`` and flagged in its result, never silently truncated. The
@@ -45,7 +49,7 @@ from scratchd.kernels.postprocess import HIST_BINS, Box, Verdict, finish_runs, p
 from scratchd.kernels.row_runs import RECORD, RowRuns, row_runs_cuda, unpack_runs
 from scratchd.kernels.views import ViewMean, view_layout, view_mean_cuda, view_stack_cuda
 
-RUN_CAPACITY = 4096  # runs stored per frame (a frame with more is finished on the host)
+RUN_CAPACITY = 16384  # runs stored per frame (a frame with more is finished on the host)
 
 
 class ServeState(enum.Enum):
@@ -65,6 +69,20 @@ class FrameResult:
     histogram: np.ndarray  # [64] uint32 input intensity counts
     runs: int  # foreground runs of the frame's thresholded mean map
     host_path: bool  # runs overflowed the capacity: finished from the map on the host
+
+
+@dataclass(frozen=True)
+class Collected:
+    """One batch's small outputs on the host (owned copies): what :meth:`ServeGraph.finish`
+    needs, with no reference to the device or the staging buffers."""
+
+    score: np.ndarray  # [n] float32
+    entropy: np.ndarray  # [n] float32
+    count: np.ndarray  # [n] int32 runs per frame (> capacity: overflowed)
+    hist: np.ndarray  # [n, 64] uint32
+    runs: np.ndarray  # [n, widest, 4] int32 records (widest = the fullest frame's, capped)
+    maps: dict[int, np.ndarray]  # frame → its mean map [H, W] float32, overflowed frames only
+    compute_ms: float  # device time of the batch (CUDA events)
 
 
 class _Staging:
@@ -171,20 +189,49 @@ class ServeGraph:
         self.state = ServeState.LAUNCHED
 
     def fetch(self, n: int, want_mask: Sequence[bool]) -> list[FrameResult]:
-        """Results of the first ``n`` frames of the launched batch (waits on an event)."""
+        """Results of the first ``n`` frames of the launched batch: :meth:`collect`, then
+        :meth:`finish`."""
+        if len(want_mask) != n:
+            raise ValueError(f"ServeGraph.fetch: {len(want_mask)} mask flags for {n} frames")
+        return self.finish(self.collect(n), want_mask)
+
+    def collect(self, n: int) -> Collected:
+        """Copy the launched batch's small outputs of its first ``n`` frames to the host
+        (waits on events, never on the stream or device). Afterwards the device buffers
+        are free: the next ``launch`` may run while the host :meth:`finish` es these."""
         if self.state is not ServeState.LAUNCHED:
             raise RuntimeError("ServeGraph.fetch: no batch launched")
-        if not 1 <= n <= self.bucket or len(want_mask) != n:
-            raise ValueError(f"ServeGraph.fetch: n={n}, {len(want_mask)} mask flags")
+        if not 1 <= n <= self.bucket:
+            raise ValueError(f"ServeGraph.fetch: n={n} outside 1..{self.bucket}")
         st = self._staging
         self._to_host(st.head, self.head)
         self._to_host(st.hist[:n], self._first().out.hist[:n])
-        self._to_host(st.runs[:n], self.runs.runs[:n])
-        self._copied.record(self.stream)
-        self._copied.synchronize()
+        self._wait_copies()  # the graph is done: the run counts are known
+        count = st.head[2, :n].view(np.int32).copy()
+        self._fetch_runs(n, min(int(count.max()), self.capacity))
+        maps = {j: self._mean_map(j) for j in np.flatnonzero(count > self.capacity).tolist()}
+        self._wait_copies()
         self.state = ServeState.READY
+        self.host_fallbacks += len(maps)
         self.last_compute_ms = float(self._end_elapsed())
-        return [self._finish(j, bool(want_mask[j])) for j in range(n)]
+        widest = min(int(count.max()), self.capacity)
+        return Collected(
+            score=st.head[0, :n].view(np.float32).copy(),
+            entropy=st.head[1, :n].view(np.float32).copy(),
+            count=count,
+            hist=st.hist[:n].copy(),
+            runs=st.runs[:n, :widest].copy(),
+            maps=maps,
+            compute_ms=self.last_compute_ms,
+        )
+
+    def finish(self, batch: Collected, want_mask: Sequence[bool]) -> list[FrameResult]:
+        """Finish each collected frame on the host (no device work); masks where wanted."""
+        if len(want_mask) != len(batch.count):
+            raise ValueError(
+                f"ServeGraph.finish: {len(want_mask)} flags, {len(batch.count)} frames"
+            )
+        return [self._finish(batch, j, bool(want_mask[j])) for j in range(len(batch.count))]
 
     def _end_elapsed(self) -> float:
         from scratchd.kernels import _cuda as cu
@@ -201,33 +248,44 @@ class ServeGraph:
             dst.ctypes.data, src.data.ptr, src.nbytes, rt.memcpyDeviceToHost, self.stream.ptr
         )
 
-    def _finish(self, j: int, want_mask: bool) -> FrameResult:
-        st = self._staging
-        score, entropy = st.head[:2, j].view(np.float32)
-        count = int(st.head[2, j])
-        hist = st.hist[j].copy()
-        if count > self.capacity:
-            post = postprocess(self._mean_map(j), self.threshold, self.min_area, self.score_window)
-            self.host_fallbacks += 1
+    def _wait_copies(self) -> None:
+        self._copied.record(self.stream)
+        self._copied.synchronize()
+
+    def _fetch_runs(self, n: int, widest: int) -> None:
+        """Records ``[:widest]`` of each of the first ``n`` frames: one strided copy."""
+        from scratchd.kernels import _cuda as cu
+
+        if widest <= 0:
+            return
+        rt = cu.cupy().cuda.runtime
+        pitch = self.capacity * RECORD * 4
+        rt.memcpy2DAsync(
+            self._staging.runs.ctypes.data, pitch, self.runs.runs.data.ptr, pitch,
+            widest * RECORD * 4, n, rt.memcpyDeviceToHost, self.stream.ptr,
+        )  # fmt: skip
+
+    def _mean_map(self, j: int) -> np.ndarray:
+        """Enqueue the copy of frame ``j``'s mean map (the overflow path) into a fresh
+        pinned array; valid after the next :meth:`_wait_copies`."""
+        import cupyx
+
+        host = cupyx.empty_pinned((self.height, self.width), np.float32)
+        self._to_host(host, self.mean.prob[j])
+        return host
+
+    def _finish(self, batch: Collected, j: int, want_mask: bool) -> FrameResult:
+        count = int(batch.count[j])
+        overflow = j in batch.maps
+        if overflow:
+            post = postprocess(batch.maps[j], self.threshold, self.min_area, self.score_window)
             mask, boxes = (post.mask if want_mask else None), post.boxes
         else:
-            row, start, end, sums = unpack_runs(st.runs[j], count, self.width)
+            row, start, end, sums = unpack_runs(batch.runs[j], count, self.width)
             comp = finish_runs(
                 row, start, end, sums, self.height, self.width, self.min_area, paint=want_mask
             )
             mask, boxes = comp.mask, comp.boxes
         verdict: Verdict = "defect" if boxes else "clean"
-        return FrameResult(
-            mask, float(score), verdict, boxes, float(entropy), hist, count, count > self.capacity
-        )
-
-    def _mean_map(self, j: int) -> np.ndarray:
-        """Frame ``j``'s mean map on the host (the overflow path; ``self.mean`` is intact:
-        no launch happens between launch and fetch)."""
-        import cupyx
-
-        host = cupyx.empty_pinned((self.height, self.width), np.float32)
-        self._to_host(host, self.mean.prob[j])
-        self._copied.record(self.stream)
-        self._copied.synchronize()
-        return np.array(host)
+        score, entropy = float(batch.score[j]), float(batch.entropy[j])
+        return FrameResult(mask, score, verdict, boxes, entropy, batch.hist[j], count, overflow)

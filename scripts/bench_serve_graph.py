@@ -6,9 +6,12 @@ test-time views) is fed real-image mosaics (SD-900 tiles) and measured:
 - ``graph_ms``: device time of one launch (view_stack → forward of 4 x bucket view frames →
   view_mean → row_runs), from the CUDA events around the replay: median and p90 of
   ``--reps`` launches after warm-up, alternating the two input buffers;
-- ``fetch_ms``: host wall time of ``fetch`` once the graph has finished (device → host
-  copies of the small outputs, the event wait, the host finish from the runs), per frame,
-  without masks and with every mask painted;
+- ``collect_ms``: host wall time of ``collect`` once the graph has finished (device → host
+  copies of the small outputs and their event waits), per frame;
+- ``finish_ms``: the host finish from the runs, per frame, without masks and with every
+  mask painted;
+- frames/s served serially (graph + collect + finish) and pipelined (each batch's finish
+  overlapping the next batch's graph);
 - the device footprint and the runs per frame.
 
 For comparison, ``CudaScratchNet.predict``'s old host path (copy each view's map back,
@@ -55,34 +58,58 @@ def bench_bucket(net: CudaScratchNet, frames: np.ndarray, bucket: int, reps: int
     for k, buf in enumerate(g.inputs):
         buf.set(frames[k * bucket : (k + 1) * bucket], stream=g.stream)
     graph_ms: list[float] = []
+    collect_s: list[float] = []
     plain_s: list[float] = []
     mask_s: list[float] = []
     runs: list[int] = []
     for r in range(reps + 3):
         k = r % len(g.inputs)
         g.launch(k)
-        g.released[k].synchronize()  # graph done: what follows is fetch's own host time
-        want = [r % 2 == 1] * bucket
+        g.released[k].synchronize()  # graph done: what follows is the host's own time
         t0 = time.perf_counter()
-        results = g.fetch(bucket, want)
-        took = time.perf_counter() - t0
+        batch = g.collect(bucket)
+        t1 = time.perf_counter()
+        want = [r % 2 == 1] * bucket
+        results = g.finish(batch, want)
+        t2 = time.perf_counter()
         if r < 3:
             continue  # warm-up
         graph_ms.append(g.last_compute_ms)
-        (mask_s if want[0] else plain_s).append(took)
+        collect_s.append(t1 - t0)
+        (mask_s if want[0] else plain_s).append(t2 - t1)
         runs += [res.runs for res in results]
+    fps = pipelined_fps(g, bucket, reps)
+    med = float(np.median(graph_ms))
     return {
         "bucket": bucket,
         "view_frames": bucket * len(net.model.views),
-        "graph_ms_median": round(float(np.median(graph_ms)), 4),
+        "graph_ms_median": round(med, 4),
         "graph_ms_p90": round(float(np.percentile(graph_ms, 90)), 4),
-        "graph_ms_per_frame": round(float(np.median(graph_ms)) / bucket, 4),
-        "fetch_ms_per_frame_no_mask": round(1e3 * float(np.median(plain_s)) / bucket, 4),
-        "fetch_ms_per_frame_mask": round(1e3 * float(np.median(mask_s)) / bucket, 4),
+        "graph_ms_per_frame": round(med / bucket, 4),
+        "collect_ms_per_frame": round(1e3 * float(np.median(collect_s)) / bucket, 4),
+        "finish_ms_per_frame_no_mask": round(1e3 * float(np.median(plain_s)) / bucket, 4),
+        "finish_ms_per_frame_mask": round(1e3 * float(np.median(mask_s)) / bucket, 4),
+        "pipelined_frames_per_s": round(fps, 1),
+        "serial_frames_per_s": round(
+            bucket / (1e-3 * med + float(np.median(collect_s)) + float(np.median(plain_s))), 1
+        ),
         "runs_per_frame": round(float(np.mean(runs)), 1),
         "host_fallbacks": g.host_fallbacks,
         "footprint_mb": round(g.footprint_bytes / 2**20, 1),
     }
+
+
+def pipelined_fps(g: ServeGraph, bucket: int, reps: int) -> float:
+    """Frames/s of launch → collect → (next launch) → finish: the host finish (no masks)
+    of batch i overlaps the graph of batch i + 1."""
+    t0 = time.perf_counter()
+    g.launch(0)
+    for r in range(1, reps + 1):
+        batch = g.collect(bucket)
+        g.launch(r % len(g.inputs))
+        g.finish(batch, [False] * bucket)
+    g.finish(g.collect(bucket), [False] * bucket)
+    return (reps + 1) * bucket / (time.perf_counter() - t0)
 
 
 def old_predict_ms(net: CudaScratchNet, frames: np.ndarray) -> float:

@@ -75,11 +75,12 @@ def _compare(prob: np.ndarray, capacity: int, seed: int) -> None:
         assert set(keys) <= set(want), f"{ctx}: frame {i} has runs the reference lacks"
         if c <= capacity:
             assert len(keys) == len(want), f"{ctx}: frame {i} lost runs"
-        sums = stored[:, 3].view(np.float32)
-        ref = np.array([want[k] for k in keys], np.float32)
-        lengths = stored[:, 2] - stored[:, 1]
-        np.testing.assert_allclose(sums, ref, rtol=1e-6 * np.sqrt(np.maximum(lengths, 1)) + 1e-6,
-                                   atol=1e-6, err_msg=ctx)  # fmt: skip
+        sums = stored[:, 3].view(np.float32).astype(np.float64)
+        ref = np.array([want[k] for k in keys], np.float64)
+        lengths = np.maximum(stored[:, 2] - stored[:, 1], 1)
+        err = np.abs(sums - ref)  # fp32 warp sums vs float64 sums rounded once
+        bound = 1e-6 + 2e-6 * np.sqrt(lengths) * np.abs(ref)
+        assert np.all(err <= bound), f"{ctx}: frame {i} run-sum error {err.max(initial=0)}"
 
 
 @pytest.mark.gpu
