@@ -24,6 +24,10 @@ of its prefix (a timer armed at the prefix, cancelled when the frame is whole;
 ``FrameHandler.frame(conn, body, received_ns)`` synchronously, on the loop: ``body`` is a
 view that is reused after the call returns, so the handler copies what it keeps.
 
+Replies (``send``) are queued and written together at the end of the loop's turn
+(``loop.call_soon``): a batch of completions for one client costs one ``writelines``, not a
+syscall each; ``close`` writes what is queued first.
+
 A refused connection (allow-list, connection limit) is decided in ``connection_made``; it is
 then handed to ``AccessGate.linger`` through a ``StreamReader`` this protocol feeds.
 """
@@ -121,6 +125,7 @@ class Connection(asyncio.BufferedProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._refused: asyncio.StreamReader | None = None
         self._fed = 0
+        self._out: list[bytes] = []  # replies not yet written (see send)
 
     # ---- bookkeeping the acceptor uses ------------------------------------------------
 
@@ -132,12 +137,24 @@ class Connection(asyncio.BufferedProtocol):
         return len(self.in_queue) + self.converting
 
     def send(self, message: wire.DaemonMessage) -> None:
-        if not self.closed and self.transport is not None:
-            self.transport.write(wire.encode_frame(message))
+        """Queue a reply; the replies queued in one turn of the loop (a batch of
+        completions, say) leave in one ``writelines`` (one syscall) when it ends."""
+        if self.closed or self.transport is None:
+            return
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._out.append(wire.encode_frame(message))
+
+    def flush(self) -> None:
+        """Write the queued replies now."""
+        if self._out and not self.closed and self.transport is not None:
+            self.transport.writelines(self._out)
+        self._out.clear()
 
     def close(self) -> None:
-        """Stop handling frames; the transport flushes what was written, then closes."""
+        """Stop handling frames; what was sent is written, then the connection closes."""
         self._enter(ReadState.CLOSED)
+        self.flush()
         if self.transport is not None:
             self.transport.close()
 
@@ -151,6 +168,7 @@ class Connection(asyncio.BufferedProtocol):
         refusal = self.handler.opened(self)
         if refusal is not None:
             self.send(wire.Reply(id=0, status="error", error=refusal))
+            self.flush()  # before linger half-closes the write side
             self._refused = asyncio.StreamReader()
             self._enter(ReadState.CLOSED)
             self.handler.refused(self, self._refused)
@@ -183,6 +201,7 @@ class Connection(asyncio.BufferedProtocol):
         return None  # the transport closes itself
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._out.clear()
         if self._refused is not None:
             self._refused.feed_eof()
         self._enter(ReadState.CLOSED)

@@ -29,6 +29,9 @@ class FakeTransport:
     def write(self, data: bytes) -> None:
         self.written.append(bytes(data))
 
+    def writelines(self, data: list[bytes]) -> None:
+        self.written.append(b"".join(data))
+
     def close(self) -> None:
         self.closed = True
 
@@ -198,5 +201,29 @@ def test_a_lost_connection_is_reported_once() -> None:
         assert handler.events == [("closed", 1)]
         assert conn.closed and conn.gone.done()
         assert len(handler.pool._free) == 1
+
+    asyncio.run(run())
+
+
+def test_replies_of_one_turn_leave_together_and_in_order_and_close_flushes_them() -> None:
+    async def run() -> None:
+        conn, transport = open_connection(Recorder())
+        for i in range(3):
+            conn.send(wire.Reply(id=i, status="ok"))
+        assert transport.written == []  # not yet: at the end of this turn of the loop
+        await asyncio.sleep(0)
+        assert len(transport.written) == 1
+        ids = []
+        data = transport.written[0]
+        while data:
+            n = wire.frame_length(data[: wire.PREFIX_BYTES])
+            ids.append(
+                wire.decode_daemon_message(data[wire.PREFIX_BYTES : wire.PREFIX_BYTES + n]).id
+            )
+            data = data[wire.PREFIX_BYTES + n :]
+        assert ids == [0, 1, 2]
+        conn.send(wire.Reply(id=9, status="invalid"))
+        conn.close()  # an oversized frame's reply, then the close: the reply is not lost
+        assert len(transport.written) == 2 and transport.closed
 
     asyncio.run(run())
