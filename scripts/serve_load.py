@@ -282,7 +282,8 @@ class NvmlSampler:
             self._nvml, self._handles = None, []
 
     def device_names(self) -> list[str]:
-        return [str(self._nvml.nvmlDeviceGetName(h)) for h in self._handles]
+        names = [self._nvml.nvmlDeviceGetName(h) for h in self._handles]
+        return [n.decode() if isinstance(n, bytes) else str(n) for n in names]  # old pynvml: bytes
 
     def __enter__(self) -> NvmlSampler:
         self.samples = {i: [] for i in range(len(self._handles))}
