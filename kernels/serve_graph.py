@@ -49,7 +49,7 @@ from scratchd.kernels.postprocess import HIST_BINS, Box, Verdict, finish_runs, p
 from scratchd.kernels.row_runs import RECORD, RowRuns, row_runs_cuda, unpack_runs
 from scratchd.kernels.views import ViewMean, view_layout, view_mean_cuda, view_stack_cuda
 
-RUN_CAPACITY = 16384  # runs stored per frame (a frame with more is finished on the host)
+RUN_CAPACITY = 32768  # runs stored per frame (a frame with more is finished on the host)
 
 
 class ServeState(enum.Enum):

@@ -14,7 +14,8 @@ test-time views) is fed real-image mosaics (SD-900 tiles) and measured:
   overlapping the next batch's graph);
 - the device footprint and the runs per frame.
 
-For comparison, ``CudaScratchNet.predict``'s old host path (copy each view's map back,
+The same again with the single ``identity`` view (``results_identity_view``). For
+comparison, ``CudaScratchNet.predict``'s old host path (copy each view's map back,
 average and post-process on the host) is timed on 4 frames.
 
 Prints a table; writes ``--out`` (default ``docs/bench/serve-graph.json``).
@@ -121,6 +122,13 @@ def old_predict_ms(net: CudaScratchNet, frames: np.ndarray) -> float:
     return 1e3 * (time.perf_counter() - t0) / len(part)
 
 
+def print_table(rows: list[dict[str, Any]]) -> None:
+    cols = [c for c in rows[0] if c != "view_frames"]
+    print(" ".join(f"{c.replace('_per_frame', '/f')[:13]:>13}" for c in cols))
+    for row in rows:
+        print(" ".join(f"{row[c]!s:>13}" for c in cols))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
@@ -130,20 +138,19 @@ def main() -> None:
     import cupy as cp
 
     model = load_model()
-    net = CudaScratchNet(model)
     frames = mosaics(args.data, 2 * BUCKETS[-1])
-    rows = []
-    for b in BUCKETS:
-        rows.append(bench_bucket(net, frames, b, args.reps))
-        cp.get_default_memory_pool().free_all_blocks()
-    old = old_predict_ms(net, frames)
-    cols = list(rows[0])
-    print(" ".join(f"{c:>26}" if i == 0 else f"{c[:14]:>14}" for i, c in enumerate(cols)))
-    for row in rows:
-        print(
-            " ".join(f"{row[c]!s:>26}" if i == 0 else f"{row[c]!s:>14}" for i, c in enumerate(cols))
-        )
-    print(f"old CudaScratchNet.predict (host views + postprocess): {old:.2f} ms/frame")
+    tables: dict[str, list[dict[str, Any]]] = {}
+    for views in (model.views, ("identity",)):
+        net = CudaScratchNet(load_model(views=views))
+        rows = tables.setdefault("+".join(views), [])
+        for b in BUCKETS:
+            rows.append(bench_bucket(net, frames, b, args.reps))
+            cp.get_default_memory_pool().free_all_blocks()
+    old = old_predict_ms(CudaScratchNet(model), frames)
+    for name, rows in tables.items():
+        print(f"views {name}")
+        print_table(rows)
+    print(f"old CudaScratchNet.predict (4 views, host average + postprocess): {old:.2f} ms/frame")
     props = cp.cuda.runtime.getDeviceProperties(0)
     record = {
         "device": props["name"].decode(),
@@ -152,7 +159,8 @@ def main() -> None:
         "views": list(model.views),
         "reps": args.reps,
         "frames": "1024x1024 mosaics of real SD-900 tiles",
-        "results": rows,
+        "results": tables["+".join(model.views)],
+        "results_identity_view": tables["identity"],
         "old_predict_ms_per_frame": round(old, 3),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
