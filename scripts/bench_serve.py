@@ -20,8 +20,8 @@ The CPU record (SD-900 200x200 PNGs, sent encoded; its JSON keeps its own layout
 
 Load is open loop (requests are sent on schedule whether or not earlier ones were answered,
 as a production line does) from client *processes* separate from the daemon (this script run
-with ``--client``; ``--clients``, by default half the cores, at least 2, at most 12), so the
-generator never shares a core's event loop with the acceptor. The schedules, frames and
+with ``--client``; ``--clients``: in raw mode half the cores, at least 2, at most 12; else 2),
+so the generator never shares a core's event loop with the acceptor. The schedules, frames and
 summaries are in ``serve_load.py``:
 
 - ``poisson@R``: exponential inter-arrival times at R requests/s in total, split over the
@@ -301,7 +301,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate-step", type=float, default=2.0)
     p.add_argument("--max-rate", type=float, default=64000.0)
     p.add_argument("--duration", type=float, default=10.0)
-    p.add_argument("--clients", type=int, default=max(2, min(12, (os.cpu_count() or 2) // 2)))
+    p.add_argument("--clients", type=int, default=None, help="raw: cores / 2 in 2..12; CPU: 2")
     p.add_argument("--burst", type=int, default=23, help="requests per burst")
     p.add_argument("--kills", type=int, default=2, help="kill -9 rounds (CPU: per worker)")
     p.add_argument("--kill-rate", type=float, default=None, help="raw mode (cuda: 2000)")
@@ -319,6 +319,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.size is None and args.backend == "cuda":
         args.size = 1024
     raw = bool(args.size)
+    if args.clients is None:
+        args.clients = max(2, min(12, (os.cpu_count() or 2) // 2)) if raw else 2
     args.rates = args.rates or ("500,1000,2000,4000" if raw else "2,5,10")
     if args.kill_rate is None:  # the GPU's target load; a CPU smoke run's first rate
         args.kill_rate = 2000.0 if args.backend == "cuda" else float(args.rates.split(",")[0])

@@ -227,8 +227,10 @@ def test_the_cuda_command_line_defaults_to_the_issue_load() -> None:
     args = bench.parse_args(["--backend", "cuda"])
     assert (args.size, args.rates, args.kill_rate) == (1024, "500,1000,2000,4000", 2000.0)
     assert args.json.endswith("docs/bench/serve-gpu.json")
+    assert 2 <= args.clients <= 12
     cpu = bench.parse_args([])
-    assert (cpu.size, cpu.rates) == (None, "2,5,10") and cpu.json.endswith("serve-cpu.json")
+    assert (cpu.size, cpu.rates, cpu.clients) == (None, "2,5,10", 2)
+    assert cpu.json.endswith("serve-cpu.json")
 
 
 def test_the_sender_hands_every_send_to_the_loop_in_order_and_never_early() -> None:
