@@ -29,6 +29,7 @@ Writes ``<out-dir>/alloc.json`` and prints a table; ``--render JSON`` writes the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -81,8 +82,9 @@ class Probe:
     sample: Callable[[], dict[str, float]]
 
 
-def run_pass(cp: Any, ops: list[Op], malloc: Callable[[int], Any], probe: Probe) -> dict[str, Any]:
-    streams = [cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)]
+def run_pass(
+    cp: Any, ops: list[Op], malloc: Callable[[int], Any], probe: Probe, streams: list[Any]
+) -> dict[str, Any]:
     deaths: dict[int, list[int]] = {}
     for i, op in enumerate(ops):
         deaths.setdefault(min(op.death, len(ops) - 1), []).append(i)
@@ -166,7 +168,8 @@ def bench_arena(cp: Any, ops: list[Op], nbytes: int) -> dict[str, Any]:
                 "used": stats.used}  # fmt: skip
 
     probe = Probe(lambda: arena.arena.offsets.buddy.high_water, sample)
-    passes = {name: run_pass(cp, ops, arena.malloc, probe) for name in ("cold", "warm")}
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+    passes = {name: run_pass(cp, ops, arena.malloc, probe, streams) for name in ("cold", "warm")}
     result = {"setup_ms": round(setup_ms, 2), "region_bytes": nbytes, "passes": passes}
     try:
         arena.close()  # every block must have come back
@@ -181,12 +184,13 @@ def bench_cupy_pool(cp: Any, ops: list[Op], pool: Any) -> dict[str, Any]:
         total = int(pool.total_bytes())
         out = {"idle_share": (int(pool.free_bytes()) / total) if total else 0.0,
                "total": total, "used": int(pool.used_bytes())}  # fmt: skip
-        if hasattr(pool, "n_free_blocks"):
+        with contextlib.suppress(NotImplementedError):  # MemoryAsyncPool has no such count
             out["free_blocks"] = int(pool.n_free_blocks())
         return out
 
     probe = Probe(lambda: int(pool.total_bytes()), sample)
-    passes = {name: run_pass(cp, ops, pool.malloc, probe) for name in ("cold", "warm")}
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]  # the same in both passes
+    passes = {name: run_pass(cp, ops, pool.malloc, probe, streams) for name in ("cold", "warm")}
     cp.cuda.Device().synchronize()
     pool.free_all_blocks()
     return {"passes": passes}
