@@ -14,30 +14,26 @@ Batches are served from the smallest bucket (1, 2, 4, 8, 16) that holds them; th
 slots of a bucket compute on stale frames and their results are ignored. Copies in and out
 run on the graph's stream, ordered around the replay.
 
-Test-time views (``ScratchNet.views``, e.g. identity + flips + transpose): the views of a
-batch that share a shape run as one batch through the graph (so 4 frames x 4 views fill the
-16-bucket); their probability maps are mapped back and averaged on the host, which then
-computes score and entropy from the average (``postprocess.py``), exactly as the numpy
-model does. With the single ``identity`` view everything but connected components comes
-from the device (``output_path``).
+``predict`` (the model API, with ``prob``) and the CUDA worker go through the serving graphs
+(``serve_graph.py``, cached per (bucket, size) in ``serve_graphs``): the test-time views,
+their mean, score, entropy, histogram and the runs of the thresholded mean are computed on
+the device; only the components are joined on the host. ``run`` replays the plain forward
+graph of one view (``ForwardGraph``) and returns every per-pixel output.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from scratchd.kernels.cuda_net import Buffers, CudaForward
-from scratchd.kernels.model import Prediction, ScratchNet, apply_view
-from scratchd.kernels.postprocess import (
-    binary_entropy_bits,
-    intensity_histogram,
-    peak_local_mean,
-    postprocess,
-)
+from scratchd.kernels.model import Prediction, ScratchNet
+
+if TYPE_CHECKING:
+    from scratchd.kernels.serve_graph import ServeGraph
 
 BUCKETS = (1, 2, 4, 8, 16)
 
@@ -113,6 +109,7 @@ class CudaScratchNet:
             model.weights, model.config, m.mean, m.std, m.threshold, m.score_window
         )
         self.graphs: dict[tuple[int, int, int], ForwardGraph] = {}
+        self.serve_graphs: dict[tuple[int, int, int], ServeGraph] = {}
 
     def graph(self, batch: int, height: int, width: int) -> ForwardGraph:
         """The warmed-up graph of ``(bucket_for(batch), height, width)``, built on first use."""
@@ -144,8 +141,22 @@ class CudaScratchNet:
         g.stream.synchronize()
         return out
 
+    def serve_graph(self, batch: int, height: int, width: int) -> ServeGraph:
+        """The serving graph of ``(bucket_for(batch), height, width)`` (two input buffers),
+        built and captured on first use (``serve_graph.py``)."""
+        from scratchd.kernels.serve_graph import ServeGraph
+
+        key = (bucket_for(batch), height, width)
+        g = self.serve_graphs.get(key)
+        if g is None:
+            g = ServeGraph(self, *key)
+            self.serve_graphs[key] = g
+        return g
+
     def predict(self, images: Sequence[np.ndarray]) -> list[Prediction]:
-        """One :class:`Prediction` per uint8 ``(H, W)`` image, in order (``ScratchNet.predict``)."""
+        """One :class:`Prediction` per uint8 ``(H, W)`` image, in order (``ScratchNet.predict``),
+        through the serving graphs: views, their mean, score, entropy, histogram and runs on
+        the device; components on the host; the mean map copied back for ``prob``."""
         by_size: dict[tuple[int, int], list[int]] = {}
         for i, img in enumerate(images):
             if not isinstance(img, np.ndarray) or img.dtype != np.uint8 or img.ndim != 2:
@@ -153,65 +164,20 @@ class CudaScratchNet:
             if img.size == 0:
                 raise ValueError(f"image {i}: empty image {img.shape}")
             by_size.setdefault(img.shape, []).append(i)
-        views = self.model.views
-        chunk = BUCKETS[-1] // len(views)
         results: list[Prediction | None] = [None] * len(images)
-        for idx in by_size.values():
-            for lo in range(0, len(idx), chunk):
-                part = idx[lo : lo + chunk]
-                frames = np.stack([images[i] for i in part])
-                if views == ("identity",):
-                    out = self.run(frames)
-                    preds = [self._finish(out, j) for j in range(len(part))]
-                else:
-                    preds = self._predict_views(frames)
-                for i, pred in zip(part, preds, strict=True):
-                    results[i] = pred
+        for (height, width), idx in by_size.items():
+            for lo in range(0, len(idx), BUCKETS[-1]):
+                part = idx[lo : lo + BUCKETS[-1]]
+                g = self.serve_graph(len(part), height, width)
+                g.inputs[0][: len(part)].set(np.stack([images[i] for i in part]), g.stream)
+                g.launch(0)
+                batch = g.collect(len(part), want_prob=True)
+                assert batch.prob is not None
+                for j, (i, r) in enumerate(
+                    zip(part, g.finish(batch, [True] * len(part)), strict=True)
+                ):
+                    assert r.mask is not None
+                    results[i] = Prediction(
+                        batch.prob[j], r.mask, r.score, r.verdict, r.boxes, r.entropy, r.histogram
+                    )
         return [r for r in results if r is not None]
-
-    def prob_views(self, frames: np.ndarray) -> np.ndarray:
-        """uint8 ``[n, H, W]`` (``n * len(views) <= 16``) → the views' mean probability."""
-        groups: dict[tuple[int, ...], list[str]] = {}
-        for view in self.model.views:
-            groups.setdefault(apply_view(frames[:1], view).shape, []).append(view)
-        n = len(frames)
-        total = np.zeros(frames.shape, dtype=np.float32)
-        for views in groups.values():
-            stacked = np.concatenate([apply_view(frames, v) for v in views])
-            prob = self.run(stacked)["prob"]
-            for j, view in enumerate(views):
-                total += apply_view(prob[j * n : (j + 1) * n], view)
-        total /= np.float32(len(self.model.views))
-        return total
-
-    def _predict_views(self, frames: np.ndarray) -> list[Prediction]:
-        m = self.model.meta
-        preds = []
-        for image, prob in zip(frames, self.prob_views(frames), strict=True):
-            post = postprocess(prob, m.threshold, m.min_area, m.score_window)
-            preds.append(
-                Prediction(
-                    prob=prob,
-                    mask=post.mask,
-                    score=peak_local_mean(prob, m.score_window),
-                    verdict=post.verdict,
-                    boxes=post.boxes,
-                    entropy=binary_entropy_bits(prob),
-                    histogram=intensity_histogram(image),
-                )
-            )
-        return preds
-
-    def _finish(self, out: dict[str, np.ndarray], j: int) -> Prediction:
-        m = self.model.meta
-        prob = out["prob"][j]
-        post = postprocess(prob, m.threshold, m.min_area, m.score_window)
-        return Prediction(
-            prob=prob,
-            mask=post.mask,
-            score=float(out["score"][j]),
-            verdict=post.verdict,
-            boxes=post.boxes,
-            entropy=float(out["entropy"][j]),
-            histogram=out["hist"][j],
-        )

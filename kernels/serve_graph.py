@@ -83,6 +83,7 @@ class Collected:
     runs: np.ndarray  # [n, widest, 4] int32 records (widest = the fullest frame's, capped)
     maps: dict[int, np.ndarray]  # frame → its mean map [H, W] float32, overflowed frames only
     compute_ms: float  # device time of the batch (CUDA events)
+    prob: np.ndarray | None = None  # [n, H, W] float32 mean maps, when collected with them
 
 
 class _Staging:
@@ -195,14 +196,17 @@ class ServeGraph:
             raise ValueError(f"ServeGraph.fetch: {len(want_mask)} mask flags for {n} frames")
         return self.finish(self.collect(n), want_mask)
 
-    def collect(self, n: int) -> Collected:
+    def collect(self, n: int, want_prob: bool = False) -> Collected:
         """Copy the launched batch's small outputs of its first ``n`` frames to the host
         (waits on events, never on the stream or device). Afterwards the device buffers
-        are free: the next ``launch`` may run while the host :meth:`finish` es these."""
+        are free: the next ``launch`` may run while the host :meth:`finish` es these.
+        ``want_prob`` also copies the mean maps (4 B a pixel; ``CudaScratchNet.predict``)."""
         if self.state is not ServeState.LAUNCHED:
             raise RuntimeError("ServeGraph.fetch: no batch launched")
         if not 1 <= n <= self.bucket:
             raise ValueError(f"ServeGraph.fetch: n={n} outside 1..{self.bucket}")
+        import cupyx
+
         st = self._staging
         self._to_host(st.head, self.head)
         self._to_host(st.hist[:n], self._first().out.hist[:n])
@@ -210,6 +214,9 @@ class ServeGraph:
         count = st.head[2, :n].view(np.int32).copy()
         self._fetch_runs(n, min(int(count.max()), self.capacity))
         maps = {j: self._mean_map(j) for j in np.flatnonzero(count > self.capacity).tolist()}
+        prob = cupyx.empty_pinned((n, self.height, self.width), np.float32) if want_prob else None
+        if prob is not None:
+            self._to_host(prob, self.mean.prob[:n])
         self._wait_copies()
         self.state = ServeState.READY
         self.host_fallbacks += len(maps)
@@ -223,6 +230,7 @@ class ServeGraph:
             runs=st.runs[:n, :widest].copy(),
             maps=maps,
             compute_ms=self.last_compute_ms,
+            prob=prob,
         )
 
     def finish(self, batch: Collected, want_mask: Sequence[bool]) -> list[FrameResult]:
