@@ -93,7 +93,7 @@ ALIGN_SHIFT = 8
 ALIGN = 1 << ALIGN_SHIFT  # 256 bytes; CuPy's allocation granularity is a multiple of it
 SMALL_MAX = 64 << 10  # largest request served from a slab
 SLAB_BYTES = 1 << 20  # one slab, carved from one buddy block
-SEAL_BLOCKS, SEAL_BYTES = 32, 32 << 20  # a stream's frees get an event after this many
+SEAL_BLOCKS, SEAL_BYTES = 32, 1 << 20  # a stream's frees get an event at either count
 RETIRE_INTERVAL_NS = 20_000  # the allocation path asks the events at most this often
 TRIM_BITS = 4  # significant bits kept of a large request's size (see "Trimmed blocks")
 
