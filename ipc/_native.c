@@ -199,7 +199,8 @@ typedef struct {
     Py_ssize_t desc_stride, slots;
     Py_ssize_t d_priority, d_abandoned, d_state, d_generation, d_attempt, d_seq, d_worker,
         d_worker_pid, d_claim_ns, d_done_ns, d_rnext, d_rprev, d_wnext, d_wprev, d_wbucket,
-        d_deadline_ns;
+        d_deadline_ns, d_request_id, d_conn_id, d_enqueue_ns, d_part_class, d_height, d_width,
+        d_want_mask, d_kills;
     int32_t *ready_head, *ready_tail, *ready_count, *wheel_head;
     Py_ssize_t wheel_ticks;
     int64_t base_ns, tick_ns;
@@ -235,6 +236,10 @@ static const Field DESC_FIELDS[] = {
     {"d.rnext", 4, M(d_rnext)},       {"d.rprev", 4, M(d_rprev)},
     {"d.wnext", 4, M(d_wnext)},       {"d.wprev", 4, M(d_wprev)},
     {"d.wbucket", 4, M(d_wbucket)},   {"d.deadline_ns", 8, M(d_deadline_ns)},
+    {"d.request_id", 8, M(d_request_id)}, {"d.conn_id", 8, M(d_conn_id)},
+    {"d.enqueue_ns", 8, M(d_enqueue_ns)}, {"d.part_class", 4, M(d_part_class)},
+    {"d.height", 4, M(d_height)},     {"d.width", 4, M(d_width)},
+    {"d.want_mask", 1, M(d_want_mask)}, {"d.kills", 1, M(d_kills)},
 };
 static const Field WORKER_FIELDS[] = {{"w.pid", 4, M(w_pid)}, {"w.state", 1, M(w_state)}};
 static const Field HEADER_FIELDS[] = {
@@ -448,6 +453,8 @@ static PyObject *Core_submit(Core *c, PyObject *arg) {
     CORE_OPEN(c);
     long i = PyLong_AsLong(arg);
     if ((i == -1 && PyErr_Occurred()) || !index_ok(c, i)) return NULL;
+    F(c, i, uint32_t, d_attempt) = 0;
+    F(c, i, int64_t, d_claim_ns) = 0;
     *c->h_seq += 1;
     SEQ(c, i) = *c->h_seq;
     if (ready_push(c, (int32_t)i) < 0) return NULL;
@@ -458,6 +465,19 @@ static PyObject *Core_submit(Core *c, PyObject *arg) {
     if (!mask) return PyLong_FromLong(-1);
     *c->h_waiting = mask & (mask - 1); /* wake the lowest waiting slot */
     return PyLong_FromLong(__builtin_ctzll(mask));
+}
+
+/* What records.Claim holds, for descriptor i just CLAIMED:
+ * (index, generation, request_id, priority, deadline_ns, height, width, want_mask,
+ *  enqueue_ns, part_class, claim_ns, attempt). */
+static PyObject *claim_tuple(Core *c, int32_t i) {
+    return Py_BuildValue(
+        "(ikKiLIINLiLk)", (int)i, (unsigned long)F(c, i, uint32_t, d_generation),
+        (unsigned long long)F(c, i, uint64_t, d_request_id), (int)F(c, i, uint8_t, d_priority),
+        (long long)DEADLINE(c, i), (unsigned)F(c, i, uint32_t, d_height),
+        (unsigned)F(c, i, uint32_t, d_width), PyBool_FromLong(F(c, i, uint8_t, d_want_mask)),
+        (long long)F(c, i, int64_t, d_enqueue_ns), (int)F(c, i, int32_t, d_part_class),
+        (long long)F(c, i, int64_t, d_claim_ns), (unsigned long)F(c, i, uint32_t, d_attempt));
 }
 
 static PyObject *Core_claim(Core *c, PyObject *args) {
@@ -486,12 +506,12 @@ static PyObject *Core_claim(Core *c, PyObject *args) {
         F(c, i, uint32_t, d_attempt) += 1;
         PUBLISH(&STATE(c, i), CLAIMED);
         if (reach(c, "claim.marked") < 0) goto fail;
-        PyObject *index = PyLong_FromLong(i);
-        if (!index || PyList_Append(claimed, index) < 0) {
-            Py_XDECREF(index);
+        PyObject *item = claim_tuple(c, i);
+        if (!item || PyList_Append(claimed, item) < 0) {
+            Py_XDECREF(item);
             goto fail;
         }
-        Py_DECREF(index);
+        Py_DECREF(item);
     }
     if (expired) *c->h_expired += (uint64_t)expired;
     if (!claimed) return NULL;
@@ -536,8 +556,25 @@ static PyObject *Core_complete(Core *c, PyObject *args) {
     Py_RETURN_TRUE;
 }
 
-/* Pop the whole done stack; oldest first as (index, generation, state, abandoned); each
- * descriptor is FREE (same hold, so a repair cannot push it again). */
+/* What a Completion needs of finished descriptor i, read before it is freed:
+ * (index, generation, state, abandoned, request_id, conn_id, enqueue_ns, part_class, height,
+ *  width, priority, kills, claim_ns, done_ns, worker). */
+static PyObject *finished_tuple(Core *c, int32_t i) {
+    return Py_BuildValue(
+        "(ikiiKKLiIIiiLLi)", (int)i, (unsigned long)F(c, i, uint32_t, d_generation),
+        (int)STATE(c, i), (int)F(c, i, uint8_t, d_abandoned),
+        (unsigned long long)F(c, i, uint64_t, d_request_id),
+        (unsigned long long)F(c, i, uint64_t, d_conn_id), (long long)F(c, i, int64_t, d_enqueue_ns),
+        (int)F(c, i, int32_t, d_part_class), (unsigned)F(c, i, uint32_t, d_height),
+        (unsigned)F(c, i, uint32_t, d_width), (int)F(c, i, uint8_t, d_priority),
+        (int)F(c, i, uint8_t, d_kills), (long long)F(c, i, int64_t, d_claim_ns),
+        (long long)F(c, i, int64_t, d_done_ns), (int)F(c, i, int32_t, d_worker));
+}
+
+/* Pop the whole done stack, oldest first, as finished_tuple()s, and free each descriptor
+ * in the same hold (so a repair cannot push it again): generation += 1 (every old handle is
+ * stale from here on), worker = NIL, then state = FREE, as core.py's _make_free does. The
+ * result rows stay as they are: only the main process reuses a FREE descriptor. */
 static PyObject *Core_collect(Core *c, PyObject *unused) {
     (void)unused;
     CORE_OPEN(c);
@@ -548,15 +585,19 @@ static PyObject *Core_collect(Core *c, PyObject *unused) {
     if (!out) return NULL;
     Py_ssize_t k = n;
     for (int32_t i = *c->h_done_head; i != NIL; i = RNEXT(c, i)) {
-        PyObject *item = Py_BuildValue("(lkii)", (long)i,
-                                       (unsigned long)F(c, i, uint32_t, d_generation),
-                                       (int)STATE(c, i), (int)F(c, i, uint8_t, d_abandoned));
+        PyObject *item = finished_tuple(c, i);
         if (!item) return Py_DECREF(out), NULL;
         PyList_SET_ITEM(out, --k, item);
     }
+    int32_t i = *c->h_done_head;
     PUBLISH(c->h_done_head, NIL);
-    for (k = 0; k < n; k++)
-        STATE(c, PyLong_AsLong(PyTuple_GET_ITEM(PyList_GET_ITEM(out, k), 0))) = FREE;
+    while (i != NIL) {
+        int32_t next = RNEXT(c, i);
+        F(c, i, uint32_t, d_generation) += 1;
+        F(c, i, int32_t, d_worker) = NIL;
+        PUBLISH(&STATE(c, i), FREE);
+        i = next;
+    }
     return out;
 }
 

@@ -110,11 +110,10 @@ class WorkerOps(QueueCore):
             taken = self._native.claim(slot, pid, max_n, now_ns)
         if taken is None:
             raise QueueError(f"pid {pid} is not the worker registered in slot {slot}")
-        indices, expired = taken
+        rows, expired = taken
         if expired:
             self._ring_completion()
-        # CLAIMED by this worker: nobody else writes these descriptors, read them unlocked.
-        claims = [self._claim_of(i) for i in indices]
+        claims = [Claim(Handle(row[0], row[1]), *row[2:]) for row in rows]
         if claims:  # this worker's own counters: no lock
             self._w_batches[slot] += 1
             self._w_requests[slot] += len(claims)
@@ -124,9 +123,8 @@ class WorkerOps(QueueCore):
 
     def input_view(self, c: Claim) -> np.ndarray:
         """Read-only ``(height, width)`` uint8 view of the claim's input slot (zero-copy)."""
-        view = self._seg.inputs[c.handle.index, : c.height * c.width].reshape(c.height, c.width)
-        view.flags.writeable = False
-        return view
+        n = c.height * c.width
+        return self._inputs_ro[c.handle.index, :n].reshape(c.height, c.width)
 
     def input_region(self) -> np.ndarray:
         """All input payload slots, ``[slots, slot_bytes]`` uint8 over the mapping: what a
@@ -217,14 +215,6 @@ class WorkerOps(QueueCore):
     def _die_mid_result(self) -> None:
         if self._faulty:
             self._fault.reach("complete.mid_result")
-
-    def _claim_of(self, i: int) -> Claim:
-        d = self._d
-        rid, _, enqueued, deadline, part, h, w, prio, want, _, _ = self._seg.request_block.unpack(i)
-        return Claim(
-            Handle(i, d.generation[i]), rid, prio, deadline, h, w, bool(want), enqueued, part,
-            d.claim_ns[i], d.attempt[i],
-        )  # fmt: skip
 
     def _return_claim(self, i: int, now_ns: int, max_kills: int, report: ReclaimReport) -> None:
         """One claim of a dead worker (lock held); the state is written last."""

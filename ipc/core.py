@@ -64,6 +64,8 @@ class QueueCore:
         fault = self._fault.reach if self._faulty else None
         self._native = Core(seg.mm, native_offsets(seg.header), fault)
         self._spin_ns = int(seg.header["worker_spin_ns"])
+        self._inputs_ro = seg.inputs.view()  # what workers get: views of it are read-only
+        self._inputs_ro.flags.writeable = False
         self._d = seg.d  # fast scalar views; seg.descs for vector work
         self._r = seg.r
         dn = seg.descs

@@ -293,7 +293,9 @@ NATIVE_FIELDS: dict[str, tuple[np.dtype, dict[str, str]]] = {
         "priority": "u1", "abandoned": "u1", "state": "u1", "generation": "<u4",
         "attempt": "<u4", "seq": "<u8", "worker": "<i4", "worker_pid": "<i4",
         "claim_ns": "<i8", "done_ns": "<i8", "rnext": "<i4", "rprev": "<i4", "wnext": "<i4",
-        "wprev": "<i4", "wbucket": "<i4", "deadline_ns": "<i8",
+        "wprev": "<i4", "wbucket": "<i4", "deadline_ns": "<i8", "request_id": "<u8",
+        "conn_id": "<u8", "enqueue_ns": "<i8", "part_class": "<i4", "height": "<u4",
+        "width": "<u4", "want_mask": "u1", "kills": "u1",
     }),
     "w": (WORKER_DTYPE, {"pid": "<i4", "state": "u1"}),
 }  # fmt: skip

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import struct
 from time import monotonic_ns as time_ns
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -93,6 +94,9 @@ from scratchd.ipc.records import (
     read_result,
 )
 from scratchd.ipc.shm import Segment
+
+if TYPE_CHECKING:  # a type the stub names (ipc/_native.pyi), not a runtime attribute
+    from scratchd.ipc._native import FinishedRow
 
 __all__ = [
     "Claim",
@@ -207,7 +211,7 @@ class RequestQueue(WorkerOps):
             raise ValueError(
                 f"image {height}x{width} does not fit a {self.geometry.slot_bytes} B slot"
             )
-        i, d = h.index, self._d
+        i = h.index
         try:
             self._seg.request_block.pack(
                 i, request_id, conn_id, time_ns(), deadline_ns, part_class, height, width,
@@ -218,8 +222,7 @@ class RequestQueue(WorkerOps):
                 f"request field out of range (request_id and conn_id are u64, part_class "
                 f"i32, deadline_ns i64): {exc}"
             ) from exc
-        d.attempt[i] = d.claim_ns[i] = 0
-        with self._mutex:  # seq, ready list, wheel, state = QUEUED, take a waiting worker
+        with self._mutex:  # attempt, seq, ready list, wheel, state = QUEUED; a waiting worker
             wake = self._native.submit(i)
         if wake >= 0:
             self._ring_workers([wake])
@@ -259,12 +262,12 @@ class RequestQueue(WorkerOps):
         """
         if self._completion is not None:
             self._completion.drain()
-        with self._mutex:  # pop the done stack; FREE in the same hold (no repair re-pushes)
+        with self._mutex:  # pop the done stack and free each in the same hold (_native.c)
             finished = self._native.collect()
         # FREE but not reused before we return (only this process reserves): read unlocked.
-        out = [self._completion_of(i, gen, st) for i, gen, st, gone in finished if not gone]
-        for item in finished:
-            self._make_free(item[0])
+        out = [self._completion_of(row) for row in finished if not row[3]]  # 3: abandoned
+        if self._seg.owner:
+            self._free_list.extend([row[0] for row in finished])
         return out
 
     def wait_for_completions(self, timeout_s: float | None, spin_us: int = 0) -> bool:
@@ -296,7 +299,7 @@ class RequestQueue(WorkerOps):
                 d.state[i] = EXPIRED
             if due:
                 self._seg.header["expired"] += len(due)
-            out = [self._completion_of(i, int(d.generation[i]), EXPIRED) for i in due]
+            out = [self._completion_of(self._finished_row(i, EXPIRED)) for i in due]
             for i in due:
                 self._make_free(i)
         return out
@@ -324,9 +327,18 @@ class RequestQueue(WorkerOps):
         return {s: int(counts[s.value]) for s in DescState}
 
     # ---------------------------------------------------------------- internals
-    def _completion_of(self, i: int, generation: int, state: int) -> Completion:
-        d, result, error = self._d, None, ""
-        rid, conn, enqueued, _, part, h, w, prio, _, _, kills = self._seg.request_block.unpack(i)
+    def _finished_row(self, i: int, state: int) -> FinishedRow:
+        """What ``_native.Core.collect`` returns per descriptor, read here in Python."""
+        d, request = self._d, self._seg.request_block.unpack(i)
+        rid, conn, enqueued, _, part, h, w, prio, _, abandoned, kills = request
+        return (
+            i, int(d.generation[i]), state, abandoned, rid, conn, enqueued, part, h, w, prio,
+            kills, d.claim_ns[i], d.done_ns[i], d.worker[i],
+        )  # fmt: skip
+
+    def _completion_of(self, row: FinishedRow) -> Completion:
+        i, gen, state, _, rid, conn, enqueued, part, h, w, prio, kills, claimed, done, worker = row
+        result, error = None, ""
         if state == DONE:
             result = read_result(self._seg.result_block, self._r, self._seg.masks, i, h, w)
             status = result.status
@@ -336,7 +348,7 @@ class RequestQueue(WorkerOps):
             status = Status.ERROR
             error = f"quarantined: {kills} workers died while processing this request"
         return Completion(
-            handle=Handle(i, generation), request_id=rid, conn_id=conn, part_class=part,
-            priority=prio, status=status, result=result, enqueue_ns=enqueued,
-            claim_ns=d.claim_ns[i], done_ns=d.done_ns[i], worker=d.worker[i], error=error,
+            handle=Handle(i, gen), request_id=rid, conn_id=conn, part_class=part, priority=prio,
+            status=status, result=result, enqueue_ns=enqueued, claim_ns=claimed, done_ns=done,
+            worker=worker, error=error,
         )  # fmt: skip
