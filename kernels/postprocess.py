@@ -103,8 +103,10 @@ def link_runs(row: np.ndarray, start: np.ndarray, end: np.ndarray, width: int) -
                 if np.array_equal(up, labels):
                     break
                 labels = up
-    roots, label = np.unique(labels, return_inverse=True)
-    return Runs(row, start, end, label.astype(np.int64), len(roots))
+    # Components numbered by their first run (np.unique's order, without its sort).
+    is_root = labels == np.arange(len(labels))
+    rank = np.cumsum(is_root) - 1
+    return Runs(row, start, end, rank[labels].astype(np.int64), int(is_root.sum()))
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,14 @@ Output of a batch of ``N`` maps, capacity ``cap`` runs per frame::
                                end exclusive; sum = prob summed over the run, float32 bits
     count  int32 [N]           runs the frame has; count > cap: overflowed, only cap stored
 
-The reference lists runs row-major (``postprocess.find_runs`` order) with float64 sums
-rounded to float32; the kernel (``row_runs.cu``) appends them in atomic order with float32
-warp sums, so :func:`unpack_runs` sorts them before the host finish
-(``postprocess.finish_runs``). A frame that overflowed must not be finished from its runs:
-its caller fetches the frame's map and runs the host path instead (``serve_graph.py``
-counts these).
+Both the reference and the kernels (``row_runs.cu``: count the runs of each row, then
+write each row's runs at the offset the rows above it leave) store the runs row-major
+(``postprocess.find_runs`` order), so on overflow both keep the frame's first ``cap``
+runs. The records are equal; the sums differ by rounding only (reference: float64 prefix
+sums rounded to float32; kernel: float32 warp sums). :func:`unpack_runs` turns a frame's
+records into the host finish's input (``postprocess.finish_runs``). A frame that
+overflowed must not be finished from its runs: its caller fetches the frame's map and runs
+the host path instead (``serve_graph.py`` counts these).
 """
 
 from __future__ import annotations
@@ -63,8 +65,9 @@ def unpack_runs(
     count: int,
     width: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``(row, start, end, run_sum)`` of one frame's stored runs, row-major sorted (int64,
-    float64): what ``postprocess.finish_runs`` takes. The caller checks overflow first."""
+    """``(row, start, end, run_sum)`` of one frame's stored runs, row-major (int64,
+    float64): what ``postprocess.finish_runs`` takes. The caller checks overflow first.
+    Sorted here as well (a few microseconds on sorted input), so any record order works."""
     if count > len(records):
         raise ValueError(f"row_runs: {count} runs overflowed the capacity {len(records)}")
     rec = records[:count]
@@ -88,8 +91,9 @@ def row_runs_cuda(
     capacity: int,
     *,
     out: RowRuns | None = None,  # from row_runs_buffers(N, capacity)
+    scratch: Any | None = None,  # [N * H] int32: runs per row (kept with `out`)
 ) -> RowRuns:
-    """CUDA twin of :func:`row_runs_ref` (records in atomic order; unused ones unwritten)."""
+    """CUDA twin of :func:`row_runs_ref` (unused records are left unwritten)."""
     from scratchd.kernels import _cuda as cu
 
     op = "row_runs"
@@ -101,8 +105,16 @@ def row_runs_cuda(
     cu.check_shape(op, "out.runs", out.runs, (n, capacity, RECORD))
     cu.check_device_array(op, "out.count", out.count, ndim=1, dtype=np.int32)
     cu.check_shape(op, "out.count", out.count, (n,))
+    if scratch is None:
+        scratch = cu.cupy().empty((n * h,), np.int32)
+    cu.check_device_array(op, "scratch", scratch, ndim=1, dtype=np.int32)
+    cu.check_shape(op, "scratch", scratch, (n * h,))
     cu.zero(out.count)
-    func = cu.kernel("row_runs.cu", "row_runs")
-    dims = (*map(cu.i32, (h, w, capacity)), cu.f32(threshold))
-    cu.launch(func, (-(-h // WARPS), n), (32 * WARPS,), (prob, out.runs, out.count, *dims))
+    grid, block = (-(-h // WARPS), n), (32 * WARPS,)
+    counts = cu.kernel("row_runs.cu", "row_run_counts", ("row_runs",))
+    thr = cu.f32(threshold)
+    cu.launch(counts, grid, block, (prob, scratch, out.count, cu.i32(h), cu.i32(w), thr))
+    func = cu.kernel("row_runs.cu", "row_runs", ("row_run_counts",))
+    dims = (*map(cu.i32, (h, w, capacity)), thr)
+    cu.launch(func, grid, block, (prob, scratch, out.runs, *dims))
     return out

@@ -135,6 +135,7 @@ class ServeGraph:
         self.runs = RowRuns(
             cp.empty((bucket, run_capacity, RECORD), np.int32), self.head[2].view(np.int32)
         )
+        self.row_count = cp.empty((bucket * height,), np.int32)
         self._staging = _Staging(bucket, run_capacity)
         self._start, self._end = cp.cuda.Event(), cp.cuda.Event()
         self._copied = cp.cuda.Event(disable_timing=True)
@@ -163,12 +164,15 @@ class ServeGraph:
         view_mean_cuda(
             prob_a, prob_b, views, self.score_window, out=self.mean, scratch=self.scratch
         )
-        row_runs_cuda(self.mean.prob, self.threshold, self.capacity, out=self.runs)
+        row_runs_cuda(
+            self.mean.prob, self.threshold, self.capacity, out=self.runs, scratch=self.row_count
+        )
 
     @property
     def footprint_bytes(self) -> int:
         """Device bytes held by this graph's buffers (inputs, forward, views, runs)."""
-        arrays: list[Any] = [*self.inputs, self.head, self.mean.prob, self.scratch, self.runs.runs]
+        arrays: list[Any] = [*self.inputs, self.head, self.mean.prob, self.scratch, self.row_count]
+        arrays.append(self.runs.runs)
         for buf in (self.fwd_a, self.fwd_b):
             if buf is not None:
                 arrays += [buf.images, buf.logits, buf.scratch, *buf.acts.values(), *buf.out]
