@@ -205,7 +205,8 @@ typedef struct {
     Py_ssize_t wheel_ticks;
     int64_t base_ns, tick_ns;
     char *workers;
-    Py_ssize_t worker_stride, max_workers, w_pid, w_state;
+    Py_ssize_t worker_stride, max_workers, w_pid, w_state, w_batches, w_requests;
+    pthread_mutex_t *mutex;
 } Core;
 
 /* Field access: F(c, i, type, member) is descriptor i's field. */
@@ -241,7 +242,10 @@ static const Field DESC_FIELDS[] = {
     {"d.height", 4, M(d_height)},     {"d.width", 4, M(d_width)},
     {"d.want_mask", 1, M(d_want_mask)}, {"d.kills", 1, M(d_kills)},
 };
-static const Field WORKER_FIELDS[] = {{"w.pid", 4, M(w_pid)}, {"w.state", 1, M(w_state)}};
+static const Field WORKER_FIELDS[] = {
+    {"w.pid", 4, M(w_pid)}, {"w.state", 1, M(w_state)},
+    {"w.batches", 8, M(w_batches)}, {"w.requests", 8, M(w_requests)},
+};
 static const Field HEADER_FIELDS[] = {
     {"h.seq", 8, M(h_seq)},           {"h.waiting", 8, M(h_waiting)},
     {"h.expired", 8, M(h_expired)},   {"h.wheel_cursor", 8, M(h_wheel_cursor)},
@@ -312,8 +316,9 @@ static int bind_layout(Core *c, PyObject *o) {
     c->ready_tail = region(c, o, "ready_tail", PRIORITIES * 4, 4);
     c->ready_count = region(c, o, "ready_count", PRIORITIES * 4, 4);
     c->wheel_head = region(c, o, "wheel_head", ticks * 4, 4);
+    c->mutex = region(c, o, "mutex", MUTEX_BYTES, 64);
     return (c->desc && c->workers && c->ready_head && c->ready_tail && c->ready_count &&
-            c->wheel_head) ? 0 : -1;
+            c->wheel_head && c->mutex) ? 0 : -1;
 }
 
 static int Core_init(Core *self, PyObject *args, PyObject *kw) {
@@ -449,10 +454,8 @@ static int index_ok(Core *c, long i) {
 }
 
 /* ------------------------------------------------------- critical sections (lock held) */
-static PyObject *Core_submit(Core *c, PyObject *arg) {
-    CORE_OPEN(c);
-    long i = PyLong_AsLong(arg);
-    if ((i == -1 && PyErr_Occurred()) || !index_ok(c, i)) return NULL;
+static PyObject *submit_body(Core *c, long i) {
+    if (!index_ok(c, i)) return NULL;
     F(c, i, uint32_t, d_attempt) = 0;
     F(c, i, int64_t, d_claim_ns) = 0;
     *c->h_seq += 1;
@@ -480,11 +483,7 @@ static PyObject *claim_tuple(Core *c, int32_t i) {
         (long long)F(c, i, int64_t, d_claim_ns), (unsigned long)F(c, i, uint32_t, d_attempt));
 }
 
-static PyObject *Core_claim(Core *c, PyObject *args) {
-    CORE_OPEN(c);
-    long slot, pid, max_n;
-    long long now;
-    if (!PyArg_ParseTuple(args, "lllL", &slot, &pid, &max_n, &now)) return NULL;
+static PyObject *claim_body(Core *c, long slot, long pid, long max_n, long long now) {
     if (slot < 0 || slot >= c->max_workers) return PyErr_Format(PyExc_IndexError, "slot %ld", slot);
     if (W(c, slot, uint8_t, w_state) != ACTIVE || W(c, slot, int32_t, w_pid) != pid) Py_RETURN_NONE;
     PyObject *claimed = PyList_New(0);
@@ -515,6 +514,10 @@ static PyObject *Core_claim(Core *c, PyObject *args) {
     }
     if (expired) *c->h_expired += (uint64_t)expired;
     if (!claimed) return NULL;
+    if (PyList_GET_SIZE(claimed)) { /* this worker's own counters */
+        W(c, slot, uint64_t, w_batches) += 1;
+        W(c, slot, uint64_t, w_requests) += (uint64_t)PyList_GET_SIZE(claimed);
+    }
     return Py_BuildValue("(Nl)", claimed, expired);
 fail_corrupt:
     corrupt("ready head", ready_best(c));
@@ -542,13 +545,8 @@ static PyObject *Core_owns(Core *c, PyObject *args) {
     return PyBool_FromLong(owns(c, i, generation, attempt, slot, pid));
 }
 
-static PyObject *Core_complete(Core *c, PyObject *args) {
-    CORE_OPEN(c);
-    long i, slot, pid;
-    unsigned long generation, attempt;
-    long long now;
-    if (!PyArg_ParseTuple(args, "lkkllL", &i, &generation, &attempt, &slot, &pid, &now))
-        return NULL;
+static PyObject *complete_body(Core *c, long i, unsigned long generation,
+                               unsigned long attempt, long slot, long pid, long long now) {
     if (!index_ok(c, i)) return NULL;
     if (!owns(c, i, generation, attempt, slot, pid)) Py_RETURN_FALSE;
     finish(c, (int32_t)i, DONE, now);
@@ -575,9 +573,7 @@ static PyObject *finished_tuple(Core *c, int32_t i) {
  * in the same hold (so a repair cannot push it again): generation += 1 (every old handle is
  * stale from here on), worker = NIL, then state = FREE, as core.py's _make_free does. The
  * result rows stay as they are: only the main process reuses a FREE descriptor. */
-static PyObject *Core_collect(Core *c, PyObject *unused) {
-    (void)unused;
-    CORE_OPEN(c);
+static PyObject *collect_body(Core *c) {
     Py_ssize_t n = 0;
     for (int32_t i = *c->h_done_head; i != NIL; i = RNEXT(c, i))
         if (!LINK_OK(c, i) || ++n > c->slots) return corrupt("done stack", i), NULL;
@@ -599,6 +595,74 @@ static PyObject *Core_collect(Core *c, PyObject *unused) {
         i = next;
     }
     return out;
+}
+
+/* ---------------------------------------------- the four operations, locking themselves
+ * Each takes `held` first. held = 0: trylock here, run the body, unlock — the uncontended
+ * fast path, no Python between lock and unlock. If the trylock fails the body does not run
+ * and the op returns a Contended sentinel: BUSY (someone holds it; nothing is held now) or
+ * OWNER_DIED (EOWNERDEAD: the lock IS held now, inconsistent). Python then takes its slow
+ * path (ipc/core.py _contended: wait watching for a stuck holder, or repair → consistent)
+ * and calls the op again with held = 1 (the caller holds the lock; no locking here). */
+static PyObject *BUSY, *OWNER_DIED;
+
+static PyObject *enter(Core *c, int held) {
+    if (held) return NULL;
+    int rc = pthread_mutex_trylock(c->mutex);
+    if (rc == 0) return NULL;
+    return Py_NewRef(rc == EOWNERDEAD ? OWNER_DIED : BUSY); /* other errors: Python reports */
+}
+
+static PyObject *leave(Core *c, int held, PyObject *result) {
+    int rc = held ? 0 : pthread_mutex_unlock(c->mutex);
+    if (rc && result) {
+        Py_DECREF(result);
+        errno = rc;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return result;
+}
+
+#define LOCKED(c, held, body)              \
+    do {                                    \
+        PyObject *busy_ = enter(c, held);   \
+        if (busy_) return busy_;            \
+        return leave(c, held, body);        \
+    } while (0)
+
+static PyObject *Core_submit(Core *c, PyObject *args) {
+    CORE_OPEN(c);
+    int held;
+    long i;
+    if (!PyArg_ParseTuple(args, "pl", &held, &i)) return NULL;
+    LOCKED(c, held, submit_body(c, i));
+}
+
+static PyObject *Core_claim(Core *c, PyObject *args) {
+    CORE_OPEN(c);
+    int held;
+    long slot, pid, max_n;
+    long long now;
+    if (!PyArg_ParseTuple(args, "plllL", &held, &slot, &pid, &max_n, &now)) return NULL;
+    LOCKED(c, held, claim_body(c, slot, pid, max_n, now));
+}
+
+static PyObject *Core_complete(Core *c, PyObject *args) {
+    CORE_OPEN(c);
+    int held;
+    long i, slot, pid;
+    unsigned long generation, attempt;
+    long long now;
+    if (!PyArg_ParseTuple(args, "plkkllL", &held, &i, &generation, &attempt, &slot, &pid, &now))
+        return NULL;
+    LOCKED(c, held, complete_body(c, i, generation, attempt, slot, pid, now));
+}
+
+static PyObject *Core_collect(Core *c, PyObject *arg) {
+    CORE_OPEN(c);
+    int held = PyObject_IsTrue(arg);
+    if (held < 0) return NULL;
+    LOCKED(c, held, collect_body(c));
 }
 
 /* ---------------------------------------------------------- lock-free reads and spins */
@@ -683,11 +747,11 @@ static PyObject *Core_close(Core *c, PyObject *unused) {
 }
 
 static PyMethodDef Core_methods[] = {
-    {"submit", (PyCFunction)Core_submit, METH_O, "link a WRITTEN descriptor, QUEUED"},
+    {"submit", (PyCFunction)Core_submit, METH_VARARGS, "link a WRITTEN descriptor, QUEUED"},
     {"claim", (PyCFunction)Core_claim, METH_VARARGS, "claim up to max_n in order"},
     {"complete", (PyCFunction)Core_complete, METH_VARARGS, "flip an owned claim to DONE"},
     {"owns", (PyCFunction)Core_owns, METH_VARARGS, "the claim is still this worker's"},
-    {"collect", (PyCFunction)Core_collect, METH_NOARGS, "pop the done stack, FREE"},
+    {"collect", (PyCFunction)Core_collect, METH_O, "pop the done stack, FREE"},
     {"ready_total", (PyCFunction)Core_ready_total, METH_NOARGS, "queued requests, racy"},
     {"spin_ready", (PyCFunction)Core_spin_ready, METH_VARARGS, "spin for queued work"},
     {"await_done", (PyCFunction)Core_await_done, METH_O, "spin for the done stack, re-arm"},
@@ -704,6 +768,15 @@ static PyTypeObject CoreType = {
     .tp_init = (initproc)Core_init,
     .tp_dealloc = (destructor)Core_dealloc,
     .tp_methods = Core_methods,
+};
+
+/* The type of the BUSY and OWNER_DIED sentinels. */
+static PyTypeObject ContendedType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "scratchd.ipc._native.Contended",
+    .tp_basicsize = sizeof(PyObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_doc = "why a native operation did not run: BUSY or OWNER_DIED",
 };
 
 /* ---------------------------------------------------------------------------- eventfd */
@@ -742,13 +815,21 @@ static struct PyModuleDef native_module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
-    if (PyType_Ready(&MutexType) < 0 || PyType_Ready(&CoreType) < 0) return NULL;
+    if (PyType_Ready(&MutexType) < 0 || PyType_Ready(&CoreType) < 0 ||
+        PyType_Ready(&ContendedType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&native_module);
     if (!m) return NULL;
     Py_INCREF(&MutexType);
     Py_INCREF(&CoreType);
-    if (PyModule_AddObject(m, "Mutex", (PyObject *)&MutexType) < 0 ||
-        PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0) {
+    BUSY = PyObject_CallNoArgs((PyObject *)&ContendedType);
+    OWNER_DIED = PyObject_CallNoArgs((PyObject *)&ContendedType);
+    Py_INCREF(&ContendedType);
+    if (!BUSY || !OWNER_DIED || PyModule_AddObject(m, "Mutex", (PyObject *)&MutexType) < 0 ||
+        PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0 ||
+        PyModule_AddObject(m, "Contended", (PyObject *)&ContendedType) < 0 ||
+        PyModule_AddObjectRef(m, "BUSY", BUSY) < 0 ||
+        PyModule_AddObjectRef(m, "OWNER_DIED", OWNER_DIED) < 0) {
         Py_DECREF(m);
         return NULL;
     }

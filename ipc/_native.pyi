@@ -1,6 +1,7 @@
 """Typed stub of the C extension ``scratchd.ipc._native`` (source: ipc/_native.c)."""
 
 from collections.abc import Callable
+from typing import Final
 
 from _typeshed import WriteableBuffer
 
@@ -10,6 +11,12 @@ ClaimRow = tuple[int, int, int, int, int, int, int, bool, int, int, int, int]
 # index, generation, state, abandoned, request_id, conn_id, enqueue_ns, part_class, height,
 # width, priority, kills, claim_ns, done_ns, worker
 FinishedRow = tuple[int, int, int, int, int, int, int, int, int, int, int, int, int, int, int]
+
+class Contended:
+    """Why a native operation did not run: :data:`BUSY` or :data:`OWNER_DIED`."""
+
+BUSY: Final[Contended]  # the mutex is held elsewhere; nothing is held by the caller
+OWNER_DIED: Final[Contended]  # EOWNERDEAD: the caller now holds the mutex and must repair
 
 class Mutex:
     """A robust, process-shared pthread mutex at ``offset`` of ``buf``; methods return the
@@ -26,7 +33,7 @@ class Mutex:
     def close(self) -> None: ...
 
 class Core:
-    """The hot critical-section bodies (call with the mutex held) and the spins."""
+    """The hot critical sections (each locks the mutex itself unless ``held``) and the spins."""
 
     def __init__(
         self,
@@ -34,15 +41,22 @@ class Core:
         offsets: dict[str, int],
         fault: Callable[[str], None] | None = None,
     ) -> None: ...
-    def submit(self, index: int) -> int: ...
+    def submit(self, held: bool, index: int) -> int | Contended: ...
     def claim(
-        self, slot: int, pid: int, max_n: int, now_ns: int
-    ) -> tuple[list[ClaimRow], int] | None: ...
+        self, held: bool, slot: int, pid: int, max_n: int, now_ns: int
+    ) -> tuple[list[ClaimRow], int] | Contended | None: ...
     def complete(
-        self, index: int, generation: int, attempt: int, slot: int, pid: int, now_ns: int
-    ) -> bool: ...
+        self,
+        held: bool,
+        index: int,
+        generation: int,
+        attempt: int,
+        slot: int,
+        pid: int,
+        now_ns: int,
+    ) -> bool | Contended: ...
     def owns(self, index: int, generation: int, attempt: int, slot: int, pid: int) -> bool: ...
-    def collect(self) -> list[FinishedRow]: ...
+    def collect(self, held: bool) -> list[FinishedRow] | Contended: ...
     def ready_total(self) -> int: ...
     def spin_ready(self, min_ready: int, spin_ns: int) -> bool: ...
     def await_done(self, spin_ns: int) -> bool: ...

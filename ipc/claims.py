@@ -30,6 +30,7 @@ from time import monotonic_ns as time_ns
 
 import numpy as np
 
+from scratchd.ipc._native import Contended
 from scratchd.ipc.core import ACTIVE, CLAIMED, EXPIRED, FAILED, QUEUED, QueueCore
 from scratchd.ipc.layout import NIL
 from scratchd.ipc.records import (
@@ -106,17 +107,16 @@ class WorkerOps(QueueCore):
         was reclaimed): such a worker must exit, not claim.
         """
         pid = os.getpid()
-        with self._mutex:  # unlink, ownership, state = CLAIMED (or EXPIRED) per request
-            taken = self._native.claim(slot, pid, max_n, now_ns)
+        # [lock] per request: unlink, ownership, state = CLAIMED (or EXPIRED) [unlock]
+        taken = self._native.claim(False, slot, pid, max_n, now_ns)
+        if isinstance(taken, Contended):
+            taken = self._contended(taken, self._native.claim, slot, pid, max_n, now_ns)
         if taken is None:
             raise QueueError(f"pid {pid} is not the worker registered in slot {slot}")
         rows, expired = taken
         if expired:
             self._ring_completion()
         claims = [Claim(Handle(row[0], row[1]), *row[2:]) for row in rows]
-        if claims:  # this worker's own counters: no lock
-            self._w_batches[slot] += 1
-            self._w_requests[slot] += len(claims)
         if self._faulty:
             self._fault.reach("claim.returned")
         return claims
@@ -151,9 +151,11 @@ class WorkerOps(QueueCore):
             self._seg.result_block, self._r, self._seg.masks, i, result, c.height, c.width,
             between=self._die_mid_result if self._faulty else None,
         )  # fmt: skip
-        h = c.handle
-        with self._mutex:  # re-check ownership, push on the done stack, state = DONE
-            done = self._native.complete(i, h.generation, c.attempt, slot, os.getpid(), time_ns())
+        args = (i, c.handle.generation, c.attempt, slot, os.getpid(), time_ns())
+        # [lock] re-check ownership, push on the done stack, state = DONE [unlock]
+        done = self._native.complete(False, *args)
+        if isinstance(done, Contended):
+            done = self._contended(done, self._native.complete, *args)
         if done:
             self._ring_completion()
         return done

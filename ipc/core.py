@@ -22,10 +22,12 @@ import contextlib
 import os
 import signal
 from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
-from scratchd.ipc._native import Core
+from scratchd.ipc._native import OWNER_DIED, Contended, Core
 from scratchd.ipc.doorbell import Doorbell
 from scratchd.ipc.faults import FaultPoint
 from scratchd.ipc.layout import MUTEX_OFFSET, NIL, native_offsets
@@ -39,6 +41,7 @@ FREE, WRITTEN, QUEUED, CLAIMED = 0, 1, 2, 3
 DONE, EXPIRED, FAILED = 4, 5, 6
 assert [s.value for s in DescState] == [FREE, WRITTEN, QUEUED, CLAIMED, DONE, EXPIRED, FAILED]
 ACTIVE = 1  # WorkerSlotState.ACTIVE
+R = TypeVar("R")
 DEFAULT_WORKER_SPIN_US = 50  # [queue] worker_spin_us
 
 
@@ -131,6 +134,23 @@ class QueueCore:
         d.rnext[i] = self._done_head[0]
         self._done_head[0] = i
         d.state[i] = state
+
+    def _contended(self, how: Contended, op: Callable[..., R | Contended], *args: Any) -> R:
+        """The slow path of a native operation whose own trylock did not simply succeed:
+        after a dead holder (OWNER_DIED, the lock is ours) repair first; otherwise wait for
+        the lock like any other section (watching for a stuck holder, repairing if its
+        holder dies). Then run the operation with the lock held."""
+        if how is OWNER_DIED:
+            self._mutex.recover()  # raises with the lock released if the repair fails
+            try:
+                done = op(True, *args)
+            finally:
+                self._mutex.release()
+        else:
+            with self._mutex:
+                done = op(True, *args)
+        assert not isinstance(done, Contended)  # held=True never tries the lock
+        return done
 
     def _pick_waiting(self, n: int) -> list[int]:
         """Take up to ``n`` waiting worker slots off the waiting mask (lock held)."""

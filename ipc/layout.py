@@ -297,7 +297,7 @@ NATIVE_FIELDS: dict[str, tuple[np.dtype, dict[str, str]]] = {
         "conn_id": "<u8", "enqueue_ns": "<i8", "part_class": "<i4", "height": "<u4",
         "width": "<u4", "want_mask": "u1", "kills": "u1",
     }),
-    "w": (WORKER_DTYPE, {"pid": "<i4", "state": "u1"}),
+    "w": (WORKER_DTYPE, {"pid": "<i4", "state": "u1", "batches": "<u8", "requests": "<u8"}),
 }  # fmt: skip
 
 
@@ -321,5 +321,6 @@ def native_offsets(header: np.ndarray) -> dict[str, int]:
         ready_head=index, ready_tail=index + 4 * PRIORITIES, ready_count=index + 8 * PRIORITIES,
         wheel_head=index + 12 * PRIORITIES, wheel_ticks=int(header["wheel_ticks"]),
         base_ns=int(header["clock_base_ns"]), tick_ns=int(header["tick_ms"]) * 1_000_000,
+        mutex=MUTEX_OFFSET,
     )  # fmt: skip
     return out

@@ -159,6 +159,12 @@ class RobustMutex:
         """Drop the buffer export so the mmap can be closed. The mutex bytes stay as they are."""
         self._native.close()
 
+    def recover(self) -> None:
+        """The caller got the lock with EOWNERDEAD some other way (the C fast path of a queue
+        operation): repair and mark consistent, as :meth:`acquire` would have. If the
+        repair raises, the mutex is released and the exception propagates."""
+        self._recover()
+
     def _recover(self) -> None:
         # Order: repair while we hold the lock, then consistent, so no other process can
         # observe the half-repaired state; consistent even if repair raised, so the mutex

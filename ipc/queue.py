@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from scratchd.ipc._native import Contended
 from scratchd.ipc.claims import WorkerOps
 from scratchd.ipc.core import DEFAULT_WORKER_SPIN_US, DONE, EXPIRED, FREE, QUEUED, WRITTEN
 from scratchd.ipc.doorbell import Doorbell
@@ -222,8 +223,10 @@ class RequestQueue(WorkerOps):
                 f"request field out of range (request_id and conn_id are u64, part_class "
                 f"i32, deadline_ns i64): {exc}"
             ) from exc
-        with self._mutex:  # attempt, seq, ready list, wheel, state = QUEUED; a waiting worker
-            wake = self._native.submit(i)
+        # [lock] attempt, seq, ready list, wheel, state = QUEUED, take a waiting worker [unlock]
+        wake = self._native.submit(False, i)
+        if isinstance(wake, Contended):
+            wake = self._contended(wake, self._native.submit, i)
         if wake >= 0:
             self._ring_workers([wake])
 
@@ -262,8 +265,10 @@ class RequestQueue(WorkerOps):
         """
         if self._completion is not None:
             self._completion.drain()
-        with self._mutex:  # pop the done stack and free each in the same hold (_native.c)
-            finished = self._native.collect()
+        # [lock] pop the done stack, free each in the same hold [unlock]
+        finished = self._native.collect(False)
+        if isinstance(finished, Contended):
+            finished = self._contended(finished, self._native.collect)
         # FREE but not reused before we return (only this process reserves): read unlocked.
         out = [self._completion_of(row) for row in finished if not row[3]]  # 3: abandoned
         if self._seg.owner:

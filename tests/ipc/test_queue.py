@@ -13,6 +13,7 @@ both writers; ``index_is_well_formed`` walks every list after every step.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -447,3 +448,49 @@ def test_out_of_range_request_fields_are_refused_and_nothing_is_written(
     assert queue.counts_by_state()[DescState.WRITTEN] == 1  # still the acceptor's to release
     queue.release(h)
     assert queue.counts_by_state()[DescState.FREE] == SLOTS
+
+
+def hold_lock_in_child(queue: RequestQueue, then: str) -> int:
+    """Fork a child that takes the queue's mutex, then dies holding it ('die') or lets it go
+    after 0.2 s ('release'); returns when the child holds it."""
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            queue._mutex.acquire()
+            os.write(ready_w, b"x")
+            if then == "die":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.2)
+            queue._mutex.release()
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    assert os.read(ready_r, 1) == b"x"
+    os.close(ready_r)
+    return pid
+
+
+def test_a_native_operation_after_a_dead_holder_repairs_first(queue: RequestQueue) -> None:
+    """The C fast path's trylock gets EOWNERDEAD: Python repairs, then the operation runs."""
+    queue.register_worker(0, os.getpid())
+    submit(queue, 1, deadline_ns=time.monotonic_ns() + 10**9)
+    os.waitpid(hold_lock_in_child(queue, "die"), 0)
+    submit(queue, 2, deadline_ns=time.monotonic_ns() + 10**9)  # meets OWNER_DIED
+    assert queue.counters()["repairs"] == 1
+    claims = queue.claim_batch(0, 4, time.monotonic_ns())
+    assert [c.request_id for c in claims] == [1, 2]
+    assert queue._mutex.try_acquire()  # consistent and free again
+    queue._mutex.release()
+
+
+def test_a_native_operation_waits_for_a_busy_lock(queue: RequestQueue) -> None:
+    """The C fast path's trylock gets EBUSY: the operation waits in Python, then runs."""
+    queue.register_worker(0, os.getpid())
+    pid = hold_lock_in_child(queue, "release")
+    start = time.monotonic()
+    submit(queue, 1, deadline_ns=time.monotonic_ns() + 10**9)
+    assert time.monotonic() - start > 0.05  # it waited for the holder
+    os.waitpid(pid, 0)
+    assert [c.request_id for c in queue.claim_batch(0, 1, time.monotonic_ns())] == [1]
+    assert queue.counters()["repairs"] == 0
