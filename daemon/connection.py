@@ -139,7 +139,7 @@ class Connection(asyncio.BufferedProtocol):
     def send(self, message: wire.DaemonMessage) -> None:
         """Queue a reply; the replies queued in one turn of the loop (a batch of
         completions, say) leave in one ``writelines`` (one syscall) when it ends."""
-        if self.closed or self.transport is None:
+        if self.closed or self.transport is None or self.state is ReadState.CLOSED:
             return
         if not self._out:
             asyncio.get_running_loop().call_soon(self.flush)
@@ -152,11 +152,18 @@ class Connection(asyncio.BufferedProtocol):
         self._out.clear()
 
     def close(self) -> None:
-        """Stop handling frames; what was sent is written, then the connection closes."""
+        """Stop handling frames; what was sent is written, the acceptor forgets the
+        connection's requests (``FrameHandler.closed``), then the transport closes."""
         self._enter(ReadState.CLOSED)
         self.flush()
+        self._mark_closed()
         if self.transport is not None:
             self.transport.close()
+
+    def _mark_closed(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.handler.closed(self)
 
     def socket(self) -> object:
         return None if self.transport is None else self.transport.get_extra_info("socket")
@@ -205,9 +212,7 @@ class Connection(asyncio.BufferedProtocol):
         if self._refused is not None:
             self._refused.feed_eof()
         self._enter(ReadState.CLOSED)
-        if not self.closed:
-            self.closed = True
-            self.handler.closed(self)
+        self._mark_closed()
         if not self.gone.done():
             self.gone.set_result(None)
 
@@ -251,8 +256,7 @@ class Connection(asyncio.BufferedProtocol):
         self._disarm()
         self._enter(ReadState.HEAD)
         try:
-            with memoryview(body) as view:
-                self.handler.frame(self, view[:length], time.monotonic_ns())
+            self.handler.frame(self, memoryview(body)[:length], time.monotonic_ns())
         finally:
             self.handler.pool.give(body)
 

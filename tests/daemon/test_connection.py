@@ -151,7 +151,7 @@ def test_an_oversized_prefix_is_refused_before_its_body_and_ends_the_connection(
         conn, transport = open_connection(handler)
         deliver(conn, framed([b"ok", b"x" * 1001, b"never"]), [])
         assert handler.frames == [b"ok"]
-        assert handler.events == [("oversized", 1001)]
+        assert handler.events == [("oversized", 1001), ("closed", 1)]
         assert transport.closed and conn.state is ReadState.CLOSED
 
     asyncio.run(run())
@@ -167,7 +167,7 @@ def test_a_body_that_stalls_is_cut_off_and_a_whole_one_is_not() -> None:
         big = framed([b"b" * (2 * HEAD_BYTES)])
         deliver(conn, big[: HEAD_BYTES + 100], [])
         await asyncio.sleep(0.1)
-        assert handler.events == [("stalled", 2 * HEAD_BYTES)]
+        assert handler.events == [("stalled", 2 * HEAD_BYTES), ("closed", 1)]
         assert transport.closed
         assert len(handler.pool._free) == 1  # the half-filled body buffer went back
 
@@ -225,5 +225,8 @@ def test_replies_of_one_turn_leave_together_and_in_order_and_close_flushes_them(
         conn.send(wire.Reply(id=9, status="invalid"))
         conn.close()  # an oversized frame's reply, then the close: the reply is not lost
         assert len(transport.written) == 2 and transport.closed
+        conn.send(wire.Reply(id=10, status="ok"))  # a late completion: dropped, not written
+        await asyncio.sleep(0)
+        assert len(transport.written) == 2
 
     asyncio.run(run())
