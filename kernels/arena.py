@@ -248,12 +248,29 @@ class BuddyAllocator:
 
 
 class _Slab:
-    __slots__ = ("base", "free", "live", "size")
+    """Objects ``[0, fresh)`` have been handed out at least once; those given back since are on
+    ``free``. Creating a slab is O(1) (no list of its 4096 objects), which matters because an
+    emptied slab goes straight back to the buddy allocator and may be made again at once."""
+
+    __slots__ = ("base", "free", "fresh", "live", "live_count", "size")
 
     def __init__(self, base: int, size: int, count: int) -> None:
         self.base, self.size = base, size
-        self.free = list(range(count - 1, -1, -1))  # pop() hands out the lowest index first
+        self.free: list[int] = []
+        self.fresh = self.live_count = 0
         self.live = bytearray(count)
+
+    def take(self) -> int:
+        index = self.free.pop() if self.free else self.fresh
+        if index == self.fresh:
+            self.fresh += 1
+        self.live[index] = 1
+        self.live_count += 1
+        return index
+
+    @property
+    def full(self) -> bool:
+        return not self.free and self.fresh == len(self.live)
 
 
 class OffsetArena:
@@ -307,9 +324,8 @@ class OffsetArena:
                 return None  # the caller falls back to a buddy block of the class size
             self.buddy.high_water = max(self.buddy.high_water, base + self.slab_bytes)
             slab = self._slabs[base] = partial[base] = _Slab(base, cls, self.slab_bytes // cls)
-        index = slab.free.pop()
-        slab.live[index] = 1
-        if not slab.free:
+        index = slab.take()
+        if slab.full:
             del partial[slab.base]
         return slab.base + index * cls
 
@@ -326,10 +342,11 @@ class OffsetArena:
             raise self._bad_free(offset)
         slab.live[index] = 0
         slab.free.append(index)
+        slab.live_count -= 1
         self.used -= slab.size
         partial = self._partial[slab.size]
         partial[slab.base] = slab
-        if len(slab.free) == len(slab.live):  # empty: back to the buddy allocator
+        if not slab.live_count:  # empty: back to the buddy allocator
             del partial[slab.base], self._slabs[slab.base]
             self.buddy.release(slab.base, self._slab_order)
 
@@ -353,7 +370,7 @@ class OffsetArena:
         slabs: dict[int, tuple[int, int]] = {}
         for slab in self._slabs.values():
             count, live = slabs.get(slab.size, (0, 0))
-            slabs[slab.size] = (count + 1, live + len(slab.live) - len(slab.free))
+            slabs[slab.size] = (count + 1, live + slab.live_count)
         return ArenaStats(
             total=self.total, used=self.used, free=self.total - self.used,
             largest_free=self.buddy.largest_free(),
@@ -416,14 +433,14 @@ class StreamOrderedArena:
         with self._lock:
             if self._released:
                 self._drain()
-            if self._sealed_count and time.perf_counter_ns() >= self._next_retire_ns:
-                self._retire()
             bucket = self._reusable.get((stream.ptr, reserved))
             if bucket:  # freed on this stream: its later work runs after the earlier frees
                 offset, _ = bucket.popitem()
                 del self._waiting[offset]
                 self._waiting_bytes -= reserved
                 return offset
+            if self._sealed_count and time.perf_counter_ns() >= self._next_retire_ns:
+                self._retire()
             try:
                 return self.offsets.allocate(size, reserved)
             except ArenaExhausted:
@@ -452,6 +469,7 @@ class StreamOrderedArena:
         return self.collect().fragmentation_ratio
 
     def _drain(self) -> None:
+        touched: set[int] = set()
         while self._released:
             offset, reserved, stream = self._released.popleft()
             ptr = stream.ptr
@@ -463,8 +481,13 @@ class StreamOrderedArena:
             self._waiting[offset] = batch
             self._reusable.setdefault((ptr, reserved), {})[offset] = None
             self._waiting_bytes += reserved
+            touched.add(ptr)
+        for ptr in touched:  # one event per stream and drain at most
+            batch = self._open[ptr]
             if len(batch.blocks) >= SEAL_BLOCKS or batch.nbytes >= SEAL_BYTES:
                 self._seal(ptr)
+        if self._sealed_count and time.perf_counter_ns() >= self._next_retire_ns:
+            self._retire()  # here too: an allocation served from its stream's blocks never asks
 
     def _seal(self, ptr: int) -> None:
         batch = self._open.pop(ptr)

@@ -264,16 +264,17 @@ def test_a_block_freed_on_one_stream_waits_for_its_event_before_another_stream_g
 
 def test_a_stream_seals_its_frees_behind_one_event_per_batch() -> None:
     arena, events = make_arena(64 << 20)
-    blocks = [arena.allocate(4096, A) for _ in range(3 * SEAL_BLOCKS)]
-    for offset in blocks:
+    blocks = [arena.allocate(4096, A) for _ in range(SEAL_BLOCKS)]
+    for offset in blocks[:-1]:
         arena.release(offset, 4096, A)
-    arena.allocate(ALIGN, B)  # drains: every SEAL_BLOCKS frees of A get one event
-    assert [e.stream for e in events] == [A] * 3
+    arena.allocate(ALIGN, B)  # drains: too few frees of A for an event yet
+    assert events == []
+    arena.release(blocks[-1], 4096, A)
+    arena.allocate(ALIGN, B)  # the batch is full: one event on A for all of it
+    assert [e.stream for e in events] == [A]
     assert arena.allocate(4096, B) not in blocks
-    for event in events:
-        event.done = True
-    arena.collect()
-    assert arena.collect().used == ALIGN + 4096
+    events[0].done = True
+    assert arena.collect().used == 2 * ALIGN + 4096
 
 
 def test_completed_events_return_blocks_and_are_recycled() -> None:
@@ -451,6 +452,16 @@ def test_cross_stream_reuse_waits_for_the_event() -> None:
     a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     n = 1 << 20
     with arena.using():
+        # Load every kernel used below first: a module loaded while the spin kernel runs
+        # would wait for it (lazy loading) and end the window the test needs.
+        warm = cp.empty(n, cp.uint8)
+        spin((1,), (256,), (warm, np.int64(n), np.int64(0), np.uint8(7)))
+        warm.fill(1)
+        warm.fill(3)
+        assert int((warm == 3).sum()) == n
+        del warm
+        cp.cuda.Device().synchronize()
+        arena.arena.synchronize()
         with a:
             x = cp.empty(n, cp.uint8)
             ptr = x.data.ptr
