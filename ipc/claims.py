@@ -16,11 +16,14 @@ A worker's life against the queue::
         for c, r in zip(claims, compute(images)):
             q.complete(slot, c, r)                      # rings the completion doorbell
 
-The waiting mask (header ``waiting``, bit per worker slot) is how ``submit`` knows whom to
-wake: ``wait_for_work`` sets the worker's bit under the lock only after seeing too little
-work under that same lock, and ``submit`` clears one bit under the lock and rings that
-worker's eventfd; an eventfd stays readable until read, so no wake-up is lost between the
-check and the ``poll``.
+``wait_for_work`` first spins up to ``worker_spin_us`` (the header's; C, GIL released,
+a pause and a ``sched_yield`` between looks so a process queued behind us on this CPU runs)
+watching the ready counts. Only then does it announce itself: the waiting mask (header
+``waiting``, bit per worker slot) is how ``submit`` knows whom to wake. The bit is set under
+the lock only after seeing too little work under that same lock, and ``submit`` clears one
+bit under the lock and rings that worker's eventfd; an eventfd stays readable until read,
+so no wake-up is lost between the check and the ``poll``. A spinning worker has no bit set,
+so ``submit`` rings nobody and it sees the work within a look.
 """
 
 from __future__ import annotations

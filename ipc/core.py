@@ -5,6 +5,11 @@ ready lists, the timing wheel and the doorbells; ``ipc/claims.py`` (workers, sup
 ``ipc/queue.py`` (lifecycle, acceptor) add the operations. The write orders that make each
 step safe against a SIGKILL are in ``ipc/queue.py``'s docstring.
 
+The four round-trip sections (submit, claim, complete, collect) are C
+(``_native.Core``, built from ``layout.native_offsets``), taking the lock themselves;
+:meth:`QueueCore._contended` is their slow path when the lock is busy or its holder died.
+Everything else here is Python over the same bytes.
+
 Hot paths read and write descriptor fields through per-field column views (``self._d.state``
 etc.) and compare with plain ``int`` state codes: numpy compares a scalar with an ``IntEnum``
 member ~50× slower than with an int.

@@ -6,6 +6,10 @@ read once, when a :class:`~scratchd.ipc.queue.RequestQueue` is
 created or attached, so a test can start a worker process with it in its environment. With
 the variable unset every hook is one attribute comparison.
 
+The points inside submit, claim and complete are reached from the C fast path
+(``ipc/_native.c`` calls :meth:`FaultPoint.reach` there, lock held), so a test kills the
+process inside the native critical section exactly where the table says.
+
 Points (the lock column says whether the robust mutex is held when the process dies):
 
 ==========================  =====  ==================================================

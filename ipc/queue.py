@@ -38,8 +38,9 @@ consistent one. The descriptor table is the truth; the index is derived: repair 
 exactly the QUEUED descriptors into fresh ready lists and wheel buckets and the finished
 ones (DONE / EXPIRED / FAILED) into a fresh done stack (``ipc/core.py``).
 
-- submit:   request fields (unlocked, the acceptor owns WRITTEN) → [lock] seq → ready
-            list → wheel → state = QUEUED → pick a waiting worker [unlock] → ring it.
+- submit:   request fields (unlocked, the acceptor owns WRITTEN) → [lock] attempt = 0,
+            claim_ns = 0, seq → ready list → wheel → state = QUEUED → take one waiting
+            worker's bit [unlock] → ring that worker (none waiting: no ring).
 - claim:    [lock] unlink from ready list and wheel → worker, pid, claim_ns, attempt →
             state = CLAIMED [unlock]. Killed before the state write: still QUEUED, repair
             re-links it. Killed after: CLAIMED by a dead pid, ``reclaim_worker`` requeues it.
@@ -47,15 +48,43 @@ ones (DONE / EXPIRED / FAILED) into a fresh done stack (``ipc/core.py``).
             and marks it EXPIRED instead (never computed).
 - complete: result row and mask (unlocked, the worker owns its CLAIMED descriptor) →
             [lock] re-check ownership → done_ns → push on the done stack → state = DONE
-            [unlock] → ring. Killed before the flip: still CLAIMED, requeued; nothing
-            half-written is ever read.
+            [unlock] → ring if ``completion_armed``. Killed before the flip: still CLAIMED,
+            requeued; nothing half-written is ever read.
 - reclaim:  (only after the worker is known dead) [lock] each claim: kills += 1, then
             FAILED (kills ≥ max_kills), EXPIRED (deadline passed) — both via the done
             stack — or back to the ready list and wheel then state = QUEUED; clear the
             worker row [unlock] → ring.
-- collect:  [lock] pop the whole done stack → state = FREE for each (same hold, so a
-            repair cannot push them again) [unlock] → read the results (nobody writes a
-            FREE descriptor and only this process reuses one) → generation += 1.
+- collect:  [lock] pop the whole done stack → for each: copy out its request fields,
+            generation += 1, worker = NIL, state = FREE (same hold, so a repair cannot push
+            them again) [unlock] → read the result rows (nobody writes a FREE descriptor
+            and only this process reuses one).
+
+The C fast path (``ipc/_native.c``). submit, claim, complete and collect — the four
+sections of every request's round trip — run as one C call each: trylock, the body above
+in exactly that order, unlock. The named fault points (``ipc/faults.py``) inside them are
+reached from C, with the lock held. If the trylock fails the call returns a sentinel and
+Python takes the slow path (``QueueCore._contended``): BUSY → wait as every other section
+does (the main process watching for a stuck holder), OWNER_DIED → ``_repair`` and mark
+consistent; then the same C body runs with the lock held. Every other section (expiry,
+reclaim, abandon, register, repair) is Python over the same bytes; the state machine test
+interleaves both.
+
+Spinning before sleeping. A worker out of work spins ``worker_spin_us`` (header, set by
+``create``; 0: off) on the ready counts before it sets its waiting bit and sleeps, so a
+request that arrives meanwhile costs no wake-up and ``submit`` rings nobody. A main process
+with a thread to spare may likewise spin in :meth:`RequestQueue.wait_for_completions`; the
+handshake that keeps a completion from being missed::
+
+    main (wait_for_completions)              worker (complete)
+    armed = 0                                [lock] push on done stack [unlock]
+    spin until done_head != NIL or timeout   fence (seq_cst)
+    armed = 1, fence (seq_cst)               if armed: ring the completion eventfd
+    done_head != NIL? → return True
+    poll(completion eventfd)
+
+Either the worker's load sees ``armed = 1`` (it rings) or the main's look sees the push:
+both fences are sequentially consistent, so they cannot both miss. The daemon's event loop
+never spins: ``armed`` stays 1 and every completion rings.
 
 Stale writers: handles carry ``(index, generation)`` and every call checks both; a claim is
 also bound to the worker slot, its pid and the claim's attempt number, so a late
