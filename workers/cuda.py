@@ -55,8 +55,7 @@ class Chunk:
     want_mask: list[bool]
     k: int = -1  # which input buffer; -1 until uploaded
     uploaded: Any = None  # cupy Event on the copy stream
-    results: list[Any] | None = None  # FrameResults once fetched
-    compute_ms: float = 0.0
+    collected: Any = None  # serve_graph.Collected: the small outputs, on the host
 
 
 @dataclass
@@ -67,6 +66,7 @@ class Batch:
     chunks: list[Chunk] = field(default_factory=list)
     errors: dict[int, str] = field(default_factory=dict)  # position → reason
     started: bool = False
+    collected: bool = False
 
 
 class CudaBackend:
@@ -188,6 +188,7 @@ class CudaBackend:
     def infer(self, images: Sequence[np.ndarray], want_mask: Sequence[bool]) -> list[Result]:
         batch = self.submit(images, want_mask)
         self.start(batch)
+        self.collect(batch)
         return self.finish(batch)
 
     def submit(self, images: Sequence[np.ndarray], want_mask: Sequence[bool]) -> Batch:
@@ -223,29 +224,37 @@ class CudaBackend:
 
     def start(self, batch: Batch) -> None:
         """Launch every chunk's graph after its upload (asynchronous). A graph used by two
-        chunks of the batch has the first fetched before the second launches."""
+        chunks of the batch has the first collected before the second launches."""
         launched: dict[int, Chunk] = {}
         for c in batch.chunks:
             earlier = launched.get(id(c.graph))
             if earlier is not None:
-                self._fetch(earlier)
+                self._collect(earlier)
             if c.uploaded is None:
                 self._upload(c)
             c.graph.launch(c.k, after=c.uploaded)
             launched[id(c.graph)] = c
         batch.started = True
 
-    def finish(self, batch: Batch) -> list[Result]:
-        """Wait for each chunk's results (events) and turn them into queue Results."""
+    def collect(self, batch: Batch) -> None:
+        """Wait (on events) for the batch's device work and copy its small outputs to the
+        host. Afterwards its graphs may run the next batch while :meth:`finish` works."""
         if not batch.started:
-            raise RuntimeError("CudaBackend.finish before start")
+            raise RuntimeError("CudaBackend.collect before start")
+        for c in batch.chunks:
+            if c.collected is None:
+                self._collect(c)
+        batch.collected = True
+
+    def finish(self, batch: Batch) -> list[Result]:
+        """Finish the collected frames on the host: queue Results in batch order."""
+        if not batch.collected:
+            raise RuntimeError("CudaBackend.finish before collect")
         results: list[Result | None] = [None] * batch.size
         for c in batch.chunks:
-            if c.results is None:
-                self._fetch(c)
-            compute_ns = int(c.compute_ms * 1e6)
-            assert c.results is not None
-            for pos, frame, want in zip(c.positions, c.results, c.want_mask, strict=True):
+            frames = c.graph.finish(c.collected, c.want_mask)
+            compute_ns = int(c.collected.compute_ms * 1e6)
+            for pos, frame, want in zip(c.positions, frames, c.want_mask, strict=True):
                 results[pos] = _to_result(frame, want, compute_ns, len(c.positions))
         for pos, reason in batch.errors.items():
             results[pos] = error_result(reason, batch.size, Status.INVALID)
@@ -254,9 +263,8 @@ class CudaBackend:
             raise RuntimeError(f"CudaBackend.finish: no result for batch positions {missing}")
         return [r for r in results if r is not None]
 
-    def _fetch(self, c: Chunk) -> None:
-        c.results = c.graph.fetch(len(c.positions), c.want_mask)
-        c.compute_ms = float(c.graph.last_compute_ms)
+    def _collect(self, c: Chunk) -> None:
+        c.collected = c.graph.collect(len(c.positions))
         c.frames = []  # the shared-memory views are no longer needed
 
     # ---- helpers ----------------------------------------------------------------------

@@ -60,6 +60,8 @@ class AsyncBackend(Backend, Protocol):
 
     def start(self, batch: object) -> None: ...
 
+    def collect(self, batch: object) -> None: ...
+
     def finish(self, batch: object) -> list[Result]: ...
 
 
@@ -211,8 +213,7 @@ class WorkerLoop:
                 if claims:
                     self.take(claims)
                     continue
-            self.drain()  # nothing new to overlap with: finish what is in flight first
-            if plan.claim:
+            if self.settle() or plan.claim:
                 continue
             if plan.wake_ns is None:
                 self.queue.wait_for_work(self.slot, self.heartbeat_s)
@@ -229,6 +230,11 @@ class WorkerLoop:
 
     def take(self, claims: list[Claim]) -> None:
         self.serve(claims)
+
+    def settle(self) -> bool:
+        """Nothing to claim now: move in-flight work one step; True if the loop should plan
+        again before sleeping (a pipelined loop has work in flight)."""
+        return False
 
     def drain(self) -> None:
         """Finish the batch in flight, if any (a pipelined loop has one)."""
@@ -293,32 +299,52 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 class PipelinedLoop(WorkerLoop):
     """The loop of a backend that computes asynchronously (CUDA: ``submit`` uploads,
-    ``start`` launches, ``finish`` waits for results). Batch k+1 is claimed and uploaded
-    while batch k computes; k's results are completed before k+1 is launched::
+    ``start`` launches, ``collect`` waits for the device and copies the small outputs,
+    ``finish`` works on the host). Batch k+1 is claimed and uploaded while batch k
+    computes, and k is finished on the host and completed while k+1 computes::
 
-        claim k+1 ─ submit k+1 (upload) ─┐   finish k ─ complete k ─ start k+1 ─ claim k+2 …
-        GPU:  ───────── compute k ───────┘                           └── compute k+1 ──
+        claim k+1 ─ submit k+1 ─ collect k ─ start k+1 ─ finish k ─ complete k ─ claim k+2 …
+        GPU: ─────── compute k ───────────┘             └────── compute k+1 ──────────
 
     A failure of the asynchronous backend (a CUDA error) leaves the device in an unknown
     state: the worker exits (``ExitCode.CRASH``) without completing; the supervisor re-queues
     its claims, and a request that keeps killing workers is quarantined (``max_kills``).
     """
 
-    inflight: tuple[list[Claim], object, int] | None = None
+    inflight: tuple[list[Claim], object, int] | None = None  # launched, not collected
+    collected: tuple[list[Claim], object, int] | None = None  # collected, not finished
 
     def take(self, claims: list[Claim]) -> None:
         b = cast(AsyncBackend, self.backend)
         images = [self.queue.input_view(c) for c in claims]
         batch = b.submit(images, [c.want_mask for c in claims])
-        self.drain()
+        self._collect()
         b.start(batch)
         self.inflight = (claims, batch, time.monotonic_ns())
+        self._finish()
+
+    def settle(self) -> bool:
+        """The device is busy: wait for it (the wait lets the next batch fill), then plan
+        again before finishing on the host, so the next launch is not delayed by it."""
+        if self.inflight is not None:
+            self._collect()
+            return True
+        self._finish()
+        return False
 
     def drain(self) -> None:
-        if self.inflight is None:
+        self._collect()
+        self._finish()
+
+    def _collect(self) -> None:
+        if self.inflight is not None:
+            cast(AsyncBackend, self.backend).collect(self.inflight[1])
+            self.inflight, self.collected = None, self.inflight
+
+    def _finish(self) -> None:
+        if self.collected is None:
             return
-        claims, batch, started = self.inflight
-        self.inflight = None
+        (claims, batch, started), self.collected = self.collected, None
         results = cast(AsyncBackend, self.backend).finish(batch)
         self.policy.observe(len(claims), time.monotonic_ns() - started)
         for claim, result in zip(claims, results, strict=True):

@@ -100,8 +100,10 @@ def test_pipelined_batches_overlap_and_stay_in_order(gpu, data_dir: Path) -> Non
     first = gpu.submit(frames[:4], [False] * 4)
     gpu.start(first)
     second = gpu.submit(frames[4:], [False] * 4)  # uploaded while the first computes
-    a = gpu.finish(first)
+    gpu.collect(first)
     gpu.start(second)
+    a = gpu.finish(first)  # on the host while the second computes
+    gpu.collect(second)
     b = gpu.finish(second)
     for g, w in zip(a + b, singles, strict=True):
         assert g.score == pytest.approx(w.score, abs=1e-6)

@@ -1,0 +1,119 @@
+"""The pipelined worker loop (workers/main.py, PipelinedLoop) on the real queue with a fake
+asynchronous backend: every request completed once with its own result, and the order of
+steps overlaps batch k's host finish with batch k+1's launch."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from scratchd.ipc.queue import Geometry, RequestQueue, Result, Status
+from scratchd.workers.main import PipelinedLoop, StopFlag
+
+
+@dataclass
+class FakeBatch:
+    number: int
+    means: list[float]
+    started: bool = False
+    collected: bool = False
+
+
+@dataclass
+class FakeAsyncBackend:
+    """Scores each frame by its mean pixel; logs every step."""
+
+    device: str = "fake"
+    max_batch: int = 3
+    version: str = "fake-1"
+    log: list[tuple[str, int]] = field(default_factory=list)
+    count: int = 0
+
+    def warm_up(self) -> None:
+        pass
+
+    def infer(self, images: Sequence[np.ndarray], want_mask: Sequence[bool]) -> list[Result]:
+        raise AssertionError("a pipelined loop never calls infer")
+
+    def submit(self, images: Sequence[np.ndarray], want_mask: Sequence[bool]) -> FakeBatch:
+        self.count += 1
+        batch = FakeBatch(self.count, [float(img.mean()) for img in images])
+        self.log.append(("submit", batch.number))
+        return batch
+
+    def start(self, batch: FakeBatch) -> None:
+        assert not batch.started
+        batch.started = True
+        self.log.append(("start", batch.number))
+
+    def collect(self, batch: FakeBatch) -> None:
+        assert batch.started and not batch.collected
+        batch.collected = True
+        self.log.append(("collect", batch.number))
+
+    def finish(self, batch: FakeBatch) -> list[Result]:
+        assert batch.collected
+        self.log.append(("finish", batch.number))
+        return [Result(status=Status.OK, score=m / 255.0, batch_size=len(batch.means))
+                for m in batch.means]  # fmt: skip
+
+
+def test_every_request_completes_once_with_its_own_result_and_steps_overlap() -> None:
+    name = f"/scratchd-test-pipeline-{os.getpid()}"
+    main = RequestQueue.create(name, Geometry(slots=64, slot_bytes=64, max_workers=2))
+    death_r, death_w = os.pipe()
+    worker = RequestQueue.attach(name, completion_fd=main.completion_fd, work_fd=main.work_fd(0))
+    worker.register_worker(0, os.getpid())
+    backend = FakeAsyncBackend()
+    stop = StopFlag(main.work_fd(0))
+    loop = PipelinedLoop(worker, 0, backend, stop, death_r, max_delay_ms=0, heartbeat_ms=50)
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    try:
+        want: dict[int, float] = {}
+        for rid in range(40):
+            value = (rid * 37) % 251
+            h = main.reserve()
+            assert h is not None
+            np.frombuffer(main.payload(h), np.uint8, count=16)[:] = value
+            main.submit(
+                h, request_id=rid, conn_id=1, priority=0, part_class=0,
+                deadline_ns=time.monotonic_ns() + 60 * 10**9, height=4, width=4, want_mask=False,
+            )  # fmt: skip
+            want[rid] = float(np.float32(value / 255.0))
+        done: dict[int, float] = {}
+        deadline = time.monotonic() + 30
+        while len(done) < 40 and time.monotonic() < deadline:
+            for c in main.collect_completed():
+                assert c.request_id not in done, "a request completed twice"
+                assert c.status is Status.OK
+                done[c.request_id] = c.result.score
+            time.sleep(0.001)
+        assert done == want
+    finally:
+        stop.requested = True
+        os.eventfd_write(main.work_fd(0), 1)
+        thread.join(10)
+        os.close(death_w)
+        os.close(death_r)
+        worker.close()
+        main.close()
+    assert not thread.is_alive()
+    log = backend.log
+    for number in range(1, backend.count + 1):
+        steps = [step for step, n in log if n == number]
+        assert steps == ["submit", "start", "collect", "finish"], (number, steps)
+    for number in range(2, backend.count + 1):
+        # batch k is finished on the host only after batch k+1 was launched, when k+1 existed
+        # by then (the loop had claims) — and never before k was collected
+        assert log.index(("collect", number - 1)) < log.index(("start", number))
+    overlapped = [
+        n for n in range(1, backend.count)
+        if log.index(("start", n + 1)) < log.index(("finish", n))
+    ]  # fmt: skip
+    assert overlapped, f"no batch finished while the next one ran: {log}"
