@@ -39,6 +39,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -140,7 +141,7 @@ class ServeGraph:
         self._start, self._end = cp.cuda.Event(), cp.cuda.Event()
         self._copied = cp.cuda.Event(disable_timing=True)
         self.released = [cp.cuda.Event(disable_timing=True) for _ in range(n_inputs)]
-        self.graphs = [capture(self.stream, lambda k=k: self._enqueue(k)) for k in range(n_inputs)]
+        self.graphs = [capture(self.stream, partial(self._enqueue, k)) for k in range(n_inputs)]
         self.state = ServeState.READY
         self.host_fallbacks = 0  # frames finished from their map (run overflow), ever
         self.last_compute_ms = 0.0  # device time of the last fetched batch (CUDA events)
