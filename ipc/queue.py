@@ -200,7 +200,7 @@ class RequestQueue(WorkerOps):
             bell.close()
         self._mutex.close()
         self._native.close()
-        for attr in ("_d", "_r", "_ready", "_wheel", "_waiting", "_done_head"):
+        for attr in ("_d", "_r", "_ready", "_wheel", "_waiting", "_done_head", "_inputs_ro"):
             setattr(self, attr, None)
         self._w_pid = self._w_state = None  # type: ignore[assignment]
         self._seg.close()

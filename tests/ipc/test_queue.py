@@ -494,3 +494,15 @@ def test_a_native_operation_waits_for_a_busy_lock(queue: RequestQueue) -> None:
     os.waitpid(pid, 0)
     assert [c.request_id for c in queue.claim_batch(0, 1, time.monotonic_ns())] == [1]
     assert queue.counters()["repairs"] == 0
+
+
+def test_close_unmaps_the_segment() -> None:
+    """Nothing (C objects, cached views) keeps the mapping alive after close."""
+    q = RequestQueue.create(shm_name("close"), GEOMETRY)
+    q.register_worker(0, os.getpid())
+    submit(q, 1, deadline_ns=time.monotonic_ns() + 10**9)
+    (claim,) = q.claim_batch(0, 1, time.monotonic_ns())
+    del claim
+    mm = q._seg.mm
+    q.close()
+    assert mm.closed
