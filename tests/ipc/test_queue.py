@@ -497,7 +497,7 @@ def test_a_native_operation_waits_for_a_busy_lock(queue: RequestQueue) -> None:
 
 
 def test_close_unmaps_the_segment() -> None:
-    """Nothing (C objects, cached views) keeps the mapping alive after close."""
+    """Nothing (the C objects hold buffer exports) keeps the mapping alive after close."""
     q = RequestQueue.create(shm_name("close"), GEOMETRY)
     q.register_worker(0, os.getpid())
     submit(q, 1, deadline_ns=time.monotonic_ns() + 10**9)
