@@ -87,6 +87,37 @@ class Collected:
     prob: np.ndarray | None = None  # [n, H, W] float32 mean maps, when collected with them
 
 
+@dataclass(frozen=True)
+class HostFinish:
+    """The host half of the GPU path: one collected frame → its :class:`FrameResult`
+    (no device needed, so the CPU tests check it against ``postprocess``)."""
+
+    height: int
+    width: int
+    threshold: float
+    min_area: int
+    score_window: int
+
+    def frame(self, batch: Collected, j: int, want_mask: bool) -> FrameResult:
+        count = int(batch.count[j])
+        overflow = j in batch.maps
+        if overflow:
+            post = postprocess(batch.maps[j], self.threshold, self.min_area, self.score_window)
+            mask, boxes = (post.mask if want_mask else None), post.boxes
+        elif count == 0:  # the common clean frame: nothing to join (saves ~60 us)
+            mask = np.zeros((self.height, self.width), np.uint8) if want_mask else None
+            boxes = []
+        else:
+            row, start, end, sums = unpack_runs(batch.runs[j], count, self.width)
+            comp = finish_runs(
+                row, start, end, sums, self.height, self.width, self.min_area, paint=want_mask
+            )
+            mask, boxes = comp.mask, comp.boxes
+        verdict: Verdict = "defect" if boxes else "clean"
+        score, entropy = float(batch.score[j]), float(batch.entropy[j])
+        return FrameResult(mask, score, verdict, boxes, entropy, batch.hist[j], count, overflow)
+
+
 class _Staging:
     """Pinned host buffers the small outputs are copied into (reused every fetch)."""
 
@@ -113,6 +144,7 @@ class ServeGraph:
         m = net.model.meta
         self.net, self.bucket, self.height, self.width = net, bucket, height, width
         self.threshold, self.min_area, self.score_window = m.threshold, m.min_area, m.score_window
+        self.host = HostFinish(height, width, m.threshold, m.min_area, m.score_window)
         self.capacity = run_capacity
         self.layout = view_layout(net.model.views, height, width)
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -244,7 +276,7 @@ class ServeGraph:
             raise ValueError(
                 f"ServeGraph.finish: {len(want_mask)} flags, {len(batch.count)} frames"
             )
-        return [self._finish(batch, j, bool(want_mask[j])) for j in range(len(batch.count))]
+        return [self.host.frame(batch, j, bool(want_mask[j])) for j in range(len(batch.count))]
 
     def _end_elapsed(self) -> float:
         from scratchd.kernels import _cuda as cu
@@ -286,19 +318,3 @@ class ServeGraph:
         host = cupyx.empty_pinned((self.height, self.width), np.float32)
         self._to_host(host, self.mean.prob[j])
         return host
-
-    def _finish(self, batch: Collected, j: int, want_mask: bool) -> FrameResult:
-        count = int(batch.count[j])
-        overflow = j in batch.maps
-        if overflow:
-            post = postprocess(batch.maps[j], self.threshold, self.min_area, self.score_window)
-            mask, boxes = (post.mask if want_mask else None), post.boxes
-        else:
-            row, start, end, sums = unpack_runs(batch.runs[j], count, self.width)
-            comp = finish_runs(
-                row, start, end, sums, self.height, self.width, self.min_area, paint=want_mask
-            )
-            mask, boxes = comp.mask, comp.boxes
-        verdict: Verdict = "defect" if boxes else "clean"
-        score, entropy = float(batch.score[j]), float(batch.entropy[j])
-        return FrameResult(mask, score, verdict, boxes, entropy, batch.hist[j], count, overflow)

@@ -1,4 +1,5 @@
 """ServeGraph (gpu-marked) against the CPU model's ``predict``: shipped weights, real frames.
+Its host half (``HostFinish``) is checked on the CPU against ``postprocess``.
 
 Square 1024x1024 frames are mosaics of real SD-900 tiles; the non-square frames are real
 magnetic-tile photographs cropped to one common (odd) size. The device runs fp16, the CPU
@@ -15,8 +16,9 @@ import pytest
 
 from scratchd.ipc.image import decode_image
 from scratchd.kernels.model import DEFAULT_PATH, Prediction, ScratchNet, load_model
-
-pytestmark = pytest.mark.gpu
+from scratchd.kernels.postprocess import postprocess
+from scratchd.kernels.row_runs import row_runs_ref
+from scratchd.kernels.serve_graph import Collected, HostFinish
 
 SCORE_TOL = 1e-2
 IOU_MIN = 0.99
@@ -102,6 +104,7 @@ def shipped() -> ScratchNet:
     return load_model()
 
 
+@pytest.mark.gpu
 def test_serve_graph_matches_cpu_on_real_1024_square_frames(
     data_dir: Path, shipped: ScratchNet
 ) -> None:
@@ -114,6 +117,7 @@ def test_serve_graph_matches_cpu_on_real_1024_square_frames(
     print(f"1024x1024 runs per frame: {[r.runs for r in got]}")
 
 
+@pytest.mark.gpu
 def test_serve_graph_matches_cpu_on_real_non_square_frames(
     data_dir: Path, shipped: ScratchNet
 ) -> None:
@@ -123,12 +127,14 @@ def test_serve_graph_matches_cpu_on_real_non_square_frames(
     assert_matches(serve(shipped, frames, bucket=4), want, f"{frames[0].shape}")
 
 
+@pytest.mark.gpu
 def test_serve_graph_single_identity_view(data_dir: Path) -> None:
     model = load_model(views=("identity",))
     frames = tile_frames(data_dir, 6)
     assert_matches(serve(model, frames, bucket=8), model.predict(frames), "identity")
 
 
+@pytest.mark.gpu
 def test_run_overflow_takes_the_host_path_and_stays_right(
     data_dir: Path, shipped: ScratchNet
 ) -> None:
@@ -140,6 +146,7 @@ def test_run_overflow_takes_the_host_path_and_stays_right(
     assert_matches(got, want, "overflow")
 
 
+@pytest.mark.gpu
 def test_lifecycle_and_masks_only_where_wanted(data_dir: Path, shipped: ScratchNet) -> None:
     from scratchd.kernels.cuda_graph import CudaScratchNet
     from scratchd.kernels.serve_graph import ServeGraph
@@ -168,3 +175,38 @@ def test_lifecycle_and_masks_only_where_wanted(data_dir: Path, shipped: ScratchN
         assert [r.boxes for r in results] == [r.boxes for r in got]
         assert [r.score for r in results] == [r.score for r in got]
         assert [r.runs for r in results] == [r.runs for r in got]
+
+
+def test_host_finish_matches_postprocess_on_real_maps(data_dir: Path) -> None:
+    """The GPU path's host half on runs from the reference op: equal to the CPU path's
+    post-processing for frames finished from runs, from their map on overflow, and for a
+    clean frame without runs."""
+    model = load_model(views=("identity",))
+    m = model.meta
+    images = np.stack(_sd900(data_dir, "Sc", 3) + _sd900(data_dir, "Pa", 2))
+    probs = np.concatenate([model.prob(images), np.zeros((1, *images.shape[1:]), np.float32)])
+    counts = row_runs_ref(probs, m.threshold, probs[0].size).count
+    capacity = int(np.sort(counts[counts > 0])[0])  # the sparsest frame fits, others overflow
+    runs = row_runs_ref(probs, m.threshold, capacity)
+    over = runs.count > capacity
+    assert over.any() and (~over & (runs.count > 0)).any() and (runs.count == 0).any()
+    batch = Collected(
+        score=np.arange(len(probs), dtype=np.float32) / 10,
+        entropy=np.full(len(probs), 0.25, np.float32),
+        count=runs.count,
+        hist=np.zeros((len(probs), 64), np.uint32),
+        runs=runs.runs,
+        maps={j: probs[j] for j in np.flatnonzero(over).tolist()},
+        compute_ms=1.0,
+    )
+    host = HostFinish(*probs.shape[1:], m.threshold, m.min_area, m.score_window)
+    for j, prob in enumerate(probs):
+        want = postprocess(prob, m.threshold, m.min_area, m.score_window)
+        got = host.frame(batch, j, True)
+        assert got.host_path == bool(over[j]) and got.runs == int(runs.count[j])
+        assert got.mask is not None and np.array_equal(got.mask, want.mask), f"frame {j}"
+        assert [b[:4] for b in got.boxes] == [b[:4] for b in want.boxes], f"frame {j}"
+        np.testing.assert_allclose([b[4] for b in got.boxes], [b[4] for b in want.boxes], 1e-6)
+        assert got.verdict == want.verdict and got.score == float(batch.score[j])
+        plain = host.frame(batch, j, False)
+        assert plain.mask is None and plain.boxes == got.boxes
