@@ -61,13 +61,13 @@ Stream-ordered reuse (``StreamOrderedArena`` / ``DeviceArena``), in the order th
    ``stats``, ``synchronize`` and before the slow path (6). Recording later than the free is
    later in the same stream's order, so the event still completes only after every kernel
    enqueued before the free; batching saves an event record per free.
-4. Sealed batches wait per stream in record order. An allocation retires (at most every
-   ``RETIRE_INTERVAL_NS``), per stream, the batches whose event has completed
-   (``cudaEventQuery``, never a synchronisation): their blocks go back to the buddy/slab
-   allocator and may go to any stream. Completed events are recorded again later.
-5. An allocation on stream S of the same rounded size takes a block waiting in one of S's own
+4. An allocation on stream S of the same rounded size takes a block waiting in one of S's own
    batches (open or sealed): stream order makes that safe (its kernels run after S's earlier
    ones). A block freed on S never goes to another stream before S's event has completed.
+5. Sealed batches wait per stream in record order. A drain, or an allocation that step 4 could
+   not serve, retires (at most every ``RETIRE_INTERVAL_NS``), per stream, the batches whose
+   event has completed (``cudaEventQuery``, never a synchronisation): their blocks go back to
+   the buddy/slab allocator and may go to any stream. Completed events are recorded again.
 6. Otherwise the buddy/slab allocator serves it. Only when that is exhausted does the arena
    block the host: it seals every batch, waits on the oldest events one at a time and retries,
    and raises :class:`ArenaExhausted` (a ``MemoryError``, like CuPy's) when nothing is left.
@@ -190,9 +190,11 @@ class BuddyAllocator:
 
     def allocate(self, order: int) -> int | None:
         """Offset of a free block of ``order`` (split from a larger one), or None."""
-        k = next((k for k in range(order, self.max_order + 1) if self._free[k]), None)
-        if k is None:
-            return None
+        free, k = self._free, order
+        while not free[k]:  # the smallest order that has a free block
+            k += 1
+            if k > self.max_order:
+                return None
         offset = self._pop_lowest(k)
         while k > order:
             k -= 1
@@ -219,10 +221,11 @@ class BuddyAllocator:
         if offset is None:
             return None
         tail, end = (1 << order) - units, offset + units * ALIGN
-        for k in range(order):  # smallest first: each piece is then aligned to its size
-            if tail >> k & 1:
-                self.release(end, k)
-                end += ALIGN << k
+        while tail:  # smallest piece first: each is then aligned to its size
+            k = (tail & -tail).bit_length() - 1
+            self.release(end, k)
+            end += ALIGN << k
+            tail &= tail - 1
         self.high_water = max(self.high_water, offset + units * ALIGN)
         return offset
 
@@ -316,8 +319,10 @@ class OffsetArena:
         return offset
 
     def _allocate_small(self, cls: int) -> int | None:
-        partial = self._partial.setdefault(cls, {})
-        slab = next(iter(partial.values()), None)
+        partial = self._partial.get(cls)
+        if partial is None:
+            partial = self._partial[cls] = {}
+        slab = next(iter(partial.values())) if partial else None
         if slab is None:
             base = self.buddy.allocate(self._slab_order)
             if base is None:
@@ -572,6 +577,7 @@ class DeviceArena:
         self._runtime, self._cp = cp.cuda.runtime, cp
         self.base = int(cp.cuda.runtime.malloc(total))  # cudaMalloc: 256-byte aligned or more
         self._current_stream = cp.cuda.get_current_stream
+        self._reserved, self._allocate = self.arena.offsets.reserved, self.arena.allocate
         self._unowned, self._pointer = cp.cuda.memory.UnownedMemory, cp.cuda.MemoryPointer
         self.state = ArenaState.OPEN
 
@@ -590,8 +596,8 @@ class DeviceArena:
         if self._runtime.getDevice() != self.device_id:
             raise ArenaError(f"arena of device {self.device_id} asked from another device")
         stream = self._current_stream()
-        reserved = self.arena.offsets.reserved(size)
-        offset = self.arena.allocate(size, stream, reserved)
+        reserved = self._reserved(size)
+        offset = self._allocate(size, stream, reserved)
         block = _Block(self.arena, offset, reserved, self._current_stream)
         return self._pointer(self._unowned(self.base + offset, size, block, self.device_id), 0)
 
