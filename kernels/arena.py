@@ -474,6 +474,12 @@ class StreamOrderedArena:
         return self.collect().fragmentation_ratio
 
     def _drain(self) -> None:
+        # Retire first: a batch sealed below is not asked about until later, so its blocks get
+        # one round of same-stream reuse (a serving loop's next batch) before they go back to
+        # the buddy allocator — on an idle GPU the event would already be done, and every
+        # block would be merged and split again.
+        if self._sealed_count and time.perf_counter_ns() >= self._next_retire_ns:
+            self._retire()
         touched: set[int] = set()
         while self._released:
             offset, reserved, stream = self._released.popleft()
@@ -491,8 +497,6 @@ class StreamOrderedArena:
             batch = self._open[ptr]
             if len(batch.blocks) >= SEAL_BLOCKS or batch.nbytes >= SEAL_BYTES:
                 self._seal(ptr)
-        if self._sealed_count and time.perf_counter_ns() >= self._next_retire_ns:
-            self._retire()  # here too: an allocation served from its stream's blocks never asks
 
     def _seal(self, ptr: int) -> None:
         batch = self._open.pop(ptr)
