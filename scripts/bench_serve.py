@@ -175,10 +175,11 @@ def collect(procs: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
 
 def run_load(args: argparse.Namespace, sock: str, pattern: str, rate: float) -> dict[str, Any]:
     """One load; in raw mode with the GPU's busy share (NVML here, compute from /metrics)."""
-    port = metrics_port(sock) if args.size else 0
-    before = sl.scrape_compute(port)
+    port, pid = daemon_ports(sock) if args.size else (0, 0)
+    before, cpu_before = sl.scrape_compute(port), sl.process_cpu_s(pid)
     with sl.NvmlSampler() as nvml:
         results = collect(start_clients(args, sock, pattern, rate, args.duration))
+    main_cpu_s = sl.process_cpu_s(pid) - cpu_before
     row = sl.summarize(results, args.duration)
     load = "burst" if pattern == "burst" else f"poisson@{rate:g}/s"
     if not args.size:
@@ -188,13 +189,18 @@ def run_load(args: argparse.Namespace, sock: str, pattern: str, rate: float) -> 
     row = {"load": load, "rate": rate, "size": args.size, **row}
     row["gpu_busy_nvml"] = nvml.means()
     row["compute_busy"] = sl.busy_share(before, sl.scrape_compute(port), row["elapsed_s"])
+    # the daemon's main process (acceptor, dispatcher, metrics): is it the bottleneck?
+    row["main_cpu_share"] = round(main_cpu_s / max(row["elapsed_s"], 1e-9), 3)
+    row["main_cpu_us_per_request"] = round(main_cpu_s / max(row["sent"], 1) * 1e6, 1)
     print(f"  {load}: p50 {row['p50_ms']} p99 {row['p99_ms']} ms, {row['statuses']}", flush=True)
     return row
 
 
-def metrics_port(sock: str) -> int:
+def daemon_ports(sock: str) -> tuple[int, int]:
+    """The daemon's /metrics port and its main process id."""
     with Client(sock, timeout=5) as client:
-        return client.status().metrics_port
+        status = client.status()
+    return status.metrics_port, status.pid
 
 
 def kill_run(args: argparse.Namespace, sock: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import sys
 import threading
@@ -305,6 +306,15 @@ class NvmlSampler:
 
     def means(self) -> dict[str, float]:
         return {f"gpu{i}": round(float(np.mean(s)), 1) for i, s in self.samples.items() if s}
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a local process so far (``/proc/<pid>/stat``), or 0."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def compute_seconds(metrics_text: str) -> dict[str, float]:

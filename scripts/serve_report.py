@@ -26,6 +26,12 @@ def _busy(row: dict[str, Any]) -> str:
     return ", ".join(parts) or "—"
 
 
+def _main_cpu(row: dict[str, Any]) -> str:
+    if "main_cpu_share" not in row:
+        return "—"
+    return f"{100 * row['main_cpu_share']:.0f} % · {row['main_cpu_us_per_request']:g} µs"
+
+
 def print_table(doc: dict[str, Any]) -> None:
     if "open_loop" in doc:
         print_raw_table(doc)
@@ -50,7 +56,7 @@ def print_table(doc: dict[str, Any]) -> None:
 def print_raw_table(doc: dict[str, Any]) -> None:
     print(f"{doc['device']}, {doc['date']}")
     head = f"{'load':<28}{'sent':>7}{'ok/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}"
-    print(head + f"{'lost':>6}{'late p99':>10}  busy / statuses")
+    print(head + f"{'lost':>6}{'late p99':>10}{'main CPU':>18}  busy / statuses")
     rows = [*doc["open_loop"], doc["burst"]]
     if doc["kill_run"].get("sent"):
         rows.append(doc["kill_run"])
@@ -58,7 +64,7 @@ def print_raw_table(doc: dict[str, Any]) -> None:
         print(
             f"{r['load']:<28}{r['sent']:>7}{r['throughput']:>9}{_ms(r['p50_ms']):>9}"
             f"{_ms(r['p99_ms']):>9}{_ms(r['p999_ms']):>10}{r['lost']:>6}"
-            f"{_ms(r['late_p99_ms']):>10}  {_busy(r)} {r['statuses']}"
+            f"{_ms(r['late_p99_ms']):>10}{_main_cpu(r):>18}  {_busy(r)} {r['statuses']}"
         )
     for k in doc["kill_run"].get("kills", []):
         took = f"{k['restart_s'] * 1000:.0f} ms"
@@ -77,14 +83,16 @@ def record_markdown(doc: dict[str, Any], json_path: str) -> str:
         f"Daemon backend `{daemon['backend']}`; {daemon['images']}; open-loop load from "
         f"{daemon['clients']} client processes over the Unix socket, {daemon['duration_s']:g} s "
         f"per load; latency from each request's scheduled send to its reply (ok replies). "
-        f"`late p99`: the generator's own lateness (send start − schedule). Busy: "
+        f"`late p99`: the generator's own lateness (send start − schedule). Main CPU: the "
+        f"daemon's main process (acceptor, dispatcher, metrics, supervisor), share of one "
+        f"core and its CPU time (background work included) per request sent. Busy: "
         f"{doc['gpu_busy_source']}. Load average before/after: "
         f"{machine['loadavg_1m_before']}/{machine['loadavg_1m_after']} on "
         f"{machine['cpus']} cores. JSON: `{json_path}`.",
         "",
-        "| load | sent | ok/s | p50 ms | p99 ms | p99.9 ms | lost | late p99 ms | busy "
-        "| statuses |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| load | sent | ok/s | p50 ms | p99 ms | p99.9 ms | lost | late p99 ms | main CPU "
+        "| busy | statuses |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     rows = [*doc["open_loop"], doc["burst"]]
     if doc["kill_run"].get("sent"):
@@ -94,7 +102,7 @@ def record_markdown(doc: dict[str, Any], json_path: str) -> str:
         lines.append(
             f"| {r['load']} | {r['sent']} | {r['throughput']:g} | {_ms(r['p50_ms'])} | "
             f"{_ms(r['p99_ms'])} | {_ms(r['p999_ms'])} | {r['lost']} | "
-            f"{_ms(r['late_p99_ms'])} | {_busy(r)} | {statuses} |"
+            f"{_ms(r['late_p99_ms'])} | {_main_cpu(r)} | {_busy(r)} | {statuses} |"
         )
     kills = doc["kill_run"].get("kills", [])
     if kills:
