@@ -22,9 +22,14 @@ A requested mask comes back **bit-packed**: ``numpy.packbits(mask != 0)`` over t
 it back into a 0/255 uint8 array. (Bit-packing is what the queue stores, so the daemon's loop
 never spends time PNG-encoding.)
 
+The daemon decodes a request with :func:`decode_client_frame` into :class:`InferFrame`: the
+same schema, but raw ``pixels`` stay a view of the received frame (copied once, into the
+request's payload slot, instead of once more by the decoder).
+
 Schema evolution: fields are only ever appended, with defaults, so an old client can talk to a
-new daemon and vice versa. Structs are plain maps (not ``array_like``) so a PLC gateway in
-another language can build them by name; the image bytes dominate the cost anyway.
+new daemon and vice versa (append to :class:`InferFrame` too). Structs are plain maps (not
+``array_like``) so a PLC gateway in another language can build them by name; the image bytes
+dominate the cost anyway.
 """
 
 from __future__ import annotations
