@@ -191,6 +191,8 @@ class BuddyAllocator:
     def allocate(self, order: int) -> int | None:
         """Offset of a free block of ``order`` (split from a larger one), or None."""
         free, k = self._free, order
+        if k > self.max_order:
+            return None
         while not free[k]:  # the smallest order that has a free block
             k += 1
             if k > self.max_order:
