@@ -7,6 +7,12 @@ The GPU record (issue 5 item 7), on the device machine (16 cores there):
         --until-p99-ms 20 --duration 10 --kills 3 \\
         --json docs/bench/serve-gpu.json --markdown docs/benchmarks.md
 
+Item 8 on a two-GPU host: one worker per card, then one card alone, each in its own section:
+
+    python scripts/bench_serve.py --backend cuda --gpus 0,1 --rates 1000,2000,4000,8000 \
+        --until-p99-ms 20 --kills 2 --json docs/bench/serve-gpu-x2.json \
+        --markdown docs/benchmarks.md --section bench_serve_gpu_x2
+
 The same code path at a tiny scale on CPU (the smoke check of the above):
 
     python scripts/bench_serve.py --backend cpu --size 64 --rates 5,10 --until-p99-ms 400 \\
@@ -47,7 +53,7 @@ daemon's ``scratchd_compute_seconds`` (CUDA events per batch on GPU) added up ov
 from its /metrics, per device label, as a share of the load's wall time.
 JSON: ``{"device", "date", "open_loop": [{"rate", "size", "p50_ms", "p99_ms", "p999_ms",
 "throughput", "lost", ...}], "restart_ms": [...], "lost_under_kill", ...}``; ``--markdown``
-rewrites the ``bench_serve_gpu`` section of the given markdown file.
+rewrites the ``--section`` (``bench_serve_gpu``) of the given markdown file.
 
 CPU record mode (no ``--size``): ``--rates`` then the burst, then each worker SIGKILLed
 ``--kills`` times in turn under a light load (3 req/s), with what replaced it: the warm
@@ -94,6 +100,8 @@ def start_daemon(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen[
         slot_bytes = max(64, args.size * args.size)
         text += f"[queue]\nslots = {args.slots}\nslot_bytes = {slot_bytes}\n"
         text += f"max_batch = {args.max_batch}\n"
+    if args.gpus != "all":  # one worker per listed card (item 8: the two-GPU scaling run)
+        text += f"[workers]\ngpus = [{args.gpus}]\n"
     config.write_text(text)
     cmd = [*SERVE, "--config", str(config), "--backend", args.backend, "--socket", sock]
     if args.backend == "cpu":
@@ -248,7 +256,7 @@ def raw_record(args: argparse.Namespace, sock: str) -> dict[str, Any]:
         rows.append(run_load(args, sock, "poisson", rate))
     burst = run_load(args, sock, "burst", 0.0)
     kill_row, kills = kill_run(args, sock) if args.kills > 0 else ({}, [])
-    device = device_name(args.backend, sl.NvmlSampler().device_names())
+    device = device_name(args.backend, sl.NvmlSampler().device_names(), args.gpus)
     return assemble_record(device, rows, burst, kill_row, kills, args.until_p99_ms)
 
 
@@ -276,9 +284,11 @@ def assemble_record(
     }
 
 
-def device_name(backend: str, gpus: list[str]) -> str:
+def device_name(backend: str, gpus: list[str], chosen: str = "all") -> str:
+    """The GPU(s) serving (``chosen``: ``--gpus``), or the CPU."""
     if backend != "cpu" and gpus:
-        return gpus[0] if len(gpus) == 1 else f"{len(gpus)} x {gpus[0]}"
+        count = len(gpus) if chosen == "all" else len(chosen.split(","))
+        return gpus[0] if count == 1 else f"{count} x {gpus[0]}"
     return f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
@@ -297,6 +307,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--socket", default=None, help="use a running daemon instead of starting one")
     p.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--workers", type=int, default=2, help="CPU workers")
+    p.add_argument("--gpus", default="all", help="cuda: all, or card indices: 0 or 0,1")
     p.add_argument("--model", default="", help="model file (default: the shipped model)")
     p.add_argument("--size", type=int, default=None, help="raw NxN frames (cuda: 1024)")
     p.add_argument("--frame-count", type=int, default=64, help="distinct frames (raw mode)")
@@ -315,6 +326,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", default=None, help="images (default: shared/data or sd900)")
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None, metavar="MD", help="rewrite its section")
+    p.add_argument("--section", default="bench_serve_gpu", help="the markdown section's name")
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--frames", default="", help=argparse.SUPPRESS)
     p.add_argument("--pattern", default="poisson", help=argparse.SUPPRESS)
@@ -380,8 +392,9 @@ def main() -> None:
     Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.json}")
     if args.markdown and args.size:
-        rewrite_section(Path(args.markdown), record_markdown(doc, args.json))
-        print(f"rewrote the bench_serve_gpu section of {args.markdown}")
+        section = record_markdown(doc, args.json, args.section)
+        rewrite_section(Path(args.markdown), section, args.section)
+        print(f"rewrote the {args.section} section of {args.markdown}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """How ``bench_serve.py`` shows its results: the console table and the markdown section.
 
 ``rewrite_section`` replaces what lies between ``<!-- bench_serve_gpu: start -->`` and
-``<!-- bench_serve_gpu: end -->`` in a markdown file (the section is appended when the file
-has none), so re-running the benchmark never touches the other benchmarks' sections.
+``<!-- bench_serve_gpu: end -->`` (or another section's markers) in a markdown file (the
+section is appended when the file has none), so re-running the benchmark never touches the
+other benchmarks' sections.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Final
 
-START: Final = "<!-- bench_serve_gpu: start -->"
-END: Final = "<!-- bench_serve_gpu: end -->"
+SECTION: Final = "bench_serve_gpu"
+
+
+def markers(section: str = SECTION) -> tuple[str, str]:
+    return f"<!-- {section}: start -->", f"<!-- {section}: end -->"
 
 
 def _ms(value: float | None) -> str:
@@ -73,11 +77,12 @@ def print_raw_table(doc: dict[str, Any]) -> None:
         print(f"lost under kill: {doc['lost_under_kill']}")
 
 
-def record_markdown(doc: dict[str, Any], json_path: str) -> str:
+def record_markdown(doc: dict[str, Any], json_path: str, section: str = SECTION) -> str:
     """The section for ``docs/benchmarks.md``: one table row per load, then the kills."""
     daemon, machine = doc["daemon"], doc["machine"]
+    start, end = markers(section)
     lines = [
-        START,
+        start,
         f"## Serving end to end (`scripts/bench_serve.py`, {doc['device']}, {doc['date']})",
         "",
         f"Daemon backend `{daemon['backend']}`; {daemon['images']}; open-loop load from "
@@ -113,16 +118,18 @@ def record_markdown(doc: dict[str, Any], json_path: str) -> str:
             "",
             f"kill -9 → replacement READY: {each}. Lost under kill: {doc['lost_under_kill']}.",
         ]
-    lines.append(END)
+    lines.append(end)
     return "\n".join(lines) + "\n"
 
 
-def rewrite_section(path: Path, section: str) -> None:
-    """Put ``section`` (START … END) in place of the old one, or at the end of the file."""
+def rewrite_section(path: Path, text_of_section: str, section: str = SECTION) -> None:
+    """Put the section (its start … end markers included) in place of the old one, or at
+    the end of the file."""
+    start, end = markers(section)
     text = path.read_text() if path.exists() else ""
-    begin, end = text.find(START), text.find(END)
-    if begin >= 0 and end > begin:
-        text = text[:begin] + section.rstrip("\n") + text[end + len(END) :]
+    begin, finish = text.find(start), text.find(end)
+    if begin >= 0 and finish > begin:
+        text = text[:begin] + text_of_section.rstrip("\n") + text[finish + len(end) :]
     else:
-        text = text.rstrip("\n") + ("\n\n" if text else "") + section
+        text = text.rstrip("\n") + ("\n\n" if text else "") + text_of_section
     path.write_text(text if text.endswith("\n") else text + "\n")

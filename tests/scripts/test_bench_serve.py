@@ -219,7 +219,7 @@ def test_the_markdown_section_is_replaced_in_place_and_nothing_else_moves(tmp_pa
     assert "| poisson@500/s |" in first and "gpu0 20 ms (standby)" in first
     report.rewrite_section(md, section.replace("poisson@500/s", "poisson@700/s"))
     second = md.read_text()
-    assert second.count(report.START) == 1 and "poisson@500/s" not in second
+    assert second.count(report.markers()[0]) == 1 and "poisson@500/s" not in second
     assert second.replace("poisson@700/s", "poisson@500/s") == first
 
 
@@ -246,3 +246,22 @@ def test_the_sender_hands_every_send_to_the_loop_in_order_and_never_early() -> N
     assert [i for i, _, _ in calls] == list(range(len(offsets)))
     assert [due for _, due, _ in calls] == [start + at for at in offsets]
     assert all(at >= due for _, due, at in calls)
+
+
+def test_a_second_section_lives_beside_the_first(tmp_path: Path) -> None:
+    md = tmp_path / "benchmarks.md"
+    report.rewrite_section(md, report.record_markdown(_doc(), "a.json"))
+    x2 = report.record_markdown(_doc(), "b.json", "bench_serve_gpu_x2")
+    report.rewrite_section(md, x2, "bench_serve_gpu_x2")
+    report.rewrite_section(md, x2, "bench_serve_gpu_x2")
+    text = md.read_text()
+    assert text.count("<!-- bench_serve_gpu: start -->") == 1
+    assert text.count("<!-- bench_serve_gpu_x2: start -->") == 1
+    assert "`a.json`" in text and "`b.json`" in text
+
+
+def test_the_device_is_the_cards_in_use() -> None:
+    h200 = ["NVIDIA H200", "NVIDIA H200"]
+    assert bench.device_name("cuda", h200) == "2 x NVIDIA H200"
+    assert bench.device_name("cuda", h200, "0") == "NVIDIA H200"
+    assert bench.device_name("cpu", h200).startswith("cpu: ")
