@@ -199,7 +199,8 @@ def test_host_finish_matches_postprocess_on_real_maps(data_dir: Path) -> None:
         maps={j: probs[j] for j in np.flatnonzero(over).tolist()},
         compute_ms=1.0,
     )
-    host = HostFinish(*probs.shape[1:], m.threshold, m.min_area, m.score_window)
+    height, width = images.shape[1:]
+    host = HostFinish(height, width, m.threshold, m.min_area, m.score_window)
     for j, prob in enumerate(probs):
         want = postprocess(prob, m.threshold, m.min_area, m.score_window)
         got = host.frame(batch, j, True)
