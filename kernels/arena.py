@@ -27,8 +27,9 @@ Trimmed blocks: a large request is rounded up to ``TRIM_BITS`` (4) significant b
 256-byte units (≤ 12.5 % over, against up to 100 % for a whole power of two), takes the
 power-of-two block that holds it, and gives the tail back at once as buddy blocks::
 
-    request 5 units (of 8):  [ 4 units | 1 ] [1] [ 2 ]     kept: 4 + 1, tail: 1 + 2 freed now
-                              kept ───────┘ └─ tail ─┘      free: the kept pieces, smallest first
+    request 5 units, block of 8:  [0 ──── 4)[4)[5)[6 ── 8)
+                                  └─ kept ───┘ └─ tail ─┘   tail (1 + 2 units) freed at once;
+                                                            free gives back 1 then 4 (merging)
 
 A region that is not a power of two is cut into its binary digits from offset 0 (3 MiB → a
 2 MiB root then a 1 MiB root); roots never merge, so an empty 3 MiB arena already reports
@@ -38,8 +39,8 @@ Slabs (requests of at most ``small_max`` bytes, rounded to a power-of-two class 
 
     one buddy block of slab_bytes (aligned to slab_bytes), cut into equal objects of one class
     ┌─────┬─────┬─────┬─────┬─── ... ───┬─────┐   live: bytearray (1 = handed out)
-    │ obj0│ obj1│ obj2│ obj3│           │objN-1│  free: stack of object indices
-    └─────┴─────┴─────┴─────┴─── ... ───┴─────┘
+    │ obj0│ obj1│ obj2│ obj3│           │objN-1│  fresh: objects [0, fresh) used at least once
+    └─────┴─────┴─────┴─────┴─── ... ───┴─────┘   free: stack of those given back since
     a class keeps its slabs that have a free object; a slab whose last object comes back is
     returned to the buddy allocator at once (so "everything freed" is one free block again).
     When no slab-sized block is left, a small request falls back to a buddy block of its class.
@@ -47,7 +48,10 @@ Slabs (requests of at most ``small_max`` bytes, rounded to a power-of-two class 
 Fragmentation: ``(free − largest free block) / total`` where free = total − bytes handed out
 (rounded sizes; blocks waiting on an event count as handed out) and the largest free block is
 the largest free buddy block. Free objects inside slabs are free but never part of the largest
-block, so a half-empty slab shows up as fragmentation, as it should.
+block, so a half-empty slab shows up as fragmentation, as it should. A power-of-two region
+that holds any block can serve at most half of itself in one piece, so an arena less than half
+full reads at least (free − total/2) / total: the ratio says how much free memory one large
+request cannot use, not how scattered the blocks are.
 
 Stream-ordered reuse (``StreamOrderedArena`` / ``DeviceArena``), in the order things happen:
 
