@@ -23,15 +23,21 @@ next batch before it ``finish`` es this one: the host finish overlaps the next g
 
 ``launch`` is asynchronous (it only enqueues: an optional wait on the worker's upload event,
 the graph, two timing events and ``released[k]``, after which ``inputs[k]`` may be
-overwritten). ``fetch`` copies the small outputs device → host into pinned staging buffers
-on ``stream``, in two steps that each end waiting on an event: first score, entropy and run
-count of the bucket and the histograms of the first ``n`` frames (256 B a frame); then, in one
-strided copy, as many run records of each of the ``n`` frames as the fullest one has (16 B a
-run). It then finishes each frame on the host from its runs
-(``postprocess.finish_runs``: the CPU path's own code). A frame whose runs overflowed the
-capacity is finished from its mean map (one 4 B/pixel copy, then ``postprocess``); it is
+overwritten). ``collect`` copies the small outputs device → host into pinned staging
+buffers on ``stream``, in two steps that each end waiting on an event: first score, entropy
+and run count of the bucket and the histograms of the first ``n`` frames (256 B a frame);
+then, in one strided copy, as many run records of each of the ``n`` frames as the fullest
+one has (16 B a run), and returns owned copies. ``finish`` (:class:`HostFinish`) joins each
+frame's runs into components on the host (``postprocess.finish_runs``: the CPU path's own
+code; a frame without runs skips it). A frame whose runs overflowed the capacity is
+finished from its mean map (copied in ``collect``, 4 B a pixel, then ``postprocess``); it is
 counted in ``host_fallbacks`` and flagged in its result, never silently truncated. The
 histogram of each frame is the one of its first view frame (views only permute pixels).
+
+Measured on the H200 (docs/bench/serve-graph.json, 1024x1024 mosaics of real tiles, ~6000
+runs a frame): the graph takes 2.6 ms a frame with the shipped 4 views (41.7 ms for bucket
+16), 0.67 ms with the identity view alone; ``collect`` 0.03-0.1 ms a frame; the host finish
+about 60 us + 0.1-0.3 us a run. Device footprint ≈ 646 MB a frame with 4 views.
 """
 
 from __future__ import annotations
