@@ -348,7 +348,10 @@ def _to_result(frame: Any, want_mask: bool, compute_ns: int, batch_size: int) ->
         status=Status.OK,
         verdict_defect=frame.verdict == "defect",
         score=float(frame.score),
-        boxes=[tuple(float(v) for v in box) for box in frame.boxes[:MAX_BOXES]],
+        boxes=[
+            (float(x0), float(y0), float(x1), float(y1), float(sc))
+            for x0, y0, x1, y1, sc in frame.boxes[:MAX_BOXES]
+        ],
         entropy=float(frame.entropy),
         histogram=np.asarray(frame.histogram, dtype=np.uint32),
         compute_ns=compute_ns,

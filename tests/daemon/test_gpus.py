@@ -8,7 +8,7 @@ from scratchd.daemon.config import ConfigError, load_config
 from scratchd.daemon.gpus import place
 
 
-def cards(n: int, why: str = "NVML lists no GPU"):  # type: ignore[no-untyped-def]
+def cards(n: int, why: str = "NVML lists no GPU"):
     return lambda: (n, "" if n else why)
 
 
@@ -45,7 +45,7 @@ def test_a_gpu_list_picks_those_cards_and_refuses_missing_or_repeated_ones() -> 
         place(load_config(overrides={"workers.backend": "cuda", "workers.gpus": [0, 0]}), cards(2))
 
 
-def test_gpu_worker_settings_decode_from_toml(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_gpu_worker_settings_decode_from_toml(tmp_path) -> None:
     f = tmp_path / "c.toml"
     f.write_text("[workers]\ngpu_reserve_mb = 2048\ngpu_warm_sizes = [[512, 640], [1024, 1024]]\n")
     w = load_config(f).workers

@@ -35,7 +35,7 @@ def real_frames(data_dir: Path, n: int, size: tuple[int, int] = SIZE) -> list[np
     return frames
 
 
-def backend(max_batch: int = 4, arena_mb: int = 4096, sizes=(SIZE,)):  # type: ignore[no-untyped-def]
+def backend(max_batch: int = 4, arena_mb: int = 4096, sizes=(SIZE,)):
     from scratchd.workers.cuda import CudaBackend
 
     b = CudaBackend(None, max_batch, reserve_mb=1024, warm_sizes=sizes, arena_mb=arena_mb)
@@ -57,13 +57,13 @@ def same(got: Result, want: Result) -> None:
 
 
 @pytest.fixture(scope="module")
-def gpu():  # type: ignore[no-untyped-def]
+def gpu():
     b = backend()
     yield b
     b.close()
 
 
-def test_results_equal_the_cpu_backend_on_real_images(gpu, data_dir: Path) -> None:  # type: ignore[no-untyped-def]
+def test_results_equal_the_cpu_backend_on_real_images(gpu, data_dir: Path) -> None:
     from scratchd.workers.cpu import CpuBackend
 
     frames = real_frames(data_dir, 6)
@@ -75,7 +75,7 @@ def test_results_equal_the_cpu_backend_on_real_images(gpu, data_dir: Path) -> No
     assert all(r.compute_ns > 0 for r in got)  # GPU time from CUDA events
 
 
-def test_masks_only_where_asked_and_bad_frames_answered_alone(gpu, data_dir: Path) -> None:  # type: ignore[no-untyped-def]
+def test_masks_only_where_asked_and_bad_frames_answered_alone(gpu, data_dir: Path) -> None:
     frames = real_frames(data_dir, 2)
     bad = np.zeros((0, 5), np.uint8)
     got = gpu.infer([frames[0], bad, frames[1]], [False, True, True])
@@ -84,7 +84,7 @@ def test_masks_only_where_asked_and_bad_frames_answered_alone(gpu, data_dir: Pat
     assert got[2].status is Status.OK and got[2].mask is not None
 
 
-def test_a_new_size_is_captured_on_first_use(gpu, data_dir: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_new_size_is_captured_on_first_use(gpu, data_dir: Path) -> None:
     from scratchd.workers.cpu import CpuBackend
 
     frames = real_frames(data_dir, 2, (200, 320))  # non-square: the transpose view's own shape
@@ -94,7 +94,7 @@ def test_a_new_size_is_captured_on_first_use(gpu, data_dir: Path) -> None:  # ty
     assert (2, 200, 320) in gpu.graphs
 
 
-def test_pipelined_batches_overlap_and_stay_in_order(gpu, data_dir: Path) -> None:  # type: ignore[no-untyped-def]
+def test_pipelined_batches_overlap_and_stay_in_order(gpu, data_dir: Path) -> None:
     frames = real_frames(data_dir, 8)
     singles = gpu.infer(frames, [False] * 8)
     first = gpu.submit(frames[:4], [False] * 4)
@@ -110,7 +110,7 @@ def test_pipelined_batches_overlap_and_stay_in_order(gpu, data_dir: Path) -> Non
         assert g.boxes == w.boxes
 
 
-def test_frames_read_straight_from_registered_shared_memory(gpu, data_dir: Path) -> None:  # type: ignore[no-untyped-def]
+def test_frames_read_straight_from_registered_shared_memory(gpu, data_dir: Path) -> None:
     frames = real_frames(data_dir, 3)
     q = RequestQueue.create(
         f"/scratchd-test-cuda-{os.getpid()}", Geometry(slots=8, slot_bytes=SIZE[0] * SIZE[1])
@@ -131,7 +131,7 @@ def test_frames_read_straight_from_registered_shared_memory(gpu, data_dir: Path)
         q.close()
 
 
-def test_batch_limit_follows_the_memory_the_card_lets_us_have(gpu, data_dir: Path) -> None:  # type: ignore[no-untyped-def]
+def test_batch_limit_follows_the_memory_the_card_lets_us_have(gpu, data_dir: Path) -> None:
     """Another process takes most of the card before a worker boots: the worker's arena is
     smaller, fewer buckets fit, batches are split — and it still serves, without OOM."""
     import cupy as cp
