@@ -71,6 +71,10 @@ static int Mutex_init(Mutex *self, PyObject *args, PyObject *kw) {
     Py_ssize_t offset;
     static char *names[] = {"buf", "offset", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kw, "On", names, &buf, &offset)) return -1;
+    if (self->m) {
+        PyErr_SetString(PyExc_RuntimeError, "Mutex is already bound to a buffer");
+        return -1;
+    }
     if (PyObject_GetBuffer(buf, &self->view, PyBUF_WRITABLE) < 0) return -1;
     if (offset < 0 || offset % 64 || offset + MUTEX_BYTES > self->view.len) {
         PyBuffer_Release(&self->view);
@@ -207,6 +211,7 @@ typedef struct {
     char *workers;
     Py_ssize_t worker_stride, max_workers, w_pid, w_state, w_batches, w_requests;
     pthread_mutex_t *mutex;
+    int spinning; /* threads inside spin() with the GIL released; close() refuses then */
 } Core;
 
 /* Field access: F(c, i, type, member) is descriptor i's field. */
@@ -327,6 +332,10 @@ static int Core_init(Core *self, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!|O", names, &buf, &PyDict_Type, &offsets,
                                      &fault))
         return -1;
+    if (self->base) {
+        PyErr_SetString(PyExc_RuntimeError, "Core is already bound to a buffer");
+        return -1;
+    }
     if (PyObject_GetBuffer(buf, &self->view, PyBUF_WRITABLE) < 0) return -1;
     self->base = self->view.buf;
     if (bind_layout(self, offsets) < 0) {
@@ -687,6 +696,7 @@ static PyObject *Core_ready_total(Core *c, PyObject *unused) {
  * or, with min_ready == 0, until the done stack is non-empty; at most spin_ns. */
 static int spin(Core *c, long min_ready, int64_t spin_ns) {
     int found = 0;
+    c->spinning++; /* GIL held: a plain counter is enough */
     Py_BEGIN_ALLOW_THREADS
     int64_t end = now_ns() + spin_ns;
     for (;;) {
@@ -698,6 +708,7 @@ static int spin(Core *c, long min_ready, int64_t spin_ns) {
         sched_yield();
     }
     Py_END_ALLOW_THREADS
+    c->spinning--;
     return found;
 }
 
@@ -738,6 +749,10 @@ static PyObject *Core_completion_armed(Core *c, PyObject *unused) {
 
 static PyObject *Core_close(Core *c, PyObject *unused) {
     (void)unused;
+    if (c->spinning) { /* it reads the mapping without the GIL: unmapping now would crash it */
+        PyErr_SetString(PyExc_RuntimeError, "close() while another thread is waiting on the queue");
+        return NULL;
+    }
     if (c->base) {
         c->base = NULL;
         PyBuffer_Release(&c->view);

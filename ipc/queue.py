@@ -193,13 +193,16 @@ class RequestQueue(WorkerOps):
         return self._work[slot].fileno()
 
     def close(self) -> None:
-        """Unmap. The creator also unlinks the segment and closes the doorbells it made."""
+        """Unmap. The creator also unlinks the segment and closes the doorbells it made.
+
+        Raises RuntimeError, closing nothing, while another thread of this process is inside
+        a wait's spin (it reads the mapping without the GIL)."""
+        self._native.close()
         if self._seg.owner:
             self._seg.unlink()
         for bell in [*self._work, *([self._completion] if self._completion else [])]:
             bell.close()
         self._mutex.close()
-        self._native.close()
         for attr in ("_d", "_r", "_ready", "_wheel", "_waiting", "_done_head", "_inputs_ro"):
             setattr(self, attr, None)
         self._w_pid = self._w_state = None  # type: ignore[assignment]

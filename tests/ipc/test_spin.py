@@ -181,3 +181,13 @@ def test_no_wake_up_is_lost_across_processes() -> None:
             worker.kill()
             worker.wait()
         q.close()
+
+
+def test_close_refuses_while_a_thread_spins_on_the_mapping(spinning: RequestQueue) -> None:
+    thread, got = wait_in_thread(spinning, timeout_s=10.0)
+    time.sleep(0.05)  # inside its 2 s spin, reading shared memory without the GIL
+    with pytest.raises(RuntimeError, match="waiting"):
+        spinning.close()
+    submit(spinning, 1)  # the queue still works: nothing was closed
+    thread.join(5.0)
+    assert got == [True]
