@@ -314,11 +314,13 @@ def run(
     return {name: summarize(ns) for name, ns in samples.items()}
 
 
-def print_table(results: dict[str, dict[str, float]]) -> None:
+def print_table(results: dict[str, dict[str, float]], load: tuple[float, float]) -> None:
     cols = ["p50_us", "p90_us", "p99_us", "p999_us", "mean_us", "max_us", "round_trips_per_s"]
-    print(f"{'system':40s}" + "".join(f"{c:>12s}" for c in cols))
+    heads = ["p50 µs", "p90 µs", "p99 µs", "p99.9 µs", "mean µs", "max µs", "round trips/s"]
+    print(f"descriptor round trip, load average {load[0]:.2f} before / {load[1]:.2f} after")
+    print(f"{'system':40s}" + "".join(f"{h:>14s}" for h in heads))
     for name, row in results.items():
-        print(f"{name:40s}" + "".join(f"{row[c]:>12}" for c in cols))
+        print(f"{name:40s}" + "".join(f"{row[c]:>14}" for c in cols))
 
 
 def main() -> None:
@@ -350,7 +352,7 @@ def main() -> None:
     load_before = os.getloadavg()
     results = run(args.rounds, args.warmup, args.chunks, args.worker_spin_us, args.main_spin_us)
     load_after = os.getloadavg()
-    print_table(results)
+    print_table(results, (load_before[0], load_after[0]))
     redis_row = results[REDIS]
     speedup = {
         name: {q: round(redis_row[f"{q}_us"] / results[name][f"{q}_us"], 2) for q in ("p50", "p99")}
@@ -379,7 +381,6 @@ def main() -> None:
         "targets": {"p50_us": 20, "p99_us": 100, "vs_redis": 10, "row": SPIN, "met": met},
         "speedup_vs_redis": speedup,
     }  # fmt: skip
-    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}")
     for name, row in speedup.items():
         print(f"{name}: {row['p50']}x redis at p50, {row['p99']}x at p99")
     print(f"targets (p50 <= 20 us, p99 <= 100 us, 10x redis) on '{SPIN}': {met}")
