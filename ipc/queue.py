@@ -308,8 +308,9 @@ class RequestQueue(WorkerOps):
         return out
 
     def wait_for_completions(self, timeout_s: float | None, spin_us: int = 0) -> bool:
-        """Block until a finished request waits for ``collect_completed`` (True) or
-        ``timeout_s`` passes (None: forever), spinning first for up to ``spin_us``.
+        """Wait until a finished request waits for ``collect_completed``, spinning first for
+        up to ``spin_us``, then sleeping on the completion eventfd for up to ``timeout_s``
+        (None: forever). True if one waits now; False after the timeout or a stale ring.
 
         For a main process that has a thread to spare (the benchmark, a synchronous
         embedding); the daemon's event loop instead watches ``completion_fd`` and never
@@ -320,7 +321,8 @@ class RequestQueue(WorkerOps):
             raise QueueError("wait_for_completions needs the completion doorbell")
         if self._native.await_done(spin_us * 1000):
             return True
-        return self._completion.wait(timeout_s) or self._native.await_done(0)
+        self._completion.wait(timeout_s)  # a stale ring (collected already) wakes it early
+        return self._native.await_done(0)
 
     def expire_due(self, now_ns: int) -> list[Completion]:
         """Answer TIMEOUT for every queued request whose deadline is ``≤ now_ns``."""

@@ -224,6 +224,16 @@ class QueueModel(RuleBasedStateMachine):
             self.dropped.add(rid)
         self.abandoned |= {rid for rid, (_, _, r) in self.claimed.items() if r.conn == conn}
 
+    @rule(slot=st.integers(0, 1), min_ready=st.integers(1, 3))
+    def look_for_work(self, slot: int, min_ready: int) -> None:
+        """The worker's wait (lock-free look, spin, announce, sleep) agrees with the model."""
+        assert self.q.wait_for_work(slot, 0.0, min_ready) == (len(self.queued) >= min_ready)
+
+    @rule(spin_us=st.sampled_from([0, 5]))
+    def look_for_completions(self, spin_us: int) -> None:
+        waiting = bool(self.finished or self.finished_dropped)
+        assert self.q.wait_for_completions(0.0, spin_us) == waiting
+
     @rule()
     def lock_holder_died(self) -> None:
         """A process died mid-critical-section with the index in any state: wipe the whole
