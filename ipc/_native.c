@@ -199,6 +199,7 @@ typedef struct {
     int64_t *h_wheel_cursor;
     int32_t *h_done_head;
     uint32_t *h_completion_armed;
+    int32_t *h_main_cpu, *h_worker_cpu;
     char *desc;
     Py_ssize_t desc_stride, slots;
     Py_ssize_t d_priority, d_abandoned, d_state, d_generation, d_attempt, d_seq, d_worker,
@@ -255,6 +256,7 @@ static const Field HEADER_FIELDS[] = {
     {"h.seq", 8, M(h_seq)},           {"h.waiting", 8, M(h_waiting)},
     {"h.expired", 8, M(h_expired)},   {"h.wheel_cursor", 8, M(h_wheel_cursor)},
     {"h.done_head", 4, M(h_done_head)}, {"h.completion_armed", 4, M(h_completion_armed)},
+    {"h.main_cpu", 4, M(h_main_cpu)}, {"h.worker_cpu", 4, M(h_worker_cpu)},
 };
 #define COUNT(a) (sizeof(a) / sizeof((a)[0]))
 
@@ -696,16 +698,24 @@ static PyObject *Core_ready_total(Core *c, PyObject *unused) {
  * or, with min_ready == 0, until the done stack is non-empty; at most spin_ns. */
 static int spin(Core *c, long min_ready, int64_t spin_ns) {
     int found = 0;
+    /* Each side publishes the CPU it spins on (header worker_cpu / main_cpu) and gives its
+     * CPU away (sched_yield) between looks only when the other side was last seen on the
+     * same CPU, or was never seen (-1: e.g. the daemon's main process, which never spins):
+     * then the process we wait for may be queued behind us. On its own CPU we keep ours:
+     * a yield there only hands it to unrelated work for a scheduler slice (milliseconds). */
+    int32_t *mine = min_ready ? c->h_worker_cpu : c->h_main_cpu;
+    int32_t *peer = min_ready ? c->h_main_cpu : c->h_worker_cpu;
     c->spinning++; /* GIL held: a plain counter is enough */
     Py_BEGIN_ALLOW_THREADS
     int64_t end = now_ns() + spin_ns;
     for (;;) {
         found = min_ready ? ready_total(c) >= min_ready : done_waiting(c);
         if (found || now_ns() >= end) break;
+        int cpu = sched_getcpu();
+        __atomic_store_n(mine, cpu, __ATOMIC_RELAXED);
         for (int k = 0; k < 8; k++) CPU_RELAX();
-        /* Let a runnable process on this CPU go first: on a busy machine the one we wait
-         * for may be queued behind us (e.g. woken onto our CPU). */
-        sched_yield();
+        int32_t other = __atomic_load_n(peer, __ATOMIC_RELAXED);
+        if (other < 0 || other == cpu) sched_yield();
     }
     Py_END_ALLOW_THREADS
     c->spinning--;

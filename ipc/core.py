@@ -101,6 +101,7 @@ class QueueCore:
         self._mutex.initialize()
         self._spin_ns = self._seg.header["worker_spin_ns"] = worker_spin_us * 1000
         self._seg.header["completion_armed"] = 1
+        self._seg.header["main_cpu"] = self._seg.header["worker_cpu"] = -1
         for link in ("rnext", "rprev", "wnext", "wprev"):
             self._seg.descs[link] = NIL
         self._seg.descs["wbucket"] = NIL

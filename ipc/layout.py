@@ -47,6 +47,8 @@ Who writes what (``ipc/queue.py``'s docstring gives the order of writes inside t
   ``pid``/``state``: ``register_worker`` and ``reclaim_worker`` under the mutex.
 - header ``worker_spin_ns``: the creator, once. ``completion_armed``: the main process only,
   without the lock (a store/fence/load handshake with the workers, ``ipc/queue.py``).
+  ``main_cpu`` / ``worker_cpu``: the main process / any worker while it spins, without the
+  lock; hints only (whether to yield the CPU between looks), never needed for correctness.
 
 The C fast path (``ipc/_native.c``) reads the same bytes: :func:`native_offsets` hands it
 every offset it uses, after checking each field's dtype against the C type it is read as
@@ -65,7 +67,7 @@ import numpy as np
 from scratchd.ipc.lock import MUTEX_BYTES
 
 MAGIC = b"SCRATCHQ"
-LAYOUT_VERSION = 4  # 4: worker_spin_ns and completion_armed in the header
+LAYOUT_VERSION = 4  # 4: worker_spin_ns, completion_armed, main_cpu, worker_cpu in the header
 PRIORITIES = 8  # 0 (normal) .. 7 (most urgent)
 MAX_BOXES = 64
 HISTOGRAM_BINS = 64
@@ -105,6 +107,8 @@ HEADER_DTYPE = np.dtype(
         ("abandoned", "<u8"),  # requests dropped because their client left
         ("worker_spin_ns", "<i8"),  # how long a worker spins for work before it sleeps
         ("completion_armed", "<u4"),  # 1: ring the completion eventfd; 0: main is spinning
+        ("main_cpu", "<i4"),  # CPU the main process last spun on (-1: never); a hint
+        ("worker_cpu", "<i4"),  # CPU a worker last spun on (-1: never); a hint
     ],
     align=True,
 )
@@ -287,7 +291,7 @@ def layout(g: Geometry) -> dict[str, int]:
 NATIVE_FIELDS: dict[str, tuple[np.dtype, dict[str, str]]] = {
     "h": (HEADER_DTYPE, {
         "seq": "<u8", "waiting": "<u8", "expired": "<u8", "wheel_cursor": "<i8",
-        "done_head": "<i4", "completion_armed": "<u4",
+        "done_head": "<i4", "completion_armed": "<u4", "main_cpu": "<i4", "worker_cpu": "<i4",
     }),
     "d": (DESC_DTYPE, {
         "priority": "u1", "abandoned": "u1", "state": "u1", "generation": "<u4",

@@ -86,6 +86,11 @@ Either the worker's load sees ``armed = 1`` (it rings) or the main's look sees t
 both fences are sequentially consistent, so they cannot both miss. The daemon's event loop
 never spins: ``armed`` stays 1 and every completion rings.
 
+Between looks a spinner pauses and, if the other side was last seen spinning on the same
+CPU (header ``main_cpu`` / ``worker_cpu``) or never spun, yields the CPU: the process it
+waits for may be queued behind it. On a CPU of its own it does not yield, which would only
+hand the CPU to unrelated work for a scheduler slice. A spin is bounded either way.
+
 Stale writers: handles carry ``(index, generation)`` and every call checks both; a claim is
 also bound to the worker slot, its pid and the claim's attempt number, so a late
 ``complete`` from a worker whose claim was reclaimed returns False and writes nothing.
