@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from scratchd.client import AsyncClient, Client, unpack_mask
+from scratchd.client import AsyncClient, Client, Reply, unpack_mask
 from scratchd.ipc.image import decode_image
 
 from .daemon.harness import DaemonProcess
@@ -65,6 +65,44 @@ def test_raw_rgb_is_converted_to_luma_like_pillow(daemon: DaemonProcess) -> None
         assert from_rgb.status == other.status == "ok"
         assert from_rgb.score == other.score and from_rgb.boxes == other.boxes
         np.testing.assert_array_equal(unpack_mask(from_rgb), unpack_mask(other))
+
+
+def _png(grey: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(grey).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_pipelined_frames_bigger_than_the_read_buffer_each_get_their_own_answer(
+    daemon: DaemonProcess, images: list[Path]
+) -> None:
+    """Raw frames larger than a connection's 64 KiB head (grey, and RGB, which goes to the
+    decode pool) interleaved with small ones on one connection: each is answered exactly as
+    the same image sent alone as a PNG, so no frame's bytes bleed into another's through the
+    daemon's reused read buffers."""
+    tiles = [decode_image(p.read_bytes()) for p in images[:5]]
+    greys = [
+        np.tile(tiles[0], (2, 2)),  # 400x400: 160 KiB
+        tiles[1],  # 200x200: 40 KiB, read in place
+        np.tile(tiles[2], (2, 3)),  # sent as RGB 400x600x3: 703 KiB, converted in the pool
+        np.tile(tiles[3], (3, 2)),  # 600x400 grey right after it: its body buffer is reused
+        np.tile(tiles[4], (2, 3)),  # RGB again
+    ]
+    rgb = {2, 4}
+    sent = [np.stack([g, g, g], axis=-1) if k in rgb else g for k, g in enumerate(greys)]
+
+    async def pipelined() -> list[Reply]:
+        async with await AsyncClient.connect(daemon.socket) as client:
+            return list(await asyncio.gather(*(client.infer(x, want_mask=True) for x in sent * 2)))
+
+    replies = asyncio.run(pipelined())
+    with Client(daemon.socket, timeout=60) as client:
+        alone = [client.infer(_png(g), want_mask=True) for g in greys]
+    for k, reply in enumerate(replies):
+        expected = alone[k % len(greys)]
+        assert reply.status == expected.status == "ok"
+        assert (reply.score, reply.boxes) == (expected.score, expected.boxes)
+        np.testing.assert_array_equal(unpack_mask(reply), unpack_mask(expected))
 
 
 def test_map_pipelines_and_returns_each_image_once(
