@@ -170,7 +170,7 @@ class Acceptor:
         """Register ``conn``; None to serve it, else why it is refused (not on the
         allow-list, or one connection too many)."""
         self.connections[conn.id] = conn
-        refusal = self.gate.admit(conn.socket())  # type: ignore[arg-type]
+        refusal = self.gate.admit(conn.socket())
         if refusal is None:
             limit = self.config.server.max_connections
             refusal = self.gate.over_capacity(len(self.connections), limit)

@@ -40,7 +40,7 @@ import enum
 import time
 from typing import Final, Protocol, cast
 
-from scratchd.daemon.access import LINGER_BYTES
+from scratchd.daemon.access import LINGER_BYTES, SupportsGetsockopt
 from scratchd.ipc import wire
 from scratchd.ipc.queue import Handle
 
@@ -165,7 +165,8 @@ class Connection(asyncio.BufferedProtocol):
             self.closed = True
             self.handler.closed(self)
 
-    def socket(self) -> object:
+    def socket(self) -> SupportsGetsockopt | None:
+        """The peer's socket, for its credentials (``SO_PEERCRED``)."""
         return None if self.transport is None else self.transport.get_extra_info("socket")
 
     # ---- asyncio.BufferedProtocol -----------------------------------------------------
