@@ -425,8 +425,8 @@ def main() -> None:
     }  # fmt: skip
     for name, row in speedup.items():
         print(f"{name}: {row['p50']}x redis at p50, {row['p99']}x at p99")
-    for name, row in met.items():
-        print(f"targets (p50 <= 20 us, p99 <= 100 us, 10x redis at p50 and p99), {name}: {row}")
+    for name, verdict in met.items():
+        print(f"targets (p50 <= 20 us, p99 <= 100 us, 10x redis at p50 and p99), {name}: {verdict}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.json}")
