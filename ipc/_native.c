@@ -712,7 +712,8 @@ static int spin(Core *c, long min_ready, int64_t spin_ns) {
         found = min_ready ? ready_total(c) >= min_ready : done_waiting(c);
         if (found || now_ns() >= end) break;
         int cpu = sched_getcpu();
-        __atomic_store_n(mine, cpu, __ATOMIC_RELAXED);
+        if (__atomic_load_n(mine, __ATOMIC_RELAXED) != cpu) /* a store per look would bounce */
+            __atomic_store_n(mine, cpu, __ATOMIC_RELAXED);  /* the line under the other side */
         for (int k = 0; k < 8; k++) CPU_RELAX();
         int32_t other = __atomic_load_n(peer, __ATOMIC_RELAXED);
         if (other < 0 || other == cpu) sched_yield();
