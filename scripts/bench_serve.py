@@ -44,7 +44,9 @@ Raw mode (``--size N``, the default N = 1024 with ``--backend cuda``): N x N gre
 of the real images under ``--data`` sent as raw pixels; rates from ``--rates``, then with
 ``--until-p99-ms L`` the last rate times ``--rate-step`` (2) while a load meets L (p99 ≤ L,
 ≥ 99 % ok, nothing lost), up to ``--max-rate``; the burst pattern; then ``--kills`` SIGKILLs
-of a worker (round robin, ``--kill-gap`` s apart) during Poisson load at ``--kill-rate``:
+of a worker (round robin, ``--kill-gap`` s apart) during Poisson load at ``--kill-rate``
+(default: the highest rate that met ``--until-p99-ms``, or that lost nothing and answered
+≥ 99 % ok when no limit is given; the lowest rate run if none did):
 restart ms = kill → the replacement READY in the daemon's status (the status request
 ``scratchd status --json`` prints, polled every 5 ms), and what was lost meanwhile.
 GPU busy share: ``gpu_busy_nvml`` is NVML's utilisation (share of time a kernel ran) sampled
@@ -221,7 +223,8 @@ def kill_run(args: argparse.Namespace, sock: str) -> tuple[dict[str, Any], list[
         time.sleep(max(0.0, t0 + (k + 1) * args.kill_gap - time.monotonic()))
         kills.append(kill_worker(sock, names[k % len(names)]))
     row = sl.summarize(collect(procs), duration)
-    return {"load": f"poisson@{args.kill_rate:g}/s + kill -9", "size": args.size, **row}, kills
+    load = f"poisson@{args.kill_rate:g}/s + kill -9"
+    return {"load": load, "rate": args.kill_rate, "size": args.size, **row}, kills
 
 
 def measure_restarts(args: argparse.Namespace, sock: str) -> list[dict[str, Any]]:
@@ -255,6 +258,8 @@ def raw_record(args: argparse.Namespace, sock: str) -> dict[str, Any]:
     while rate := sl.next_rate(rates, rows, args.until_p99_ms, args.rate_step, args.max_rate):
         rows.append(run_load(args, sock, "poisson", rate))
     burst = run_load(args, sock, "burst", 0.0)
+    if args.kill_rate is None:  # the highest rate that held: the line's sustained load
+        args.kill_rate = sl.sustained_rate(rows, args.until_p99_ms)
     kill_row, kills = kill_run(args, sock) if args.kills > 0 else ({}, [])
     device = device_name(args.backend, sl.NvmlSampler().device_names(), args.gpus)
     return assemble_record(device, rows, burst, kill_row, kills, args.until_p99_ms)
@@ -321,7 +326,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clients", type=int, default=None, help="raw: cores / 2 in 2..12; CPU: 2")
     p.add_argument("--burst", type=int, default=23, help="requests per burst")
     p.add_argument("--kills", type=int, default=2, help="kill -9 rounds (CPU: per worker)")
-    p.add_argument("--kill-rate", type=float, default=None, help="raw mode (cuda: 2000)")
+    p.add_argument("--kill-rate", type=float, default=None, help="default: highest that held")
     p.add_argument("--kill-gap", type=float, default=3.0, help="s between kills (raw mode)")
     p.add_argument("--data", default=None, help="images (default: shared/data or sd900)")
     p.add_argument("--json", default=None)
@@ -340,8 +345,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.clients is None:
         args.clients = max(2, min(12, (os.cpu_count() or 2) // 2)) if raw else 2
     args.rates = args.rates or ("500,1000,2000,4000" if raw else "2,5,10")
-    if args.kill_rate is None:  # the GPU's target load; a CPU smoke run's first rate
-        args.kill_rate = 2000.0 if args.backend == "cuda" else float(args.rates.split(",")[0])
     args.data = args.data or str(DATA if raw else DATA / "sd900" / "images")
     default_json = "serve-gpu.json" if args.backend == "cuda" else "serve-cpu.json"
     default_json = default_json if not raw or args.backend == "cuda" else "serve-raw-cpu.json"

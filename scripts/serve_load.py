@@ -259,6 +259,13 @@ def next_rate(
     return nxt if nxt <= max_rate else None
 
 
+def sustained_rate(rows: list[dict[str, Any]], limit: float | None) -> float:
+    """The highest rate whose load met ``limit`` (without one: nothing lost, ≥ 99 % ok),
+    else the lowest rate run: the load to kill workers under."""
+    passed = [r["rate"] for r in rows if meets(r, limit if limit is not None else float("inf"))]
+    return max(passed) if passed else min(r["rate"] for r in rows)
+
+
 # ---- what the GPU did meanwhile -----------------------------------------------------------
 
 

@@ -128,6 +128,15 @@ def test_stepping_stops_at_a_loss_at_failures_and_at_the_cap() -> None:
     assert sl.next_rate([100.0], [_row(100.0, 1.0)], 20.0, 1.5, 1e6) == 150.0
 
 
+def test_workers_are_killed_under_the_highest_rate_that_held() -> None:
+    rows = [_row(500.0, 3.0), _row(1000.0, 9.0), _row(2000.0, 30.0), _row(4000.0, 90.0)]
+    assert sl.sustained_rate(rows, 20.0) == 1000.0
+    assert sl.sustained_rate(rows, None) == 4000.0  # nothing lost, all ok: every rate held
+    rows[3]["lost"] = 2
+    assert sl.sustained_rate(rows, None) == 2000.0
+    assert sl.sustained_rate(rows, 1.0) == 500.0  # none held: the lowest rate run
+
+
 # ---- GPU busy -----------------------------------------------------------------------------
 
 METRICS = """# HELP scratchd_compute_seconds Compute time per batch.
@@ -225,7 +234,7 @@ def test_the_markdown_section_is_replaced_in_place_and_nothing_else_moves(tmp_pa
 
 def test_the_cuda_command_line_defaults_to_the_issue_load() -> None:
     args = bench.parse_args(["--backend", "cuda"])
-    assert (args.size, args.rates, args.kill_rate) == (1024, "500,1000,2000,4000", 2000.0)
+    assert (args.size, args.rates, args.kill_rate) == (1024, "500,1000,2000,4000", None)
     assert args.json.endswith("docs/bench/serve-gpu.json")
     assert 2 <= args.clients <= 12
     cpu = bench.parse_args([])
