@@ -714,9 +714,11 @@ static int spin(Core *c, long min_ready, int64_t spin_ns) {
         int cpu = sched_getcpu();
         if (__atomic_load_n(mine, __ATOMIC_RELAXED) != cpu) /* a store per look would bounce */
             __atomic_store_n(mine, cpu, __ATOMIC_RELAXED);  /* the line under the other side */
-        for (int k = 0; k < 8; k++) CPU_RELAX();
         int32_t other = __atomic_load_n(peer, __ATOMIC_RELAXED);
-        if (other < 0 || other == cpu) sched_yield();
+        if (other < 0 || other == cpu) /* it cannot run while we pause: hand over at once */
+            sched_yield();
+        else
+            for (int k = 0; k < 8; k++) CPU_RELAX();
     }
     Py_END_ALLOW_THREADS
     c->spinning--;
