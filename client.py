@@ -120,7 +120,7 @@ class AsyncClient:
             deadline_ms=deadline_ms,
             want_mask=want_mask,
         )
-        reply = await self._call(request.id, wire.encode_frame(request))
+        reply = await self._call(request.id, wire.frame_buffer(request))
         if not isinstance(reply, Reply):
             raise ConnectionError(f"daemon answered request {request.id} with {type(reply)}")
         return reply
@@ -132,7 +132,7 @@ class AsyncClient:
             raise ConnectionError(f"daemon answered a status request with {type(reply)}")
         return reply
 
-    async def _call(self, request_id: int, frame: bytes) -> wire.DaemonMessage:
+    async def _call(self, request_id: int, frame: bytes | bytearray) -> wire.DaemonMessage:
         if self._receiver.done():
             raise ConnectionError("connection to scratchd is closed")
         future: asyncio.Future[wire.DaemonMessage] = asyncio.get_running_loop().create_future()
@@ -208,7 +208,7 @@ class Client:
             deadline_ms=deadline_ms,
             want_mask=want_mask,
         )
-        self._sock.sendall(wire.encode_frame(request))
+        self._sock.sendall(wire.frame_buffer(request))
         reply = self._receive_for(request.id)
         assert isinstance(reply, Reply)
         return reply
@@ -221,7 +221,7 @@ class Client:
         in_flight: dict[int, int] = {}
         for index, image in enumerate(images):
             request = build_request(next(self._ids), image, **options)  # type: ignore[arg-type]
-            self._sock.sendall(wire.encode_frame(request))
+            self._sock.sendall(wire.frame_buffer(request))
             in_flight[request.id] = index
             while len(in_flight) >= concurrency:
                 yield self._collect_one(in_flight)

@@ -246,16 +246,20 @@ DecodeError = msgspec.DecodeError
 
 
 def encode_frame(message: ClientMessage | DaemonMessage) -> bytes:
-    """The length-prefixed frame for ``message``.
+    """The length-prefixed frame for ``message``."""
+    return bytes(frame_buffer(message))
 
-    The buffer is sized for the image up front (``encode_into`` truncates it to the
-    message), so a 1 MiB frame is encoded once, without regrowing, then copied once to bytes.
+
+def frame_buffer(message: ClientMessage | DaemonMessage) -> bytearray:
+    """:func:`encode_frame`'s frame in a fresh ``bytearray``, for a sender that writes it
+    at once (no copy to ``bytes``). The buffer is sized for the image up front
+    (``encode_into`` truncates it to the message), so a 1 MiB frame is encoded in one pass.
     """
     image = message.pixels or message.encoded if isinstance(message, InferRequest) else None
     buf = bytearray(PREFIX_BYTES + (len(image) if image else 0) + _SMALL_MESSAGE)
     _encoder.encode_into(message, buf, PREFIX_BYTES)
     LENGTH_PREFIX.pack_into(buf, 0, len(buf) - PREFIX_BYTES)
-    return bytes(buf)
+    return buf
 
 
 _SMALL_MESSAGE: Final = 512

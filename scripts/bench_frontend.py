@@ -13,7 +13,8 @@ completes each claim at once with an ``ok`` result and no mask. Client processes
 (``--clients``) each keep ``--window`` raw frames in flight on one connection (closed loop:
 this measures capacity, not latency), sending real-image mosaics built as ``bench_serve``
 builds them. Big frames against tiny ones separates the cost per byte from the cost per
-request.
+request. ``client_cpu_us_per_request`` (the client processes' CPU, from ``RUSAGE_CHILDREN``)
+says how many client processes a load generator needs for a rate.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ async def measure(args: argparse.Namespace, size: int, tmp: Path) -> dict[str, A
     worker = spawn_stub(queue)
     try:
         before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        kids_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         clients = [
             spawn_client(args, config.server.socket, frames_path) for _ in range(args.clients)
         ]
@@ -112,6 +114,7 @@ async def measure(args: argparse.Namespace, size: int, tmp: Path) -> dict[str, A
             raise SystemExit("a client process failed (its error is above)")
         wall = time.perf_counter() - t0
         after = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # the clients, reaped; not the stub
     finally:
         worker.kill()
         worker.wait()
@@ -134,6 +137,12 @@ async def measure(args: argparse.Namespace, size: int, tmp: Path) -> dict[str, A
         "mib_per_s": round(replies * size * size / wall / 2**20, 1),
         "main_cpu_us_per_request": round(cpu / max(replies, 1) * 1e6, 1),
         "main_cpu_share": round(cpu / wall, 3),
+        "client_cpu_us_per_request": round(
+            (kids.ru_utime - kids_before.ru_utime + kids.ru_stime - kids_before.ru_stime)
+            / max(replies, 1)
+            * 1e6,
+            1,
+        ),
         "main_user_s": round(after.ru_utime - before.ru_utime, 3),
         "main_sys_s": round(after.ru_stime - before.ru_stime, 3),
         "wall_s": round(wall, 2),
@@ -184,11 +193,13 @@ def main() -> None:
 
     load_before = os.getloadavg()[0]
     rows = uvloop.run(run_all(args))
-    print(f"{'size':>6}{'req/s':>10}{'MiB/s':>9}{'CPU us/req':>12}{'CPU share':>11}  statuses")
+    head = f"{'size':>6}{'req/s':>10}{'MiB/s':>9}{'CPU us/req':>12}{'CPU share':>11}"
+    print(head + f"{'client us/req':>15}  statuses")
     for r in rows:
         print(
             f"{r['size']:>6}{r['requests_per_s']:>10}{r['mib_per_s']:>9}"
-            f"{r['main_cpu_us_per_request']:>12}{r['main_cpu_share']:>11}  {r['statuses']}"
+            f"{r['main_cpu_us_per_request']:>12}{r['main_cpu_share']:>11}"
+            f"{r['client_cpu_us_per_request']:>15}  {r['statuses']}"
         )
     load = {"loadavg_1m_before": round(load_before, 2), "loadavg_1m_after": os.getloadavg()[0]}
     print(f"load average {load}")
