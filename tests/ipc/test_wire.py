@@ -185,3 +185,4 @@ def test_encode_frame_sizes_its_buffer_for_any_request(request: wire.InferReques
     frame = wire.encode_frame(request)
     assert isinstance(frame, bytes)
     assert len(frame) == wire.PREFIX_BYTES + len(msgspec.msgpack.encode(request))
+    assert wire.frame_buffer(request) == frame  # the clients' copy-free twin
