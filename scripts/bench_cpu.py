@@ -72,10 +72,18 @@ def onnx_session(model: ScratchNet, h: int, w: int, threads: int) -> ort.Inferen
     return ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
 
 
+def settle() -> None:
+    """Let onnxruntime's threads stop spinning (they spin for a while after each run; timed
+    right after one, numpy's first runs shared the cores with them: median 13.9 ms against
+    a best of 8.9 at 200x200)."""
+    time.sleep(0.5)
+
+
 def run_seconds(fn: Any, repeats: int) -> list[float]:
     """``repeats`` run times of ``fn`` after one warm-up (page faults, thread start,
     onnxruntime's first-run allocations). Each side is timed in its own block: onnxruntime's
-    idle threads spin for a while after a run, which would slow a numpy run right after."""
+    idle threads spin for a while after a run, which would slow a numpy run right after
+    (hence :func:`settle` before every numpy block)."""
     fn()
     times = []
     for _ in range(repeats):
@@ -138,8 +146,10 @@ def bench_size(
     x = normalize_pad_ref(image, model.meta.mean, model.meta.std).transpose(0, 3, 1, 2).copy()
     ours = model.forward(image)
     theirs = sess.run(["prob"], {"x": x})[0]
+    settle()
     t_np = run_seconds(lambda: model.forward(image), repeats)
     t_ort = run_seconds(lambda: sess.run(["prob"], {"x": x}), repeats)
+    settle()
     t_pred = run_seconds(lambda: model.predict([image[0]]), max(1, repeats // 2))
     layers = profile_layers(model, image, max(repeats, 10)) if profile else None
     return {
