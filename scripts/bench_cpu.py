@@ -72,19 +72,27 @@ def onnx_session(model: ScratchNet, h: int, w: int, threads: int) -> ort.Inferen
     return ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
 
 
+WARM_S = 0.5
+
+
 def settle() -> None:
     """Let onnxruntime's threads stop spinning (they spin for a while after each run; timed
-    right after one, numpy's first runs shared the cores with them: median 13.9 ms against
-    a best of 8.9 at 200x200)."""
+    right after one, numpy's first runs shared the cores with them)."""
     time.sleep(0.5)
 
 
 def run_seconds(fn: Any, repeats: int) -> list[float]:
-    """``repeats`` run times of ``fn`` after one warm-up (page faults, thread start,
-    onnxruntime's first-run allocations). Each side is timed in its own block: onnxruntime's
-    idle threads spin for a while after a run, which would slow a numpy run right after
-    (hence :func:`settle` before every numpy block)."""
+    """``repeats`` run times of ``fn`` after ``WARM_S`` seconds of warm-up runs (page faults,
+    thread start, onnxruntime's first-run allocations, and the cores: after half a second
+    idle the first three or four 200x200 forwards on two threads took 15-17 ms, then 8.5,
+    while the second core came up to speed; onnxruntime's spinning threads hide that within
+    its block, so each side gets the same warm-up). Each side is timed in its own block:
+    onnxruntime's idle threads spin for a while after a run, which would slow a numpy run
+    right after (hence :func:`settle` before every numpy block)."""
+    start = time.perf_counter()
     fn()
+    while time.perf_counter() - start < WARM_S:
+        fn()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
