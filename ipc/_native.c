@@ -213,6 +213,7 @@ typedef struct {
     Py_ssize_t worker_stride, max_workers, w_pid, w_state, w_batches, w_requests;
     pthread_mutex_t *mutex;
     int spinning; /* threads inside spin() with the GIL released; close() refuses then */
+    int64_t next_escape_ns; /* a worker's next chance to leave a shared CPU (see spin()) */
 } Core;
 
 /* Field access: F(c, i, type, member) is descriptor i's field. */
@@ -696,13 +697,20 @@ static PyObject *Core_ready_total(Core *c, PyObject *unused) {
 
 /* Spin (GIL released, pause between looks) until ready_total >= min_ready (min_ready > 0)
  * or, with min_ready == 0, until the done stack is non-empty; at most spin_ns. */
+#define ESCAPE_EVERY_NS 10000000 /* 10 ms */
+
 static int spin(Core *c, long min_ready, int64_t spin_ns) {
     int found = 0;
     /* Each side publishes the CPU it spins on (header worker_cpu / main_cpu) and gives its
      * CPU away (sched_yield) between looks only when the other side was last seen on the
      * same CPU, or was never seen (-1: e.g. the daemon's main process, which never spins):
      * then the process we wait for may be queued behind us. On its own CPU we keep ours:
-     * a yield there only hands it to unrelated work for a scheduler slice (milliseconds). */
+     * a yield there only hands it to unrelated work for a scheduler slice (milliseconds).
+     *
+     * Two processes handing over by yields stay on one CPU for good: each ran microseconds
+     * ago, so load balancing never moves either ("cache hot"). So a worker that finds the
+     * main process spinning on its CPU stops spinning (at most once per ESCAPE_EVERY_NS)
+     * and sleeps on its eventfd: the wake-up lets the kernel place it on an idle CPU. */
     int32_t *mine = min_ready ? c->h_worker_cpu : c->h_main_cpu;
     int32_t *peer = min_ready ? c->h_main_cpu : c->h_worker_cpu;
     c->spinning++; /* GIL held: a plain counter is enough */
@@ -715,6 +723,13 @@ static int spin(Core *c, long min_ready, int64_t spin_ns) {
         if (__atomic_load_n(mine, __ATOMIC_RELAXED) != cpu) /* a store per look would bounce */
             __atomic_store_n(mine, cpu, __ATOMIC_RELAXED);  /* the line under the other side */
         int32_t other = __atomic_load_n(peer, __ATOMIC_RELAXED);
+        if (min_ready && other == cpu) {
+            int64_t now = now_ns();
+            if (now >= c->next_escape_ns) {
+                c->next_escape_ns = now + ESCAPE_EVERY_NS;
+                break;
+            }
+        }
         if (other < 0 || other == cpu) /* it cannot run while we pause: hand over at once */
             sched_yield();
         else

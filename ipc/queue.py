@@ -89,7 +89,10 @@ never spins: ``armed`` stays 1 and every completion rings.
 Between looks a spinner pauses and, if the other side was last seen spinning on the same
 CPU (header ``main_cpu`` / ``worker_cpu``) or never spun, yields the CPU: the process it
 waits for may be queued behind it. On a CPU of its own it does not yield, which would only
-hand the CPU to unrelated work for a scheduler slice. A spin is bounded either way.
+hand the CPU to unrelated work for a scheduler slice. A worker that finds the main process
+spinning on its own CPU sleeps instead (at most once per 10 ms): two processes that keep
+handing over by yields are never moved apart by the load balancer, a wake-up can land on an
+idle CPU. A spin is bounded either way.
 
 Stale writers: handles carry ``(index, generation)`` and every call checks both; a claim is
 also bound to the worker slot, its pid and the claim's attempt number, so a late

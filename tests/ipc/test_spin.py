@@ -190,3 +190,24 @@ def test_close_refuses_while_a_thread_spins_on_the_mapping(spinning: RequestQueu
     submit(spinning, 1)  # the queue still works: nothing was closed
     thread.join(5.0)
     assert got == [True]
+
+
+def test_a_worker_sharing_the_main_process_cpu_sleeps_instead_of_spinning(
+    spinning: RequestQueue,
+) -> None:
+    """Spinning there only trades the CPU back and forth (and keeps both processes on it for
+    good); the worker sleeps instead, so its wake-up can land on an idle CPU."""
+    everywhere = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(everywhere)})  # the waiting thread inherits this CPU
+    try:
+        spinning._seg.header["main_cpu"] = min(everywhere)  # "the main process spins here"
+        thread, got = wait_in_thread(spinning, timeout_s=10.0)
+        deadline = time.monotonic() + 1.0  # far less than its 2 s spin
+        while waiting_mask(spinning) != 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert waiting_mask(spinning) == 1  # asleep on its eventfd, not spinning
+        submit(spinning, 1)
+        thread.join(5.0)
+        assert got == [True]
+    finally:
+        os.sched_setaffinity(0, everywhere)
