@@ -25,6 +25,7 @@ with and without) and for nothing else.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -112,6 +113,7 @@ class Observability:
         src.queue_depth = queue.depth_by_priority
         src.worker_states = lambda: _count_states(supervisor)
         src.restarts = lambda: {supervisor.device: sum(x.restarts for x in supervisor.lineage)}
+        src.fragmentation = lambda: _fragmentation(queue, supervisor)
         src.drift_score = lambda: self.drift.score() if self.drift else 0.0
         src.output_entropy = self.entropy.mean
 
@@ -251,3 +253,14 @@ def _count_states(supervisor: Supervisor) -> dict[str, int]:
     for worker in supervisor.workers.values():
         counts[worker.state.value] = counts.get(worker.state.value, 0) + 1
     return counts
+
+
+def _fragmentation(queue: RequestQueue, supervisor: Supervisor) -> dict[str, float]:
+    """GPU workers' arena fragmentation by worker name (``cuda0`` is card ``gpus[0]``), as
+    each last wrote it into its worker row; workers without an arena (NaN) are left out."""
+    ratios: dict[str, float] = {}
+    for row in queue.worker_rows():
+        name = supervisor.worker_name(row.slot)
+        if name is not None and not math.isnan(row.vram_frag):
+            ratios[name] = row.vram_frag
+    return ratios

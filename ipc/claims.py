@@ -69,11 +69,17 @@ class WorkerOps(QueueCore):
             row["pid"], row["state"] = pid, ACTIVE
             row["registered_ns"] = row["heartbeat_ns"] = now
             row["batches"] = row["requests"] = 0
+            row["vram_frag"] = np.nan
             self._waiting[0] = int(self._waiting[0]) & ~(1 << slot)
 
     def heartbeat(self, slot: int, now_ns: int) -> None:
         """Record that the worker in ``slot`` is alive (its own field: no lock)."""
         self._seg.workers["heartbeat_ns"][slot] = now_ns
+
+    def report_device_memory(self, slot: int, fragmentation: float) -> None:
+        """A GPU worker's arena fragmentation ratio (its own field: no lock; a float32
+        write is atomic), read by the main process for the metrics."""
+        self._seg.workers["vram_frag"][slot] = fragmentation
 
     def ready_count(self) -> int:
         """Queued requests right now (a lock-free snapshot; exact only under the lock)."""
@@ -215,6 +221,7 @@ class WorkerOps(QueueCore):
             slot=s, pid=int(w["pid"]), state=WorkerSlotState(int(w["state"])),
             registered_ns=int(w["registered_ns"]), heartbeat_ns=int(w["heartbeat_ns"]),
             batches=int(w["batches"]), requests=int(w["requests"]), claimed=claimed,
+            vram_frag=float(w["vram_frag"]),
         )  # fmt: skip
 
     def _die_mid_result(self) -> None:

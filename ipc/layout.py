@@ -43,8 +43,8 @@ Who writes what (``ipc/queue.py``'s docstring gives the order of writes inside t
   WRITTEN (it owns it; no lock needed until ``submit`` publishes it).
 - a descriptor's result row and mask slot: the claiming worker while the descriptor is
   CLAIMED by it, *before* it flips the state to DONE under the mutex.
-- a worker row's heartbeat and counters: that worker only (single writer, no lock); its
-  ``pid``/``state``: ``register_worker`` and ``reclaim_worker`` under the mutex.
+- a worker row's heartbeat, counters and ``vram_frag``: that worker only (single writer, no
+  lock); its ``pid``/``state``: ``register_worker`` and ``reclaim_worker`` under the mutex.
 - header ``worker_spin_ns``: the creator, once. ``completion_armed``: the main process only,
   without the lock (a store/fence/load handshake with the workers, ``ipc/queue.py``).
   ``main_cpu`` / ``worker_cpu``: the main process / any worker while it spins, without the
@@ -67,7 +67,8 @@ import numpy as np
 from scratchd.ipc.lock import MUTEX_BYTES
 
 MAGIC = b"SCRATCHQ"
-LAYOUT_VERSION = 4  # 4: worker_spin_ns, completion_armed, main_cpu, worker_cpu in the header
+LAYOUT_VERSION = 5  # 4: worker_spin_ns, completion_armed, main_cpu, worker_cpu in the header
+# 5: vram_frag in the worker table
 PRIORITIES = 8  # 0 (normal) .. 7 (most urgent)
 MAX_BOXES = 64
 HISTOGRAM_BINS = 64
@@ -179,6 +180,7 @@ WORKER_DTYPE = np.dtype(
         ("heartbeat_ns", "<i8"),
         ("batches", "<u8"),
         ("requests", "<u8"),
+        ("vram_frag", "<f4"),  # a GPU worker's arena fragmentation ratio; NaN: no arena
     ],
     align=True,
 )

@@ -151,6 +151,7 @@ class WorkerRow:
     batches: int
     requests: int
     claimed: int  # descriptors it holds right now
+    vram_frag: float = float("nan")  # the worker's device arena fragmentation; NaN: none
 
 
 @dataclass(slots=True)

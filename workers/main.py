@@ -199,6 +199,7 @@ class WorkerLoop:
         self.death_fd = death_fd
         self.policy = BatchPolicy(max(1, backend.max_batch), max_delay_ms * 1_000_000)
         self.heartbeat_s = heartbeat_ms / 1000.0
+        self.memory_reported_ns = 0
 
     def run(self) -> ExitCode:
         while not self.stop.requested:
@@ -206,6 +207,7 @@ class WorkerLoop:
                 return ExitCode.PARENT_GONE
             now = time.monotonic_ns()
             self.queue.heartbeat(self.slot, now)
+            self.report_memory(now)
             ready = self.queue.ready_count()
             plan = self.policy.plan(now, ready, self.queue.oldest_ready() if ready else None)
             if plan.claim:
@@ -222,6 +224,13 @@ class WorkerLoop:
                 self.queue.wait_for_work(self.slot, timeout, min_ready=self.policy.max_batch)
         self.drain()
         return ExitCode.OK
+
+    def report_memory(self, now_ns: int) -> None:
+        """A GPU backend's arena fragmentation into our worker row, once a heartbeat."""
+        ratio = getattr(self.backend, "fragmentation_ratio", None)
+        if ratio is not None and now_ns - self.memory_reported_ns >= self.heartbeat_s * 1e9:
+            self.memory_reported_ns = now_ns
+            self.queue.report_device_memory(self.slot, ratio())
 
     def limit(self) -> int:
         """The backend's batch limit now (a GPU's follows its free memory)."""

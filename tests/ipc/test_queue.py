@@ -12,6 +12,7 @@ both writers; ``index_is_well_formed`` walks every list after every step.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -516,3 +517,13 @@ def test_close_unmaps_the_segment() -> None:
     mm = q._seg.mm
     q.close()
     assert mm.closed
+
+
+def test_a_gpu_worker_reports_its_arena_fragmentation_in_its_row(queue: RequestQueue) -> None:
+    queue.register_worker(1, os.getpid())
+    assert math.isnan(queue.worker_rows()[0].vram_frag)  # no arena reported: no number
+    queue.report_device_memory(1, 0.25)
+    assert queue.worker_rows()[0].vram_frag == 0.25
+    queue.reclaim_worker(1, time.monotonic_ns())
+    queue.register_worker(1, os.getpid() + 1)  # a replacement starts with no number
+    assert math.isnan(queue.worker_rows()[0].vram_frag)

@@ -73,6 +73,7 @@ def test_results_equal_the_cpu_backend_on_real_images(gpu, data_dir: Path) -> No
         same(g, w)
     assert any(r.verdict_defect for r in got)
     assert all(r.compute_ns > 0 for r in got)  # GPU time from CUDA events
+    assert 0.0 <= gpu.fragmentation_ratio() < 1.0  # the arena's, for the metrics
 
 
 def test_masks_only_where_asked_and_bad_frames_answered_alone(gpu, data_dir: Path) -> None:
