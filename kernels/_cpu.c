@@ -34,8 +34,9 @@ static int get_f32(PyObject *obj, Py_buffer *v, int writable, int ndim, const ch
     const char *f = v->format ? v->format : "B";
     if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
     if (v->itemsize != 4 || strcmp(f, "f") != 0 || v->ndim != ndim) {
-        PyErr_Format(PyExc_ValueError, "%s: %s must be float32 with %d axes (got format %s, %d axes)",
-                     op, name, ndim, v->format ? v->format : "B", v->ndim);
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %s must be float32 with %d axes (got format %s, %d axes)", op, name,
+                     ndim, v->format ? v->format : "B", v->ndim);
         PyBuffer_Release(v);
         return -1;
     }
