@@ -7,11 +7,13 @@
  * computes and writes only the output band it was given, so bands run truly in parallel.
  * The numpy references in kernels/<op>.py are the definition; tests/kernels/test__cpu.py
  * compares every function here with them. The kernels themselves (layouts, arithmetic
- * order, instruction sets) are in _cpu_kernels.h.
+ * order, instruction sets) are in _cpu_kernels.h. Also here: current_cpu / leave_cpu, which
+ * kernels/cpu_bands.py uses to keep a layer's two bands off one core.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <sched.h> /* sched_getcpu, sched_{get,set}affinity: _GNU_SOURCE comes with Python.h */
 #include <stdlib.h>
 #include <string.h>
 
@@ -309,6 +311,37 @@ static PyObject *py_bias_relu(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ---- where the band threads run ---------------------------------------------------------
+ * A pool thread woken by the caller is often placed on the caller's own CPU (the kernel's
+ * wake-affine placement), and the two bands of a layer then share one core until the load
+ * balancer separates them: after half a second idle, the first three or four 200x200
+ * forwards ran at one-thread speed. leave_cpu moves the calling thread off a CPU at once
+ * (an affinity mask without it, then the old mask back: no lasting pinning). */
+
+static PyObject *py_current_cpu(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyLong_FromLong(sched_getcpu());
+}
+
+static PyObject *py_leave_cpu(PyObject *self, PyObject *args) {
+    (void)self;
+    int cpu;
+    if (!PyArg_ParseTuple(args, "i", &cpu)) return NULL;
+    cpu_set_t old, other;
+    int moved = 0;
+    if (cpu >= 0 && cpu < CPU_SETSIZE && sched_getcpu() == cpu &&
+        sched_getaffinity(0, sizeof old, &old) == 0) {
+        other = old;
+        CPU_CLR(cpu, &other);
+        if (CPU_COUNT(&other) > 0 && sched_setaffinity(0, sizeof other, &other) == 0) {
+            moved = 1;
+            sched_setaffinity(0, sizeof old, &old);
+        }
+    }
+    return PyBool_FromLong(moved);
+}
+
 static const Kernels *const ALL[] = {&kernels_baseline, &kernels_avx2, &kernels_avx512};
 static size_t best = 0; /* ALL[best]: the widest this CPU runs */
 
@@ -335,6 +368,10 @@ static PyObject *py_use_isa(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"use_isa", py_use_isa, METH_VARARGS, ISA_DOC},
+    {"current_cpu", py_current_cpu, METH_NOARGS, "The CPU the calling thread runs on now."},
+    {"leave_cpu", py_leave_cpu, METH_VARARGS,
+     "leave_cpu(cpu) -> moved: move the calling thread off that CPU now if it runs there\n"
+     "and may run elsewhere (its affinity mask is left as it was)."},
     {"dwconv3x3", py_dwconv3x3, METH_VARARGS, DW_DOC},
     {"dwconv3x3_join", py_dwconv3x3_join, METH_VARARGS, JOIN_DOC},
     {"stem3x3", py_stem3x3, METH_VARARGS, STEM_DOC},

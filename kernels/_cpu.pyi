@@ -5,6 +5,8 @@ import numpy as np
 ISAS: tuple[str, ...]  # the instruction sets this CPU runs, widest last (the one picked at import)
 
 def use_isa(name: str) -> str: ...  # tests: switch process-wide, returns the previous
+def current_cpu() -> int: ...  # sched_getcpu()
+def leave_cpu(cpu: int, /) -> bool: ...  # move the calling thread off cpu now, if it is there
 def dwconv3x3(
     x: np.ndarray,  # [H, W, C] float32
     w: np.ndarray,  # [3, 3, C]

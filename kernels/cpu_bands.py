@@ -18,6 +18,13 @@ scratch     band buffers   "y" [R, Wo, Cin]    one flat buffer per tag, grown wh
 Both exist because a fresh large ``np.empty`` is a fresh ``mmap`` that page-faults on first
 write (at 200x200 a quarter of the CPU time once went to the kernel).
 
+Placement: a pool thread woken by the caller is often put on the caller's own CPU (the
+kernel's wake-affine placement), and both bands of a layer then share one core until the
+load balancer separates them (measured: after half a second idle, the first three or four
+200x200 forwards took 15-17 ms, one thread's time, instead of 8.5). So a pool thread that
+finds itself on the caller's CPU moves off it at once (``_cpu.leave_cpu``; its affinity
+mask is left as it was, nothing stays pinned).
+
 OpenBLAS would start its own threads for every band's matmul and fight the pool for the
 cores, so a forward runs under :func:`single_threaded_blas` (threadpoolctl; it caps BLAS
 threads process-wide for its duration). Without threadpoolctl :func:`available` is False
@@ -36,12 +43,14 @@ from typing import Any
 
 import numpy as np
 
+from scratchd.kernels import _cpu
+
 try:
     from threadpoolctl import ThreadpoolController
 except ImportError:  # pragma: no cover - optional: the GPU image need not have it
     ThreadpoolController = None
 
-THREADS = os.cpu_count() or 1
+THREADS = len(os.sched_getaffinity(0)) or 1  # the CPUs this process may run on
 _POOL = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="scratchd-cpu")
 _CONTROLLER: Any = None
 _LOCAL = threading.local()
@@ -116,12 +125,17 @@ def run_bands(fn: Callable[[Task], None], tasks: list[Task]) -> None:
     """Run ``fn`` on every ``(image, r0, r1)`` task: the calling thread and up to
     ``THREADS - 1`` pool threads take the next task until none is left."""
     todo = iter(tasks)
+    caller_cpu = _cpu.current_cpu()
 
     def drain() -> None:
         for task in todo:  # a list iterator hands each task to exactly one thread
             fn(task)
 
-    helpers = [_POOL.submit(drain) for _ in range(min(THREADS, len(tasks)) - 1)]
+    def helper() -> None:
+        _cpu.leave_cpu(caller_cpu)  # placed beside the caller by its wake-up: move now
+        drain()
+
+    helpers = [_POOL.submit(helper) for _ in range(min(THREADS, len(tasks)) - 1)]
     try:
         drain()
     finally:

@@ -8,6 +8,7 @@ included.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -135,6 +136,21 @@ def test_edge_pixels_see_zero_padding_not_neighbours() -> None:
     y = np.empty((4, 5, 1), np.float32)
     _cpu.dwconv3x3(x, w, np.zeros(1, np.float32), y, 0, 1, 1)
     assert y[0, 0, 0] == 4.0 and y[0, 2, 0] == 6.0 and y[1, 2, 0] == 9.0
+
+
+def test_leave_cpu_moves_the_thread_off_a_cpu_without_pinning_it() -> None:
+    allowed = os.sched_getaffinity(0)
+    assert _cpu.current_cpu() in allowed
+    assert not _cpu.leave_cpu(-1) and not _cpu.leave_cpu(max(allowed) + 1)
+    if len(allowed) > 1:  # the thread may migrate between the two calls: a few tries
+        for _ in range(5):
+            cpu = _cpu.current_cpu()
+            if _cpu.leave_cpu(cpu):
+                break
+        else:
+            pytest.fail("leave_cpu never moved the thread")
+        assert _cpu.current_cpu() != cpu
+    assert os.sched_getaffinity(0) == allowed
 
 
 def good_args() -> list[np.ndarray]:
