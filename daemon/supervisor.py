@@ -12,7 +12,9 @@ Each worker has a stable logical id (``cpu0``, ``cpu1``, …) and, while it runs
                                           │
                       BOOT_ERROR before READY → the pool HALTS (no crash loop)
                       retired / pool stopping → gone
-                      otherwise               → respawn after backoff (first one at once)
+                      otherwise               → replace after backoff (first one at once):
+                                                the card's (or pool's) warm standby when it
+                                                is READY, else a fresh process
 
 Deaths are seen through a pidfd (``os.pidfd_open``) registered with ``loop.add_reader``:
 readable the instant the process exits, whatever killed it; no SIGCHLD handler, no polling
@@ -346,6 +348,8 @@ class Supervisor:
         lineage = self.lineage[wid]
         lineage.pending = None
         if self.state in (PoolState.RUNNING, PoolState.STARTING):
+            if self._promote_standby(wid):  # a standby READY by now beats a fresh boot
+                return
             lineage.restarts += 1
             lineage.last_restart_s = time.time()
             worker = self.spawn_worker(wid)

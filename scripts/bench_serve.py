@@ -59,7 +59,8 @@ rewrites the ``--section`` (``bench_serve_gpu``) of the given markdown file.
 
 CPU record mode (no ``--size``): ``--rates`` then the burst, then each worker SIGKILLed
 ``--kills`` times in turn under a light load (3 req/s), with what replaced it: the warm
-standby, or a fresh process (a second death in a row backs off 0.1 s and starts one).
+standby, or a fresh process (a death in a row backs off 0.1 s first, then takes the standby
+if a new one is READY by then, else starts a fresh process).
 """
 
 from __future__ import annotations
