@@ -291,18 +291,19 @@ class Daemon:
                     **self.obs.worker_fields(name),
                 )
             )
-        spare = self.supervisor.standby
-        standby = None
-        if spare is not None:
-            standby = wire.WorkerStatus(
+        standbys = [
+            wire.WorkerStatus(
                 id=-1,
-                name=spare.name,
+                name=spare.name if self.backend == "cpu" else f"{spare.name}{group}",
                 pid=spare.proc.pid,
                 state=spare.state.value,
                 device=spare.device,
-                restarts=max(0, self.supervisor.standby_line.spawned - 1),
+                restarts=max(0, self.supervisor.standby_lines[group].spawned - 1),
                 model_version=spare.version,
             )
+            for group, spare in sorted(self.supervisor.standbys.items())
+        ]
+        standby = standbys[0] if standbys and 0 in self.supervisor.standbys else None
         counts = self.queue.counts_by_state()
         queue = wire.QueueStatus(
             depth=self.queue.depth_by_priority(),
@@ -324,6 +325,7 @@ class Daemon:
             reload_error=self.service.reloader.last_error,
             refused_connections=self.acceptor.gate.refused,
             standby=standby,
+            standbys=standbys,
             **self.obs.status_fields(),
         )
 

@@ -228,7 +228,10 @@ class StatusReply(msgspec.Struct, frozen=True, tag="status_reply", tag_field="ty
     metrics_port: int = 0
     """The bound /metrics port."""
     standby: WorkerStatus | None = None
-    """The warm spare worker (``workers.standby``), not serving until a worker dies."""
+    """The warm spare worker (``workers.standby``), not serving until a worker dies (a CUDA
+    pool's first card's; ``standbys`` has every card's)."""
+    standbys: list[WorkerStatus] = []
+    """Every warm spare: one for a CPU pool, one per card for a CUDA pool."""
 
 
 ClientMessage = InferRequest | StatusRequest

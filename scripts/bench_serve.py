@@ -140,14 +140,14 @@ def kill_worker(sock: str, name: str) -> dict[str, Any]:
     with Client(sock, timeout=5) as client:
         status = client.status()
     current = {w.name: w for w in status.workers}[name]
-    spare = status.standby.pid if status.standby and status.standby.state == "ready" else 0
+    spares = {s.pid for s in status.standbys if s.state == "ready"}
     os.kill(current.pid, signal.SIGKILL)
     t0 = time.monotonic()
     wait_ready(sock, None, {name: current.restarts + 1})
     elapsed = time.monotonic() - t0
     with Client(sock, timeout=5) as client:
         new_pid = {w.name: w.pid for w in client.status().workers}[name]
-    path = "standby" if new_pid == spare else "fresh process"
+    path = "standby" if new_pid in spares else "fresh process"
     return {"worker": name, "restart_s": round(elapsed, 3), "replaced_by": path}
 
 

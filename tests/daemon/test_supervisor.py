@@ -254,6 +254,7 @@ def test_the_warm_standby_takes_over_a_killed_worker_and_a_new_spare_boots() -> 
         while (spare := d.status().standby) is None or spare.state != "ready":
             assert time.monotonic() < deadline, d.log()
             time.sleep(0.05)
+        assert [s.pid for s in d.status().standbys] == [spare.pid]  # a CPU pool has one
         victim = d.worker_pids()["cpu1"]
         os.kill(victim, signal.SIGKILL)
         d.wait_ready(restarts={"cpu1": 1})
