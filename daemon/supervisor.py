@@ -45,21 +45,20 @@ from typing import Final
 
 from scratchd.daemon.config import Config
 from scratchd.daemon.log import log_event
+from scratchd.daemon.standby import MAX_CONSECUTIVE_BOOT_FAILURES, StandbyMixin
 from scratchd.daemon.worker_process import (
     Lineage,
     Worker,
     WorkerState,
     describe_exit,
-    hand_over,
     launch,
     restart_delay,
     worker_env,
 )
 from scratchd.ipc.queue import ReclaimReport, RequestQueue
-from scratchd.workers.protocol import STANDBY_SLOT, ExitCode, WorkerSpec
+from scratchd.workers.protocol import ExitCode, WorkerSpec
 
 NS: Final = 1_000_000_000
-MAX_CONSECUTIVE_BOOT_FAILURES: Final = 5
 STABLE_AFTER_S: Final = 30.0
 """A worker READY this long has its restart backoff reset."""
 
@@ -76,7 +75,7 @@ class PoolHalted(RuntimeError):
     """A worker failed to boot: serving cannot start or continue. The message says why."""
 
 
-class Supervisor:
+class Supervisor(StandbyMixin):
     """Keeps ``count`` workers of ``device`` alive on ``queue``.
 
     ``on_reclaimed`` is called after every reclaim (the dispatcher collects the completions
@@ -132,22 +131,6 @@ class Supervisor:
         for group in self.groups():  # after the pool: their boot does not slow the pool's
             self.spawn_standby(group)
 
-    def groups(self) -> list[int]:
-        """Standby groups: one per card for CUDA, a single shared one for CPU."""
-        return list(range(self.count)) if self.device == "cuda" else [0]
-
-    def group_of(self, wid: int) -> int:
-        return wid if self.device == "cuda" else 0
-
-    @property
-    def standby(self) -> Worker | None:
-        """The first group's standby (``status`` shows it)."""
-        return self.standbys.get(0)
-
-    @property
-    def standby_line(self) -> Lineage:
-        return self.standby_lines[0]
-
     def spawn_worker(self, wid: int) -> Worker:
         """Start the process for logical worker ``wid`` in a free worker-table slot."""
         worker = self._launch(wid, self._free_slot())
@@ -155,17 +138,6 @@ class Supervisor:
         self.names_by_slot[worker.slot] = worker.name
         self.lineage[wid].spawned += 1
         return worker
-
-    def spawn_standby(self, group: int = 0) -> None:
-        """Start a warm spare (``workers.standby``) for ``group`` unless it has one or we are
-        stopping."""
-        line = self.standby_lines[group]
-        line.pending = None
-        if self.config.workers.standby and group not in self.standbys and self._running():
-            worker = self._launch(STANDBY_SLOT, STANDBY_SLOT, group)
-            worker.group = group
-            self.standbys[group] = worker
-            line.spawned += 1
 
     def _running(self) -> bool:
         return self.state in (PoolState.STARTING, PoolState.RUNNING)
@@ -294,55 +266,6 @@ class Supervisor:
         if delay == 0.0 and self._promote_standby(worker.id):
             return
         lineage.pending = self._loop.call_later(delay, self._respawn, worker.id)
-
-    def _promote_standby(self, wid: int) -> bool:
-        """Hand a free slot to the warm standby as worker ``wid``; False if there is none."""
-        group = self.group_of(wid)
-        standby = self.standbys.get(group)
-        if standby is None or standby.state is not WorkerState.READY:
-            return False
-        del self.standbys[group]
-        slot = self._free_slot()
-        if not hand_over(standby, slot, self.queue.work_fd(slot)):
-            standby.retiring = True  # dying anyway; its exit is a non-event
-            return False
-        standby.id, standby.slot, standby.ready_ns = wid, slot, time.monotonic_ns()
-        self.workers[slot] = standby
-        self.names_by_slot[slot] = standby.name
-        lineage = self.lineage[wid]
-        lineage.restarts += 1
-        lineage.spawned += 1
-        lineage.last_restart_s = time.time()
-        log_event("worker_restart", worker=standby.name, pid=standby.proc.pid, slot=slot,
-                  standby=True)  # fmt: skip
-        self._loop.call_soon(self.spawn_standby, group)
-        return True
-
-    def _on_standby_exit(self, worker: Worker, code: int, was_ready: bool) -> None:
-        if worker.control is not None:
-            worker.control.close()
-            worker.control = None
-        group = worker.group
-        current: Worker | None = self.standbys.get(group)
-        if current is None or current.proc.pid != worker.proc.pid:
-            return  # a standby retired, or one that died while being handed a slot
-        del self.standbys[group]
-        planned = not self._running()
-        level = logging.INFO if planned else logging.WARNING
-        log_event("standby_exited", level, pid=worker.proc.pid, cause=describe_exit(code))
-        if planned:
-            return
-        line = self.standby_lines[group]
-        if not was_ready and code == ExitCode.BOOT_ERROR:
-            self.halt(f"standby worker failed to boot: {worker.boot_reason()}")
-            return
-        line.failures = 0 if was_ready else line.failures + 1
-        if line.failures >= MAX_CONSECUTIVE_BOOT_FAILURES:
-            self.halt(f"standby worker died {line.failures} times during boot")
-            return
-        line.pending = self._loop.call_later(
-            restart_delay(line.failures + 1), self.spawn_standby, group
-        )
 
     def _respawn(self, wid: int) -> None:
         lineage = self.lineage[wid]
