@@ -8,6 +8,7 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -175,3 +176,15 @@ def test_a_worker_that_cannot_load_its_model_reports_boot_error(
         assert worker.proc.wait(30) == ExitCode.BOOT_ERROR
     finally:
         worker.close()
+
+
+def test_boot_time_is_measured_from_exec() -> None:
+    from scratchd.workers.main import since_exec_ms
+
+    child = subprocess.run(
+        [sys.executable, "-c", "import time; time.sleep(0.3)\n"
+         "from scratchd.workers.main import since_exec_ms; print(since_exec_ms())"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert 300 <= float(child.stdout) < 60_000  # the sleep counts: the clock starts at exec
+    assert since_exec_ms() > 0
