@@ -157,6 +157,7 @@ class CudaBackend:
                 f"less than the {MIN_ARENA / MIB:.0f} MiB a CUDA worker needs"
             )
         arena = DeviceArena(size)
+        self._previous_allocator = self.cp.cuda.get_allocator()
         arena.install()
         return arena
 
@@ -172,10 +173,17 @@ class CudaBackend:
         self._registered.append((ptr, nbytes))
         self.boot_ms["host_register"] = _ms(t0)
 
-    def close(self) -> None:
+    def unregister_host(self) -> None:
+        """Undo :meth:`register_host` (before the region is unmapped)."""
         for ptr, _ in self._registered:
             self.cp.cuda.runtime.hostUnregister(ptr)
         self._registered.clear()
+
+    def close(self) -> None:
+        """Unregister host memory and give CuPy its previous allocator back (the arena's
+        blocks stay with the graphs that hold them until they are dropped)."""
+        self.unregister_host()
+        self.cp.cuda.set_allocator(self._previous_allocator)
 
     # ---- batch limit ------------------------------------------------------------------
 

@@ -60,7 +60,7 @@ def same(got: Result, want: Result) -> None:
 def gpu():
     b = backend()
     yield b
-    b.close()
+    b.close()  # CuPy's own allocator again for the test modules after this one
 
 
 def test_results_equal_the_cpu_backend_on_real_images(gpu, data_dir: Path) -> None:
@@ -128,7 +128,7 @@ def test_frames_read_straight_from_registered_shared_memory(gpu, data_dir: Path)
         want = gpu.infer([f.copy() for f in frames], [False] * 3)  # the staged path
         assert [r.score for r in got] == [r.score for r in want]
     finally:
-        gpu.close()
+        gpu.unregister_host()
         q.close()
 
 
@@ -151,11 +151,14 @@ def test_batch_limit_follows_the_memory_the_card_lets_us_have(gpu, data_dir: Pat
     try:
         assert hog.stdout is not None and hog.stdout.readline().strip() == b"held"
         small = backend(max_batch=16, arena_mb=65536)
-        assert small.arena.stats().total < 4 * 2**30
-        assert 1 <= small.batch_limit() < 16
-        frames = real_frames(data_dir, 5)
-        got = small.infer(frames, [False] * 5)
-        assert all(r.status is Status.OK for r in got)
+        try:
+            assert small.arena.stats().total < 4 * 2**30
+            assert 1 <= small.batch_limit() < 16
+            frames = real_frames(data_dir, 5)
+            got = small.infer(frames, [False] * 5)
+            assert all(r.status is Status.OK for r in got)
+        finally:
+            small.close()
         want = gpu.infer(frames, [False] * 5)
         assert [r.boxes for r in got] == [r.boxes for r in want]
     finally:
