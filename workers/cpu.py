@@ -18,10 +18,10 @@ from typing import Final
 
 import numpy as np
 
-from scratchd.ipc.queue import Result, Status
+from scratchd.ipc.queue import Result
 from scratchd.kernels.model import Prediction, ScratchNet, load_model
+from scratchd.workers.results import error_result, ok_result
 
-MAX_BOXES: Final = 64
 WARM_UP_SHAPE: Final = (64, 64)
 
 
@@ -63,31 +63,4 @@ def _to_result(
 ) -> Result:
     if isinstance(outcome, Exception):
         return error_result(f"model failed: {type(outcome).__name__}: {outcome}", batch_size)
-    return Result(
-        status=Status.OK,
-        verdict_defect=outcome.verdict == "defect",
-        score=float(outcome.score),
-        boxes=[tuple(float(v) for v in box) for box in outcome.boxes[:MAX_BOXES]],  # type: ignore[misc]
-        entropy=float(outcome.entropy),
-        histogram=np.asarray(outcome.histogram, dtype=np.uint32),
-        compute_ns=compute_ns,
-        batch_size=batch_size,
-        error="",
-        mask=outcome.mask if want_mask else None,
-    )
-
-
-def error_result(reason: str, batch_size: int = 0, status: Status = Status.ERROR) -> Result:
-    """A result carrying only a status and its reason."""
-    return Result(
-        status=status,
-        verdict_defect=False,
-        score=0.0,
-        boxes=[],
-        entropy=0.0,
-        histogram=np.zeros(64, dtype=np.uint32),
-        compute_ns=0,
-        batch_size=batch_size,
-        error=reason,
-        mask=None,
-    )
+    return ok_result(outcome, want_mask, compute_ns, batch_size)

@@ -36,8 +36,8 @@ from typing import Any, Final
 import numpy as np
 
 from scratchd.ipc.queue import Result, Status
-from scratchd.workers.cpu import MAX_BOXES, error_result
 from scratchd.workers.gpu_memory import MIB, BatchSizer, free_bytes, pin_near, split_batch
+from scratchd.workers.results import error_result, ok_result
 
 BUCKETS: Final = (1, 2, 4, 8, 16)
 H2D: Final = 1  # cudaMemcpyHostToDevice
@@ -263,7 +263,7 @@ class CudaBackend:
             frames = c.graph.finish(c.collected, c.want_mask)
             compute_ns = int(c.collected.compute_ms * 1e6)
             for pos, frame, want in zip(c.positions, frames, c.want_mask, strict=True):
-                results[pos] = _to_result(frame, want, compute_ns, len(c.positions))
+                results[pos] = ok_result(frame, want, compute_ns, len(c.positions))
         for pos, reason in batch.errors.items():
             results[pos] = error_result(reason, batch.size, Status.INVALID)
         missing = [i for i, r in enumerate(results) if r is None]
@@ -349,21 +349,3 @@ def _key(g: Any) -> tuple[int, int, int]:
 
 def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000.0, 1)
-
-
-def _to_result(frame: Any, want_mask: bool, compute_ns: int, batch_size: int) -> Result:
-    return Result(
-        status=Status.OK,
-        verdict_defect=frame.verdict == "defect",
-        score=float(frame.score),
-        boxes=[
-            (float(x0), float(y0), float(x1), float(y1), float(sc))
-            for x0, y0, x1, y1, sc in frame.boxes[:MAX_BOXES]
-        ],
-        entropy=float(frame.entropy),
-        histogram=np.asarray(frame.histogram, dtype=np.uint32),
-        compute_ns=compute_ns,
-        batch_size=batch_size,
-        error="",
-        mask=frame.mask if want_mask else None,
-    )

@@ -39,6 +39,7 @@ import numpy as np
 from scratchd.ipc.queue import Claim, QueueError, RequestQueue, Result
 from scratchd.workers.batching import BatchPolicy
 from scratchd.workers.protocol import STANDBY_SLOT, ExitCode, parse_take, ready_line
+from scratchd.workers.results import error_result
 
 PR_SET_PDEATHSIG: Final = 1
 
@@ -258,8 +259,6 @@ class WorkerLoop:
         try:
             results = self.backend.infer(images, [c.want_mask for c in claims])
         except Exception as exc:  # the backend isolates per-image errors; this is a bug
-            from scratchd.workers.cpu import error_result
-
             results = [error_result(f"backend failed: {exc}", len(claims)) for _ in claims]
         self.policy.observe(len(claims), time.monotonic_ns() - start)
         for claim, result in zip(claims, results, strict=True):
@@ -269,8 +268,6 @@ class WorkerLoop:
         try:
             self.queue.complete(self.slot, claim, result)
         except ValueError as exc:  # a malformed result: answer error, never a half write
-            from scratchd.workers.cpu import error_result
-
             self.queue.complete(self.slot, claim, error_result(f"malformed result: {exc}"))
 
 
