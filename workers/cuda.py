@@ -64,7 +64,9 @@ class Batch:
 
     size: int
     chunks: list[Chunk] = field(default_factory=list)
-    errors: dict[int, str] = field(default_factory=dict)  # position → reason
+    # position → (status, reason): INVALID for a frame no model can take, ERROR when this
+    # worker cannot (no device memory left for a new size's graph)
+    errors: dict[int, tuple[Status, str]] = field(default_factory=dict)
     started: bool = False
     collected: bool = False
 
@@ -207,7 +209,8 @@ class CudaBackend:
         by_size: dict[tuple[int, int], list[int]] = {}
         for i, img in enumerate(images):
             if img.dtype != np.uint8 or img.ndim != 2 or img.size == 0:
-                batch.errors[i] = f"expected a non-empty uint8 (H, W) frame, got {img.shape}"
+                reason = f"expected a non-empty uint8 (H, W) frame, got {img.shape}"
+                batch.errors[i] = (Status.INVALID, reason)
                 continue
             by_size.setdefault((int(img.shape[0]), int(img.shape[1])), []).append(i)
         seen: set[int] = set()
@@ -219,7 +222,8 @@ class CudaBackend:
                 g = self._graph_for(n, size)
                 if g is None:
                     for i in part:
-                        batch.errors[i] = f"no device memory for a {size[0]}x{size[1]} graph"
+                        batch.errors[i] = (Status.ERROR, f"no device memory left for a "
+                                           f"{size[0]}x{size[1]} graph on this worker")  # fmt: skip
                     continue
                 chunk = Chunk(
                     g, part, [images[i] for i in part], [bool(want_mask[i]) for i in part]
@@ -264,8 +268,8 @@ class CudaBackend:
             compute_ns = int(c.collected.compute_ms * 1e6)
             for pos, frame, want in zip(c.positions, frames, c.want_mask, strict=True):
                 results[pos] = ok_result(frame, want, compute_ns, len(c.positions))
-        for pos, reason in batch.errors.items():
-            results[pos] = error_result(reason, batch.size, Status.INVALID)
+        for pos, (status, reason) in batch.errors.items():
+            results[pos] = error_result(reason, batch.size, status)
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
             raise RuntimeError(f"CudaBackend.finish: no result for batch positions {missing}")
