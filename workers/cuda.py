@@ -3,18 +3,21 @@
 A CUDA worker is started with ``CUDA_VISIBLE_DEVICES`` naming its one card (the supervisor
 does that), so in here the card is device 0. Boot (``CudaBackend.__init__`` + ``warm_up``)::
 
-    NVML handle by PCI bus id ─▶ pin to the card's near CPUs (gpu_memory.pin_near)
-    ─▶ load the model ─▶ CUDA context, modules (NVRTC, CuPy's disk cache) ─▶ weights
-    ─▶ capture a ServeGraph per (bucket, warm size) that free memory allows ─▶ READY
+    import cupy ─▶ CUDA context ─▶ NVML handle by PCI bus id ─▶ pin to the card's near CPUs
+    ─▶ one device arena (NVML free less the reserve; CuPy's allocator from here on)
+    ─▶ weights ─▶ a ServeGraph per (bucket, warm size) that the arena holds ─▶ READY
+    (each part timed in ``boot_ms``; the worker logs them at READY)
 
-The data path of one batch (``submit`` → ``start`` → ``finish``), all ordering by events::
+The data path of one batch (``submit`` → ``start`` → ``collect`` → ``finish``), all
+ordering by events::
 
     shm payload slot ──cudaMemcpyAsync (copy stream)──▶ graph.inputs[k]   ┐ upload event
         (the input region is cudaHostRegister'ed: the DMA reads the      │
          slot itself, no host staging copy)                              ▼
-    compute stream: wait(upload) ─ start event ─ graph.launch(k) ─ end event
-    graph.fetch(n): only small results come back (score, entropy, histogram, runs → boxes,
-                    the mask where the request wants it)
+    graph stream: wait(upload) ─ graph.launch(k) (start/end events inside ServeGraph)
+    collect: only small results come back (score, entropy, histogram, runs)
+    finish (host, overlapping the next batch's launch): runs → boxes, the mask where the
+            request wants it
 
 ``k`` alternates between the graph's two input buffers, so the worker loop can upload batch
 k+1 while batch k computes (workers/main.py's pipelined loop); before an input buffer is

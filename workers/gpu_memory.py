@@ -4,22 +4,22 @@ Batch size (issue 5, item 2) is the smallest of: what is ready, ``max_batch``, a
 card's free memory allows. The device memory a batch needs is held by its captured serving
 graph (``kernels/serve_graph.py``): every buffer is allocated when the graph is captured and
 reused by every replay, so serving itself never allocates. Memory is therefore decided when a
-graph is captured, and :class:`BatchSizer` decides it::
+graph is captured, and :class:`BatchSizer` decides it from a ``free`` function::
 
     footprint(bucket b, size s) = measured at warm-up (bytes the first graph of s holds / b)
     a bucket may be used   ⇔  its graph is held already
-                              or  b · per_frame(s) + reserve  ≤  NVML free (v2, this card)
+                              or  b · per_frame(s) + reserve  ≤  free()
     limit = the largest usable bucket ≤ max_batch  (buckets are 1, 2, 4, 8, 16)
 
-``reserve`` (config ``workers.gpu_reserve_mb``) is left free for everything else on the card:
-CuPy's small temporaries, the driver, another process. NVML's v2 memory info is read because
-v1's ``used`` counts the driver's reservation (615 MiB on an idle H200, DESIGN.md).
+The CUDA worker (``workers/cuda.py``) sizes its one device arena at boot from NVML's free
+memory (v2: v1's ``used`` counts the driver's reservation, 615 MiB on an idle H200) less
+``workers.gpu_reserve_mb``, and then gives the sizer the arena's largest free block as
+``free`` with no further reserve: the card's memory is decided once, at boot, and memory
+another process takes later cannot shrink what this worker holds.
 
-When another process takes memory, buckets not yet captured stop being usable and the limit
-shrinks; graphs already held keep serving (their memory is ours). A capture that fails with
-out-of-memory anyway (a race with that process) marks its bucket unusable for
-``RETRY_AFTER_S`` and the batch runs in smaller buckets; it is logged and counted
-(``oom_refusals``), never hidden.
+A capture that fails with out-of-memory anyway marks its bucket unusable for
+``RETRY_AFTER_S`` and the batch runs in smaller buckets; it is counted (``oom_refusals``),
+never hidden.
 
 CPU affinity (item 1): NVML's ``nvmlDeviceGetCpuAffinity`` bitmask of the card's NUMA-near
 cores, intersected with the CPUs this process may use (a cgroup or ``taskset`` narrows them);
@@ -28,6 +28,7 @@ an empty intersection leaves the affinity as it is and says so.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -39,8 +40,9 @@ RETRY_AFTER_S: Final = 5.0
 """How long a bucket whose capture ran out of memory stays unusable."""
 
 
+@functools.cache
 def nvml() -> Any:
-    """The initialised ``pynvml`` module (nvidia-ml-py)."""
+    """The ``pynvml`` module (nvidia-ml-py), initialised once per process."""
     import pynvml
 
     pynvml.nvmlInit()

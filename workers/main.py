@@ -31,7 +31,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, Protocol, cast
 
 import numpy as np
@@ -201,6 +201,11 @@ class WorkerLoop:
         self.policy = BatchPolicy(max(1, backend.max_batch), max_delay_ms * 1_000_000)
         self.heartbeat_s = heartbeat_ms / 1000.0
         self.memory_reported_ns = 0
+        # Optional backend capabilities, looked up once (a GPU backend has both).
+        self.batch_limit: Callable[[], int] | None = getattr(backend, "batch_limit", None)
+        self.fragmentation: Callable[[], float] | None = getattr(
+            backend, "fragmentation_ratio", None
+        )
 
     def run(self) -> ExitCode:
         while not self.stop.requested:
@@ -228,15 +233,17 @@ class WorkerLoop:
 
     def report_memory(self, now_ns: int) -> None:
         """A GPU backend's arena fragmentation into our worker row, once a heartbeat."""
-        ratio = getattr(self.backend, "fragmentation_ratio", None)
-        if ratio is not None and now_ns - self.memory_reported_ns >= self.heartbeat_s * 1e9:
+        if self.fragmentation is not None and (
+            now_ns - self.memory_reported_ns >= self.heartbeat_s * 1e9
+        ):
             self.memory_reported_ns = now_ns
-            self.queue.report_device_memory(self.slot, ratio())
+            self.queue.report_device_memory(self.slot, self.fragmentation())
 
     def limit(self) -> int:
         """The backend's batch limit now (a GPU's follows its free memory)."""
-        batch_limit = getattr(self.backend, "batch_limit", None)
-        return self.policy.max_batch if batch_limit is None else max(1, batch_limit())
+        if self.batch_limit is None:
+            return self.policy.max_batch
+        return max(1, self.batch_limit())
 
     def take(self, claims: list[Claim]) -> None:
         self.serve(claims)
