@@ -34,8 +34,6 @@ class ConfigExit(click.ClickException):
     exit_code = EXIT_CONFIG
 
 
-"""``serve`` exit status for an unusable configuration (restarting cannot help)."""
-
 _socket_option = click.option(
     "--socket",
     "socket_opt",
