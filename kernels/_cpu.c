@@ -65,9 +65,14 @@ static void release(Held *h) {
     h->n = 0;
 }
 
+/* obj as the next buffer h holds; on failure everything h holds is released (ValueError set),
+ * so a chain of takes joined by || needs no clean-up of its own. */
 static Py_buffer *take(Held *h, PyObject *obj, int writable, int ndim, const char *op,
                        const char *name) {
-    if (get_f32(obj, &h->v[h->n], writable, ndim, op, name) < 0) return NULL;
+    if (get_f32(obj, &h->v[h->n], writable, ndim, op, name) < 0) {
+        release(h);
+        return NULL;
+    }
     return &h->v[h->n++];
 }
 
@@ -75,6 +80,11 @@ static PyObject *fail(Held *h, const char *op, const char *msg) {
     release(h);
     PyErr_Format(PyExc_ValueError, "%s: %s", op, msg);
     return NULL;
+}
+
+static PyObject *no_memory(Held *h) {
+    release(h);
+    return PyErr_NoMemory();
 }
 
 static const char DW_DOC[] =
@@ -91,10 +101,8 @@ static PyObject *py_dwconv3x3(PyObject *self, PyObject *args) {
     Held h = {.n = 0};
     Py_buffer *x, *w, *b, *y;
     if (!(x = take(&h, ox, 0, 3, op, "x")) || !(w = take(&h, ow, 0, 3, op, "w")) ||
-        !(b = take(&h, ob, 0, 1, op, "b")) || !(y = take(&h, oy, 1, 3, op, "y"))) {
-        release(&h);
+        !(b = take(&h, ob, 0, 1, op, "b")) || !(y = take(&h, oy, 1, 3, op, "y")))
         return NULL;
-    }
     Py_ssize_t H = x->shape[0], W = x->shape[1], C = x->shape[2], R = y->shape[0];
     if (s != 1 && s != 2) return fail(&h, op, "stride must be 1 or 2");
     if (d < 1) return fail(&h, op, "dilation must be >= 1");
@@ -107,10 +115,7 @@ static PyObject *py_dwconv3x3(PyObject *self, PyObject *args) {
     if (overlaps(y, x) || overlaps(y, w) || overlaps(y, b))
         return fail(&h, op, "y must not overlap an input");
     float *zero = calloc((size_t)(W * C), sizeof(float));
-    if (!zero) {
-        release(&h);
-        return PyErr_NoMemory();
-    }
+    if (!zero) return no_memory(&h);
     DwRow g = {.x = x->buf, .h = (int)H, .w = (int)W, .c = (int)C, .s = s, .d = d, .px = C,
                .wstep = C, .wt = w->buf, .b = b->buf, .zero = zero, .os = C, .wo = (int)Wo};
     Py_BEGIN_ALLOW_THREADS;
@@ -159,10 +164,8 @@ static PyObject *py_dwconv3x3_join(PyObject *self, PyObject *args) {
     Py_buffer *x, *sk, *w, *b, *y;
     if (!(x = take(&h, ox, 0, 3, op, "x")) || !(sk = take(&h, osk, 0, 3, op, "skip")) ||
         !(w = take(&h, ow, 0, 3, op, "w")) || !(b = take(&h, ob, 0, 1, op, "b")) ||
-        !(y = take(&h, oy, 1, 3, op, "y"))) {
-        release(&h);
+        !(y = take(&h, oy, 1, 3, op, "y")))
         return NULL;
-    }
     Py_ssize_t lh = x->shape[0], lw = x->shape[1], c1 = x->shape[2], c2 = sk->shape[2];
     Py_ssize_t H = 2 * lh, W = 2 * lw, C = c1 + c2, R = y->shape[0];
     if (lh < 1 || lw < 1 || c1 < 1 || c2 < 1) return fail(&h, op, "x and skip must not be empty");
@@ -179,8 +182,7 @@ static PyObject *py_dwconv3x3_join(PyObject *self, PyObject *args) {
     if (!zero || !wph) {
         free(zero);
         free(wph);
-        release(&h);
-        return PyErr_NoMemory();
+        return no_memory(&h);
     }
     const float *wt = w->buf, *bias = b->buf;
     UpRow up = {.x = x->buf, .h = (int)lh, .w = (int)lw, .c1 = (int)c1, .wph = wph, .b = bias,
@@ -218,10 +220,8 @@ static PyObject *py_stem3x3(PyObject *self, PyObject *args) {
     Held h = {.n = 0};
     Py_buffer *x, *w, *b, *y;
     if (!(x = take(&h, ox, 0, 2, op, "x")) || !(w = take(&h, ow, 0, 2, op, "w")) ||
-        !(b = take(&h, ob, 0, 1, op, "b")) || !(y = take(&h, oy, 1, 3, op, "y"))) {
-        release(&h);
+        !(b = take(&h, ob, 0, 1, op, "b")) || !(y = take(&h, oy, 1, 3, op, "y")))
         return NULL;
-    }
     Py_ssize_t H = x->shape[0], W = x->shape[1], cout = w->shape[1], R = y->shape[0];
     Py_ssize_t Ho = (H - 1) / 2 + 1, Wo = (W - 1) / 2 + 1;
     if (H < 1 || W < 1 || cout < 1) return fail(&h, op, "x and w must not be empty");
@@ -256,20 +256,15 @@ static PyObject *py_bilinear2x(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOi", &ox, &oy, &r0)) return NULL;
     Held h = {.n = 0};
     Py_buffer *x, *y;
-    if (!(x = take(&h, ox, 0, 2, op, "x")) || !(y = take(&h, oy, 1, 2, op, "y"))) {
-        release(&h);
+    if (!(x = take(&h, ox, 0, 2, op, "x")) || !(y = take(&h, oy, 1, 2, op, "y")))
         return NULL;
-    }
     Py_ssize_t lh = x->shape[0], lw = x->shape[1], R = y->shape[0], width = y->shape[1];
     if (lh < 1 || lw < 1) return fail(&h, op, "x must not be empty");
     if (width > 2 * lw) return fail(&h, op, "y is wider than the upsampled x");
     if (r0 < 0 || r0 + R > 2 * lh) return fail(&h, op, "rows r0 .. r0 + R are not all output rows");
     if (overlaps(y, x)) return fail(&h, op, "y must not overlap x");
     float *tmp = malloc((size_t)lw * sizeof(float));
-    if (!tmp) {
-        release(&h);
-        return PyErr_NoMemory();
-    }
+    if (!tmp) return no_memory(&h);
     Py_BEGIN_ALLOW_THREADS;
     for (Py_ssize_t r = 0; r < R; r++)
         bilinear_row(x->buf, (int)lh, (int)lw, (float *)y->buf + r * width, (int)width,
@@ -293,10 +288,8 @@ static PyObject *py_bias_relu(PyObject *self, PyObject *args) {
     Held h = {.n = 0};
     Py_buffer *o, *b, *res = NULL;
     if (!(o = take(&h, oo, 1, 2, op, "o")) || !(b = take(&h, ob, 0, 1, op, "b")) ||
-        (ores != Py_None && !(res = take(&h, ores, 0, 2, op, "res")))) {
-        release(&h);
+        (ores != Py_None && !(res = take(&h, ores, 0, 2, op, "res"))))
         return NULL;
-    }
     Py_ssize_t P = o->shape[0], C = o->shape[1];
     if (!shape_is(b, C, 0, 0, 1)) return fail(&h, op, "b must have shape [C] of o");
     if (res && !shape_is(res, P, C, 0, 2)) return fail(&h, op, "res must have o's shape");
