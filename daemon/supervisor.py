@@ -143,28 +143,17 @@ class Supervisor(StandbyMixin):
         return self.state in (PoolState.STARTING, PoolState.RUNNING)
 
     def _launch(self, wid: int, slot: int, group: int | None = None) -> Worker:
-        cuda = self.device == "cuda"
-        cfg = self.config.workers
-        extra = (
-            [f"--gpu-reserve-mb={cfg.gpu_reserve_mb}", f"--gpu-arena-mb={cfg.gpu_arena_mb}"]
-            if cuda
-            else []
-        )
-        extra += [f"--gpu-warm-size={h}x{w}" for h, w in cfg.gpu_warm_sizes] if cuda else []
+        max_batch, max_delay_ms, extra = self._backend_args()
         spec = WorkerSpec(
             queue=self.queue_name,
             slot=slot,
             backend=self.device,
             model_path=self.config.model.path,
-            max_batch=self.config.queue.max_batch
-            if cuda
-            else min(self.config.queue.max_batch, cfg.cpu_max_batch),
-            max_delay_ms=self.config.queue.max_queue_delay_ms
-            if cuda
-            else min(self.config.queue.max_queue_delay_ms, cfg.cpu_max_queue_delay_ms),
-            heartbeat_ms=cfg.heartbeat_ms,
+            max_batch=max_batch,
+            max_delay_ms=max_delay_ms,
+            heartbeat_ms=self.config.workers.heartbeat_ms,
             parent_pid=os.getpid(),
-            extra=tuple(extra),
+            extra=extra,
         )
         group = self.group_of(wid) if group is None else group
         env = self._worker_env(wid, group)
@@ -173,6 +162,21 @@ class Supervisor(StandbyMixin):
         self._loop.add_reader(worker.ready_fd, self._on_ready_pipe, worker)
         self._loop.add_reader(worker.pidfd, self._on_exit, worker)
         return worker
+
+    def _backend_args(self) -> tuple[int, int, tuple[str, ...]]:
+        """``(max_batch, max_delay_ms, extra flags)`` for this pool's workers, from the
+        current config (a reload changes it): a GPU worker takes the queue's batch limits
+        and its memory settings; a CPU worker its own, smaller limits."""
+        q, w = self.config.queue, self.config.workers
+        if self.device != "cuda":
+            return (min(q.max_batch, w.cpu_max_batch),
+                    min(q.max_queue_delay_ms, w.cpu_max_queue_delay_ms), ())  # fmt: skip
+        extra = (
+            f"--gpu-reserve-mb={w.gpu_reserve_mb}",
+            f"--gpu-arena-mb={w.gpu_arena_mb}",
+            *(f"--gpu-warm-size={h}x{wd}" for h, wd in w.gpu_warm_sizes),
+        )
+        return q.max_batch, q.max_queue_delay_ms, extra
 
     def _free_slot(self) -> int:
         used = set(self.workers)

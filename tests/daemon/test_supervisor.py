@@ -284,3 +284,28 @@ def test_without_a_standby_a_fresh_process_replaces_a_killed_worker() -> None:
         d.wait_ready(restarts={"cpu0": 1})
         assert d.worker_pids()["cpu0"] != victim
         assert d.status().standby is None
+
+
+def test_gpu_worker_flags_from_the_config_are_what_the_worker_parses() -> None:
+    from types import SimpleNamespace
+
+    from scratchd.daemon.config import load_config
+    from scratchd.daemon.supervisor import Supervisor
+    from scratchd.workers.main import parse_args
+    from scratchd.workers.protocol import WorkerSpec
+
+    cfg = load_config(overrides={"queue.max_batch": 8, "workers.gpu_arena_mb": 2048,
+                                 "workers.gpu_warm_sizes": [[512, 640], [1024, 1024]]})  # fmt: skip
+    for device in ("cuda", "cpu"):
+        max_batch, delay, extra = Supervisor._backend_args(
+            SimpleNamespace(config=cfg, device=device)  # type: ignore[arg-type]
+        )
+        spec = WorkerSpec("/q", 0, device, "", max_batch, delay, 100, 1, extra)
+        args = parse_args(spec.argv(ready_fd=3, death_fd=4, work_fd=5, done_fd=6)[3:])
+        assert args.backend == device
+        if device == "cuda":
+            assert (args.max_batch, args.gpu_arena_mb, args.gpu_reserve_mb) == (8, 2048, 1024)
+            assert args.gpu_warm_size == ["512x640", "1024x1024"]
+        else:  # a CPU worker keeps its own, smaller limits and no GPU flags
+            assert (args.max_batch, args.max_delay_ms) == (2, 0)
+            assert args.gpu_warm_size == []
