@@ -21,6 +21,7 @@ from torch import nn
 
 from scratchd.kernels.fold_bn import fold_bn_ref
 from scratchd.kernels.net import BlockSpec, NetConfig, Weights, block_plan, check_weights
+from scratchd.kernels.normalize_pad import padded_size
 
 
 class ConvUnit(nn.Module):
@@ -100,7 +101,7 @@ def full_logits(model: TorchScratchNet, x: torch.Tensor) -> torch.Tensor:
 def predict_prob(model: TorchScratchNet, images: np.ndarray, mean: float, std: float) -> np.ndarray:
     """uint8 ``[N, H, W]`` → probabilities ``[N, H, W]`` (the numpy ``forward``'s twin)."""
     _n, h, w = images.shape
-    hp, wp = -(-h // 16) * 16, -(-w // 16) * 16
+    hp, wp = padded_size(h), padded_size(w)
     x = torch.from_numpy(images).float()[:, None] * (1.0 / (255.0 * std)) + (-mean / std)
     x = F.pad(x, (0, wp - w, 0, hp - h), mode="replicate")
     with torch.no_grad():
