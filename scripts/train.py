@@ -42,7 +42,7 @@ from scratchd.ipc.image import decode_image
 from scratchd.kernels.evaluate import Evaluation
 from scratchd.kernels.model import ModelMeta, ScratchNet, save_model
 from scratchd.kernels.net import NetConfig, count_params
-from scratchd.kernels.postprocess import HIST_BINS
+from scratchd.kernels.postprocess import intensity_histogram
 from scratchd.kernels.torchnet import TorchScratchNet, export_weights, full_logits
 
 CROPS = (192, 224, 256)
@@ -286,7 +286,7 @@ def main() -> None:
     val_set, _ = load_split(args.shards, "val")
     pixels = np.concatenate([e.image.ravel() for e in train_set])
     mean, std = float(pixels.mean() / 255), float(pixels.std() / 255)
-    hist = np.bincount(pixels >> 2, minlength=HIST_BINS) / len(pixels)
+    hist = intensity_histogram(pixels) / len(pixels)  # the bins the workers count
     print(f"train {len(train_set)} val {len(val_set)} mean {mean:.4f} std {std:.4f}", flush=True)
 
     torch_model, info = train(args, train_set, mean, std)
