@@ -243,7 +243,7 @@ class Daemon:
     def account(self, flight: InFlight, reply: wire.Reply, completion: Completion | None) -> None:
         """Every reply passes here exactly once (metrics hook in here)."""
         self.replies[reply.status] += 1
-        self.obs.account(flight, reply, completion, self._worker_name)
+        self.obs.account(flight, reply, completion)
 
     def apply_config(self, config: Config) -> None:
         """A reload's configuration (only keys that may change live differ): workers spawned

@@ -160,28 +160,16 @@ class Observability:
             self.drift = DriftMonitor(model.histogram, config.drift.window, config.drift.threshold)
         self.model = model
 
-    def account(
-        self,
-        flight: InFlight,
-        reply: wire.Reply,
-        completion: Completion | None,
-        worker_name: Callable[[int], str | None],
-    ) -> None:
+    def account(self, flight: InFlight, reply: wire.Reply, completion: Completion | None) -> None:
         """Account one reply; never raises."""
         if not self.enabled:
             return
         try:
-            self._account(flight, reply, completion, worker_name)
+            self._account(flight, reply, completion)
         except Exception as exc:
             self._failures.log(logging.ERROR, error=f"{type(exc).__name__}: {exc}")
 
-    def _account(
-        self,
-        flight: InFlight,
-        reply: wire.Reply,
-        completion: Completion | None,
-        worker_name: Callable[[int], str | None],
-    ) -> None:
+    def _account(self, flight: InFlight, reply: wire.Reply, completion: Completion | None) -> None:
         timings = reply.timings
         self.metrics.observe_reply(
             flight.part_class,
@@ -197,7 +185,8 @@ class Observability:
             return
         self.completed += 1
         if result.batch_size > 0:
-            name = worker_name(completion.worker) or f"slot{completion.worker}"
+            # The dispatcher named the worker in the reply (``Dispatcher._reply``).
+            name = reply.worker or f"slot{completion.worker}"
             self.metrics.observe_batch(
                 worker=name,
                 device=self._device_of(completion.worker),

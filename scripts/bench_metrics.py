@@ -64,7 +64,7 @@ def _replies(n: int) -> list[tuple[InFlight, wire.Reply, Completion]]:
             received_ns=0,
         )  # fmt: skip
         reply = wire.Reply(
-            id=i, status="ok", verdict="clean",
+            id=i, status="ok", verdict="clean", worker=("cpu0", "cpu1")[i % 2],
             timings=wire.Timings(queue_ms=2.0, compute_ms=40.0, total_ms=45.0 + i % 7),
         )  # fmt: skip
         out.append((flight, reply, completion))
@@ -75,10 +75,9 @@ def in_process(replies: int) -> dict[str, float]:
     reference = ModelReference("bench", np.ones(64) / 64)
     obs = Observability(Config(), reference, devices=["cpu"], worker_states=["ready"])
     items = _replies(replies)
-    names = ("cpu0", "cpu1")
     start = time.perf_counter_ns()
     for flight, reply, completion in items:
-        obs.account(flight, reply, completion, lambda slot: names[slot])
+        obs.account(flight, reply, completion)
     per_reply_us = (time.perf_counter_ns() - start) / replies / 1e3
     assert obs.completed == replies
     scrapes = 200

@@ -167,8 +167,9 @@ def test_account_feeds_drift_and_entropy_from_ok_results_only(
         [(Status.OK, ok), (Status.OK, ok), (Status.ERROR, failed)]
     ):
         name = status.name.lower()
-        reply = Reply(id=i, status=name, timings=Timings(queue_ms=1.0, total_ms=5.0))  # type: ignore[arg-type]
-        obs.account(_flight(i), reply, _completion(i, status, result), lambda slot: "cpu0")
+        timings = Timings(queue_ms=1.0, total_ms=5.0)
+        reply = Reply(id=i, status=name, timings=timings, worker="cpu0")  # type: ignore[arg-type]
+        obs.account(_flight(i), reply, _completion(i, status, result))
     assert obs.completed == 3
     assert obs.entropy.snapshot() == {"bits": 0.25, "window": 500, "samples": 2}
     assert obs.drift is not None and obs.drift.samples == 2 and obs.drift.score() < 1e-9
@@ -183,10 +184,10 @@ def test_accounting_never_raises_and_can_be_switched_off(
     obs = _obs(monkeypatch)
     broken = Result(Status.OK, entropy=float("nan"), histogram=np.zeros(64, np.uint32))
     reply = Reply(id=1, status="ok")
-    obs.account(_flight(1), reply, _completion(1, Status.OK, broken), lambda slot: None)
+    obs.account(_flight(1), reply, _completion(1, Status.OK, broken))
     assert obs.metrics.requests.labels("normal", "ok")._value.get() == 1  # counted, then failed
     off = _obs(monkeypatch, disabled=True)
-    off.account(_flight(1), reply, None, lambda slot: None)
+    off.account(_flight(1), reply, None)
     assert off.metrics.requests.labels("normal", "ok")._value.get() == 0
 
 
