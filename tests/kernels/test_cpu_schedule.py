@@ -85,7 +85,11 @@ def test_stem_equals_reference(band_bytes: int, shape: tuple[int, int, int]) -> 
     np.testing.assert_allclose(got, conv3x3_ref(x, w, b, 2, "relu"), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("crop", [(1, 6, 7, 11, 13), (2, 52, 52, 104, 103), (1, 1, 1, 1, 2)])
+@pytest.mark.parametrize(
+    "crop",
+    [(1, 6, 7, 11, 13), (2, 52, 52, 104, 103), (1, 1, 1, 1, 2), (1, 104, 104, 200, 200),
+     (2, 7, 9, 13, 17), (1, 3, 5, 6, 10)],
+)  # fmt: skip
 def test_prob_head_is_the_reference_bit_for_bit(
     band_bytes: int, crop: tuple[int, int, int, int, int]
 ) -> None:

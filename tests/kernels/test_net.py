@@ -18,7 +18,6 @@ from scratchd.kernels.net import (
     random_weights,
 )
 from scratchd.kernels.normalize_pad import normalize_pad_ref
-from scratchd.kernels.prob_head import prob_head_ref
 from scratchd.kernels.torchnet import TorchScratchNet, export_weights, load_weights, predict_prob
 
 SIZES = [(1, 16, 16), (2, 37, 53), (1, 200, 200), (1, 97, 130)]
@@ -107,21 +106,6 @@ def test_cpu_schedule_equals_op_by_op_reference(shape: tuple[int, int, int]) -> 
     ref = forward_logits_ref(weights, cfg, x)
     assert got.shape == ref.shape
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4)
-
-
-@pytest.mark.parametrize("shape", [(1, 104, 104, 200, 200), (2, 7, 9, 13, 17), (1, 3, 5, 6, 10)])
-def test_cpu_prob_head_equals_reference(shape: tuple[int, int, int, int, int]) -> None:
-    """The banded head (bilinear 2x, crop, sigmoid) is the reference's function, band edges
-    and odd crops included."""
-    n, h, w, height, width = shape
-    logits = np.random.default_rng(h).normal(0, 3, (n, h, w, 1)).astype(np.float32)
-    old = cpu_schedule.BAND_BYTES
-    try:
-        cpu_schedule.BAND_BYTES = 256  # a few logit rows per band
-        got = cpu_schedule.prob_head_cpu(logits, height, width)
-    finally:
-        cpu_schedule.BAND_BYTES = old
-    np.testing.assert_allclose(got, prob_head_ref(logits, height, width), rtol=0, atol=1e-7)
 
 
 def test_cpu_schedule_workspace_recycles_between_forwards() -> None:
