@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 from click.testing import CliRunner
+from PIL import Image
 
 from scratchd.daemon.cli import main
 from scratchd.ipc.image import decode_image
@@ -56,11 +57,7 @@ def test_eval_json_rows_masks_and_summary(data_dir: Path, tmp_path: Path) -> Non
 
 def test_eval_reports_unreadable_image_and_goes_on(tmp_path: Path) -> None:
     (tmp_path / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\nbroken")
-    (tmp_path / "ok.bmp").write_bytes(b"")
-    good = np.full((30, 40), 120, np.uint8)
-    from PIL import Image
-
-    Image.fromarray(good).save(tmp_path / "ok.bmp")
+    Image.fromarray(np.full((30, 40), 120, np.uint8)).save(tmp_path / "ok.bmp")
     result = CliRunner().invoke(main, ["eval", str(tmp_path), "--json"])
     assert result.exit_code == 1
     rows = [json.loads(line) for line in result.stdout.splitlines()]
