@@ -12,10 +12,13 @@
  *                       repair → consistent stays in ipc/lock.py). The GIL is released only
  *                       around the calls that can block: lock and clocklock.
  *   Core(buf, offsets, fault)
- *                       the bodies of the critical sections of submit, claim_batch,
- *                       complete and collect_completed, called by Python WITH THE MUTEX
- *                       HELD, writing in exactly the order documented in ipc/queue.py; and
- *                       the bounded spins (GIL released) before a process sleeps on its
+ *                       the critical sections of submit, claim_batch, complete and
+ *                       collect_completed (each takes the mutex itself, or runs inside
+ *                       Python's hold on its slow path), writing in exactly the order
+ *                       documented in ipc/queue.py; the ready lists and the timing wheel
+ *                       (their only implementation: the Python sections call link, unlink,
+ *                       expire, best, earliest_deadline and rebuild with the mutex held);
+ *                       and the bounded spins (GIL released) before a process sleeps on its
  *                       eventfd. ``fault`` is FaultPoint.reach (or None): called with the
  *                       point's name where ipc/faults.py names a point, so SCRATCHD_IPC_FAULT
  *                       kills the process inside the native critical section.
@@ -374,7 +377,7 @@ static int reach(Core *c, const char *point) {
     return 0;
 }
 
-/* ready.py ReadyLists.push: insert i in its priority's list, by (deadline, seq). */
+/* Insert i in its priority's ready list, by (deadline, seq): walk back from the tail. */
 static int ready_push(Core *c, int32_t i) {
     uint8_t p = F(c, i, uint8_t, d_priority);
     if (p >= PRIORITIES) return corrupt("priority", p);
@@ -397,7 +400,7 @@ static int ready_push(Core *c, int32_t i) {
     return 0;
 }
 
-/* ready.py ReadyLists.remove */
+/* Unlink i from its priority's ready list. */
 static int ready_remove(Core *c, int32_t i) {
     uint8_t p = F(c, i, uint8_t, d_priority);
     int32_t n = RNEXT(c, i), q = RPREV(c, i);
@@ -411,17 +414,22 @@ static int ready_remove(Core *c, int32_t i) {
     return 0;
 }
 
-/* ready.py ReadyLists.best: the head of the highest non-empty priority, or NIL. */
+/* The head of the highest non-empty priority, or NIL. */
 static int32_t ready_best(Core *c) {
     for (int p = PRIORITIES - 1; p >= 0; p--)
         if (c->ready_count[p]) return c->ready_head[p];
     return NIL;
 }
 
-/* wheel.py TimingWheel.insert: bucket max(tick(deadline), cursor) mod wheel_ticks. */
+/* The wheel tick of monotonic time ns (before the clock base: INT64_MIN). */
+static int64_t tick_of(Core *c, int64_t ns) {
+    return ns < c->base_ns ? INT64_MIN : (ns - c->base_ns) / c->tick_ns;
+}
+
+/* Link i into bucket max(tick(deadline), cursor) mod wheel_ticks: a deadline already behind
+ * the cursor goes to the cursor's bucket, which the next expire visits first. */
 static void wheel_insert(Core *c, int32_t i) {
-    int64_t d = DEADLINE(c, i), cursor = *c->h_wheel_cursor;
-    int64_t t = d < c->base_ns ? INT64_MIN : (d - c->base_ns) / c->tick_ns;
+    int64_t t = tick_of(c, DEADLINE(c, i)), cursor = *c->h_wheel_cursor;
     if (t < cursor) t = cursor;
     int64_t b = t % c->wheel_ticks;
     if (b < 0) b += c->wheel_ticks;
@@ -433,7 +441,7 @@ static void wheel_insert(Core *c, int32_t i) {
     c->wheel_head[b] = i;
 }
 
-/* wheel.py TimingWheel.remove */
+/* Unlink i from its wheel bucket. */
 static int wheel_remove(Core *c, int32_t i) {
     int32_t n = WNEXT(c, i), p = WPREV(c, i), b = F(c, i, int32_t, d_wbucket);
     if (!LINK_OK(c, n) || !LINK_OK(c, p) || (p == NIL && (b < 0 || b >= c->wheel_ticks)))
@@ -677,6 +685,116 @@ static PyObject *Core_collect(Core *c, PyObject *arg) {
     LOCKED(c, held, collect_body(c));
 }
 
+/* ------------------------------------------- index steps Python calls (lock held there)
+ * The rest of the queue (expire_due, reclaim_worker, abandon_connection, oldest_ready,
+ * next_deadline_ns and the repair, all in ipc/) runs in Python under the mutex and calls
+ * these, so the ready lists and the wheel have this one implementation. */
+
+static int32_t arg_index(Core *c, PyObject *arg) {
+    long i = PyLong_AsLong(arg);
+    if (i == -1 && PyErr_Occurred()) return NIL;
+    return index_ok(c, i) ? (int32_t)i : NIL;
+}
+
+/* Link descriptor i into its ready list and its wheel bucket (a requeue, a repair). */
+static PyObject *Core_link(Core *c, PyObject *arg) {
+    CORE_OPEN(c);
+    int32_t i = arg_index(c, arg);
+    if (i == NIL || ready_push(c, i) < 0) return NULL;
+    wheel_insert(c, i);
+    Py_RETURN_NONE;
+}
+
+/* Unlink descriptor i from its ready list and its wheel bucket. */
+static PyObject *Core_unlink(Core *c, PyObject *arg) {
+    CORE_OPEN(c);
+    int32_t i = arg_index(c, arg);
+    if (i == NIL || ready_remove(c, i) < 0 || wheel_remove(c, i) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* Unlink (wheel and ready list) and return every queued descriptor whose deadline is
+ * <= now, visiting only the buckets from the cursor to now's tick (all of them after a gap
+ * longer than a revolution), comparing each entry's exact deadline (rounds); then the
+ * cursor moves to now's tick, which may still hold later deadlines. */
+static PyObject *Core_expire(Core *c, PyObject *arg) {
+    CORE_OPEN(c);
+    long long now = PyLong_AsLongLong(arg);
+    if (now == -1 && PyErr_Occurred()) return NULL;
+    PyObject *due = PyList_New(0);
+    int64_t start = *c->h_wheel_cursor, now_tick = tick_of(c, now);
+    if (!due || now_tick < start) return due;
+    int64_t span = now_tick - start + 1 < c->wheel_ticks ? now_tick - start + 1 : c->wheel_ticks;
+    for (int64_t k = 0; k < span; k++) {
+        int64_t b = (start + k) % c->wheel_ticks;
+        int32_t i = c->wheel_head[b < 0 ? b + c->wheel_ticks : b];
+        for (Py_ssize_t hops = 0; i != NIL;) {
+            if (!LINK_OK(c, i) || ++hops > c->slots)
+                return corrupt("wheel link", i), Py_DECREF(due), NULL;
+            int32_t after = WNEXT(c, i);
+            if (DEADLINE(c, i) <= now) {
+                PyObject *index = PyLong_FromLong(i);
+                if (!index || wheel_remove(c, i) < 0 || ready_remove(c, i) < 0 ||
+                    PyList_Append(due, index) < 0)
+                    return Py_XDECREF(index), Py_DECREF(due), NULL;
+                Py_DECREF(index);
+            }
+            i = after;
+        }
+    }
+    *c->h_wheel_cursor = now_tick;
+    return due;
+}
+
+/* The descriptor a claim would take next, or NIL. */
+static PyObject *Core_best(Core *c, PyObject *unused) {
+    (void)unused;
+    CORE_OPEN(c);
+    return PyLong_FromLong(ready_best(c));
+}
+
+/* The earliest deadline among queued descriptors (each list's head is its minimum), or None. */
+static PyObject *Core_earliest_deadline(Core *c, PyObject *unused) {
+    (void)unused;
+    CORE_OPEN(c);
+    int found = 0;
+    int64_t earliest = 0;
+    for (int p = 0; p < PRIORITIES; p++) {
+        int32_t i = c->ready_head[p];
+        if (!c->ready_count[p]) continue;
+        if (!LINK_OK(c, i) || i == NIL) return corrupt("ready head", i), NULL;
+        if (!found || DEADLINE(c, i) < earliest) earliest = DEADLINE(c, i);
+        found = 1;
+    }
+    if (!found) Py_RETURN_NONE;
+    return PyLong_FromLongLong(earliest);
+}
+
+/* What collect() returns for finished descriptor i (expire_due builds its Completions). */
+static PyObject *Core_finished(Core *c, PyObject *arg) {
+    CORE_OPEN(c);
+    int32_t i = arg_index(c, arg);
+    return i == NIL ? NULL : finished_tuple(c, i);
+}
+
+/* Forget every ready list and wheel bucket, then link `order` (the QUEUED descriptors; in
+ * (deadline, seq) order each push is O(1)). Repair after a dead lock holder. */
+static PyObject *Core_rebuild(Core *c, PyObject *order) {
+    CORE_OPEN(c);
+    PyObject *seq = PySequence_Fast(order, "rebuild() takes a sequence of descriptors");
+    if (!seq) return NULL;
+    for (int p = 0; p < PRIORITIES; p++) c->ready_head[p] = c->ready_tail[p] = NIL;
+    for (int p = 0; p < PRIORITIES; p++) c->ready_count[p] = 0;
+    for (Py_ssize_t b = 0; b < c->wheel_ticks; b++) c->wheel_head[b] = NIL;
+    for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(seq); k++) {
+        int32_t i = arg_index(c, PySequence_Fast_GET_ITEM(seq, k));
+        if (i == NIL || ready_push(c, i) < 0) return Py_DECREF(seq), NULL;
+        wheel_insert(c, i);
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
 /* ---------------------------------------------------------- lock-free reads and spins */
 
 static long ready_total(Core *c) {
@@ -795,6 +913,13 @@ static PyMethodDef Core_methods[] = {
     {"complete", (PyCFunction)Core_complete, METH_VARARGS, "flip an owned claim to DONE"},
     {"owns", (PyCFunction)Core_owns, METH_VARARGS, "the claim is still this worker's"},
     {"collect", (PyCFunction)Core_collect, METH_O, "pop the done stack, FREE"},
+    {"link", (PyCFunction)Core_link, METH_O, "ready list + wheel in (lock held)"},
+    {"unlink", (PyCFunction)Core_unlink, METH_O, "ready list + wheel out (lock held)"},
+    {"expire", (PyCFunction)Core_expire, METH_O, "unlink the due (lock held)"},
+    {"best", (PyCFunction)Core_best, METH_NOARGS, "next to claim, or -1 (lock held)"},
+    {"earliest_deadline", (PyCFunction)Core_earliest_deadline, METH_NOARGS, "(lock held)"},
+    {"finished", (PyCFunction)Core_finished, METH_O, "collect()'s row for i (lock held)"},
+    {"rebuild", (PyCFunction)Core_rebuild, METH_O, "re-link the QUEUED (lock held)"},
     {"ready_total", (PyCFunction)Core_ready_total, METH_NOARGS, "queued requests, racy"},
     {"spin_ready", (PyCFunction)Core_spin_ready, METH_VARARGS, "spin for queued work"},
     {"await_done", (PyCFunction)Core_await_done, METH_O, "spin for the done stack, re-arm"},

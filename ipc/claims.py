@@ -99,7 +99,7 @@ class WorkerOps(QueueCore):
             return True
         bit = 1 << slot
         with self._mutex:
-            if self._ready.total() >= min_ready:
+            if self._native.ready_total() >= min_ready:
                 return True
             self._waiting[0] = int(self._waiting[0]) | bit
         bell = self._work[0] if len(self._work) == 1 else self._work[slot]
@@ -107,7 +107,7 @@ class WorkerOps(QueueCore):
             return True
         with self._mutex:
             self._waiting[0] = int(self._waiting[0]) & ~bit
-        return self._ready.total() >= min_ready
+        return self._native.ready_total() >= min_ready
 
     def claim_batch(self, slot: int, max_n: int, now_ns: int) -> list[Claim]:
         """Take up to ``max_n`` requests in scheduling order; late ones become EXPIRED.
@@ -143,7 +143,7 @@ class WorkerOps(QueueCore):
     def oldest_ready(self) -> tuple[int, int] | None:
         """``(enqueue_ns, deadline_ns)`` of the request a claim would get next, or None."""
         with self._mutex:
-            i = self._ready.best()
+            i = self._native.best()
             if i == NIL:
                 return None
             return int(self._d.enqueue_ns[i]), int(self._d.deadline_ns[i])
@@ -243,7 +243,6 @@ class WorkerOps(QueueCore):
             self._finish(i, EXPIRED, now_ns)
             report.expired.append(h)
         else:
-            self._ready.push(i)
-            self._wheel.insert(i)
+            self._native.link(i)
             d.state[i] = QUEUED
             report.requeued.append(h)

@@ -8,11 +8,38 @@ step safe against a SIGKILL are in ``ipc/queue.py``'s docstring.
 The four round-trip sections (submit, claim, complete, collect) are C
 (``_native.Core``, built from ``layout.native_offsets``), taking the lock themselves;
 :meth:`QueueCore._contended` is their slow path when the lock is busy or its holder died.
-Everything else here is Python over the same bytes.
+Everything else is Python over the same bytes, using the C index steps below.
 
 Hot paths read and write descriptor fields through per-field column views (``self._d.state``
 etc.) and compare with plain ``int`` state codes: numpy compares a scalar with an ``IntEnum``
 member ~50× slower than with an int.
+
+The index over the descriptor table, derived from it (repair rebuilds it from the states)
+and implemented once, in C (``_native.Core``: the hot sections use it directly, the Python
+sections here and in ``claims.py``/``queue.py`` call ``link``, ``unlink``, ``expire``,
+``best``, ``earliest_deadline`` and ``rebuild`` with the mutex held)::
+
+    ready head[8], tail[8], count[8]  int32  per priority; NIL (-1) when empty
+    desc rnext, rprev                 int32  ready-list links through the descriptors
+    wheel head[wheel_ticks]           int32  first descriptor of each bucket, NIL if empty
+    desc wnext, wprev, wbucket        int32  bucket links, and the bucket (O(1) unlink)
+    header wheel_cursor               int64  every tick < cursor has been fully expired
+
+Ready lists: one doubly linked list per priority (0..7, 7 most urgent), kept sorted by
+``(deadline_ns, seq)``: earliest deadline first, then FIFO by the enqueue sequence. A claim
+takes the head of the highest non-empty priority. Insertion walks back from the tail while
+the tail's deadline is later; requests of one part class carry the same deadline offset, so
+they arrive in deadline order and insertion is O(1) in the common case. A requeued claim
+keeps its ``seq`` and so goes back to exactly where it was.
+
+Timing wheel: a deadline falls in tick ``t = (deadline - clock_base_ns) // tick_ns`` and is
+linked into bucket ``max(t, cursor) % wheel_ticks`` (a deadline already behind the cursor
+goes to the cursor's bucket, which the next expiry visits first). Deadlines more than one
+revolution ahead share a bucket with nearer ones ("rounds"): expiry compares each visited
+entry's exact deadline with ``now``, so nothing expires early whatever its round, and an
+entry whose deadline is ``≤ now`` is always found, because its bucket lies between the
+cursor and ``now``'s tick, all of which are visited (every bucket, after a gap longer than
+a revolution). Expiry costs O(1) per due entry plus the buckets passed.
 
 The done stack: finished descriptors (DONE, EXPIRED, FAILED) are pushed, under the lock,
 onto a singly linked stack (header ``done_head``, linked through ``rnext``, which a finished
@@ -37,10 +64,8 @@ from scratchd.ipc.doorbell import Doorbell
 from scratchd.ipc.faults import FaultPoint
 from scratchd.ipc.layout import MUTEX_OFFSET, NIL, native_offsets
 from scratchd.ipc.lock import RobustMutex
-from scratchd.ipc.ready import ReadyLists
 from scratchd.ipc.records import DescState, Handle, StaleHandle
 from scratchd.ipc.shm import Segment
-from scratchd.ipc.wheel import TimingWheel
 
 FREE, WRITTEN, QUEUED, CLAIMED = 0, 1, 2, 3
 DONE, EXPIRED, FAILED = 4, 5, 6
@@ -67,8 +92,8 @@ class QueueCore:
             on_stuck=self._kill_stuck_holder if seg.owner else None,
         )  # fmt: skip
         self.stuck_kills = 0  # workers this process killed for sitting on the lock
-        # The C bodies of the hot critical sections (submit, claim, complete, collect) and
-        # the spins; the Python index classes below serve the rest and the repair.
+        # The hot critical sections (submit, claim, complete, collect), the index (ready
+        # lists, wheel) that every section uses, and the spins.
         fault = self._fault.reach if self._faulty else None
         self._native = Core(seg.mm, native_offsets(seg.header), fault)
         self._spin_ns = int(seg.header["worker_spin_ns"])
@@ -76,16 +101,6 @@ class QueueCore:
         self._inputs_ro.flags.writeable = False
         self._d = seg.d  # fast scalar views; seg.descs for vector work
         self._r = seg.r
-        dn = seg.descs
-        self._ready = ReadyLists(
-            seg.ready_head, seg.ready_tail, seg.ready_count, dn["rnext"], dn["rprev"],
-            dn["priority"], dn["deadline_ns"], dn["seq"],
-        )  # fmt: skip
-        self._wheel = TimingWheel(
-            seg.wheel_head, dn["wnext"], dn["wprev"], dn["wbucket"], dn["deadline_ns"],
-            seg.header_cell("wheel_cursor"),
-            base_ns=int(seg.header["clock_base_ns"]), tick_ns=self.geometry.tick_ms * 1_000_000,
-        )  # fmt: skip
         self._waiting = seg.header_cell("waiting")
         self._done_head = seg.header_cell("done_head")
         self._w_pid = seg.workers["pid"].data
@@ -184,10 +199,12 @@ class QueueCore:
         """Rebuild the derived index from the descriptor table (a lock holder died; we hold
         the lock): ready lists and wheel from the QUEUED descriptors, the done stack from the
         finished ones. Runs in whichever process locks next."""
-        state = self._seg.descs["state"]
-        queued = np.flatnonzero(state == QUEUED).tolist()
-        self._ready.rebuild(queued)
-        self._wheel.rebuild(queued)
+        dn = self._seg.descs
+        state = dn["state"]
+        queued = np.flatnonzero(state == QUEUED)
+        # In (deadline, seq) order every ready-list push lands at the tail: O(1) each.
+        order = queued[np.lexsort((dn["seq"][queued], dn["deadline_ns"][queued]))]
+        self._native.rebuild(order.tolist())
         finished = np.flatnonzero(state >= DONE).tolist()
         finished.sort(key=lambda k: int(self._d.done_ns[k]))
         self._done_head[0] = NIL

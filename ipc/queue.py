@@ -26,7 +26,7 @@ The main process against the queue (the worker side is sketched in ``ipc/claims.
     q.close()                                               # the creator also unlinks
 
 Scheduling: strictly higher priority first, earliest deadline first within a priority, FIFO
-(enqueue sequence) among equals (``ipc/ready.py``). A queued request whose deadline passes
+(enqueue sequence) among equals (``ipc/core.py``). A queued request whose deadline passes
 is expired by ``expire_due`` (main, on a timer at ``next_deadline_ns``) or, if a worker gets
 there first, by ``claim_batch`` — either way it is answered TIMEOUT and never computed.
 
@@ -66,8 +66,8 @@ reached from C, with the lock held. If the trylock fails the call returns a sent
 Python takes the slow path (``QueueCore._contended``): BUSY → wait as every other section
 does (the main process watching for a stuck holder), OWNER_DIED → ``_repair`` and mark
 consistent; then the same C body runs with the lock held. Every other section (expiry,
-reclaim, abandon, register, repair) is Python over the same bytes; the state machine test
-interleaves both.
+reclaim, abandon, register, repair) is Python under the lock, calling the same C for the
+ready lists and the wheel (``ipc/core.py``); the state machine test interleaves both.
 
 Spinning before sleeping. A worker out of work spins ``worker_spin_us`` (header, set by
 ``create``; 0: off) on the ready counts before it sets its waiting bit and sleeps, so a
@@ -211,7 +211,7 @@ class RequestQueue(WorkerOps):
         for bell in [*self._work, *([self._completion] if self._completion else [])]:
             bell.close()
         self._mutex.close()
-        for attr in ("_d", "_r", "_ready", "_wheel", "_waiting", "_done_head", "_inputs_ro"):
+        for attr in ("_d", "_r", "_waiting", "_done_head", "_inputs_ro"):
             setattr(self, attr, None)
         self._w_pid = self._w_state = None  # type: ignore[assignment]
         self._seg.close()
@@ -288,8 +288,7 @@ class RequestQueue(WorkerOps):
             mine = np.flatnonzero((dn["conn_id"] == conn_id) & (dn["state"] >= QUEUED)).tolist()
             for i in mine:
                 if d.state[i] == QUEUED:
-                    self._ready.remove(i)
-                    self._wheel.remove(i)
+                    self._native.unlink(i)
                     self._make_free(i)
                 else:
                     d.abandoned[i] = 1
@@ -336,9 +335,7 @@ class RequestQueue(WorkerOps):
         """Answer TIMEOUT for every queued request whose deadline is ``≤ now_ns``."""
         d = self._d
         with self._mutex:
-            due = self._wheel.expire_due(now_ns)
-            for i in due:
-                self._ready.remove(i)
+            due = self._native.expire(now_ns)  # unlinked from the wheel and ready lists
             if self._faulty:
                 self._fault.reach("expire.unlinked")
             for i in due:
@@ -346,7 +343,7 @@ class RequestQueue(WorkerOps):
                 d.state[i] = EXPIRED
             if due:
                 self._seg.header["expired"] += len(due)
-            out = [self._completion_of(self._finished_row(i, EXPIRED)) for i in due]
+            out = [self._completion_of(self._native.finished(i)) for i in due]
             for i in due:
                 self._make_free(i)
         return out
@@ -354,7 +351,7 @@ class RequestQueue(WorkerOps):
     def next_deadline_ns(self) -> int | None:
         """The earliest deadline among queued requests (when to call ``expire_due``)."""
         with self._mutex:
-            return self._ready.earliest_deadline()
+            return self._native.earliest_deadline()
 
     def depth_by_priority(self) -> list[int]:
         """Queued requests per priority, index 0..7."""
@@ -374,15 +371,6 @@ class RequestQueue(WorkerOps):
         return {s: int(counts[s.value]) for s in DescState}
 
     # ---------------------------------------------------------------- internals
-    def _finished_row(self, i: int, state: int) -> FinishedRow:
-        """What ``_native.Core.collect`` returns per descriptor, read here in Python."""
-        d, request = self._d, self._seg.request_block.unpack(i)
-        rid, conn, enqueued, _, part, h, w, prio, _, abandoned, kills = request
-        return (
-            i, int(d.generation[i]), state, abandoned, rid, conn, enqueued, part, h, w, prio,
-            kills, d.claim_ns[i], d.done_ns[i], d.worker[i],
-        )  # fmt: skip
-
     def _completion_of(self, row: FinishedRow) -> Completion:
         i, gen, state, _, rid, conn, enqueued, part, h, w, prio, kills, claimed, done, worker = row
         result, error = None, ""

@@ -1,59 +1,71 @@
-"""The timing wheel alone: nothing expires early, nothing due is missed, rounds wrap."""
+"""The timing wheel (C, ``_native.Core``), driven through the queue that uses it: nothing
+expires early, nothing due is missed, rounds wrap, unlinks and rebuilds keep it exact."""
 
 from __future__ import annotations
 
-import numpy as np
+import contextlib
+import os
+from collections.abc import Iterator
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scratchd.ipc.wheel import NIL, TimingWheel
+from scratchd.ipc.queue import Geometry, RequestQueue
 
-TICK = 1_000_000  # 1 ms
-BASE = 5_000_000_000
+TICK = 1_000_000  # 1 ms: the queue's tick_ms
 
 
-def make_wheel(n: int, buckets: int) -> TimingWheel:
-    return TimingWheel(
-        np.full(buckets, NIL, np.int32),
-        np.full(n, NIL, np.int32),
-        np.full(n, NIL, np.int32),
-        np.full(n, NIL, np.int32),
-        np.zeros(n, np.int64),
-        np.zeros(1, np.int64),
-        base_ns=BASE,
-        tick_ns=TICK,
-    )
+@contextlib.contextmanager
+def wheel(n: int, buckets: int) -> Iterator[tuple[RequestQueue, int]]:
+    """A queue of ``n`` slots whose wheel has ``buckets`` buckets, and its clock base (tick 0;
+    the wheel's cursor starts there)."""
+    geometry = Geometry(slots=n, slot_bytes=1, tick_ms=1, max_workers=1, wheel_ticks=buckets)
+    q = RequestQueue.create(f"/scratchd-test-wheel-{os.getpid()}", geometry)
+    try:
+        yield q, int(q._seg.header["clock_base_ns"])
+    finally:
+        q.close()
+
+
+def insert(q: RequestQueue, rid: int, deadline_ns: int) -> None:
+    """Queue request ``rid`` (its own connection ``rid``, so abandoning it removes just it)."""
+    h = q.reserve()
+    assert h is not None
+    q.submit(
+        h, request_id=rid, conn_id=rid, priority=rid % 8, part_class=0,
+        deadline_ns=deadline_ns, height=1, width=1, want_mask=False,
+    )  # fmt: skip
+
+
+def expire(q: RequestQueue, now_ns: int) -> list[int]:
+    return [c.request_id for c in q.expire_due(now_ns)]
 
 
 def test_far_deadline_waits_for_its_round() -> None:
-    w = make_wheel(2, 8)
-    w.deadline[0] = BASE + 3 * TICK + 10  # bucket 3, this revolution
-    w.deadline[1] = BASE + 19 * TICK + 10  # bucket 3 too, two revolutions later
-    w.insert(0)
-    w.insert(1)
-    assert w.expire_due(BASE + 3 * TICK + 9) == []  # same tick, but before the deadline
-    assert w.expire_due(BASE + 3 * TICK + 10) == [0]
-    assert w.expire_due(BASE + 11 * TICK + 50) == []  # bucket 3 visited again: not yet
-    assert w.expire_due(BASE + 19 * TICK + 10) == [1]
+    with wheel(2, 8) as (q, base):
+        insert(q, 0, base + 3 * TICK + 10)  # bucket 3, this revolution
+        insert(q, 1, base + 19 * TICK + 10)  # bucket 3 too, two revolutions later
+        assert expire(q, base + 3 * TICK + 9) == []  # same tick, but before the deadline
+        assert expire(q, base + 3 * TICK + 10) == [0]
+        assert expire(q, base + 11 * TICK + 50) == []  # bucket 3 visited again: not yet
+        assert expire(q, base + 19 * TICK + 10) == [1]
 
 
 def test_deadline_behind_the_cursor_expires_on_the_next_call() -> None:
-    w = make_wheel(1, 8)
-    assert w.expire_due(BASE + 100 * TICK) == []
-    w.deadline[0] = BASE + 40 * TICK  # already past when inserted
-    w.insert(0)
-    assert w.expire_due(BASE + 100 * TICK) == [0]
+    with wheel(1, 8) as (q, base):
+        assert expire(q, base + 100 * TICK) == []
+        insert(q, 0, base + 40 * TICK)  # already past when inserted
+        assert expire(q, base + 100 * TICK) == [0]
 
 
 def test_remove_unlinks_from_the_middle_and_head() -> None:
-    w = make_wheel(3, 4)
-    for i in range(3):
-        w.deadline[i] = BASE + 2 * TICK
-        w.insert(i)
-    w.remove(1)
-    w.remove(2)  # the bucket's head (inserted last)
-    assert w.expire_due(BASE + 10 * TICK) == [0]
-    assert (w._head_np == NIL).all()
+    with wheel(3, 4) as (q, base):
+        for rid in range(3):
+            insert(q, rid, base + 2 * TICK)
+        q.abandon_connection(1)
+        q.abandon_connection(2)  # the bucket's head (inserted last)
+        assert expire(q, base + 10 * TICK) == [0]
+        assert (q._seg.wheel_head == -1).all()
 
 
 @settings(max_examples=150, deadline=None)
@@ -70,22 +82,22 @@ def test_expiry_matches_a_sorted_reference(
     expired early, and an entry is expired by the first call at or after its deadline
     (with a call every tick, that is within one tick)."""
     n = len(deadlines)
-    w = make_wheel(n, buckets)
-    for i, d in enumerate(deadlines):
-        w.deadline[i] = BASE + d
-        w.insert(i)
-    live = set(range(n))
-    for i in removals & live:
-        w.remove(i)
-        live.discard(i)
-    now = BASE
-    for step in steps:
-        now += step
-        got = w.expire_due(now)
-        want = {i for i in live if BASE + deadlines[i] <= now}
-        assert sorted(got) == sorted(want)
-        live -= want
-        for i in live:
-            assert BASE + deadlines[i] > now
-    w.rebuild(live)  # a rebuilt wheel holds exactly the live entries
-    assert sorted(w.expire_due(BASE + 10**12)) == sorted(live)
+    with wheel(n, buckets) as (q, base):
+        for rid, d in enumerate(deadlines):
+            insert(q, rid, base + d)
+        live = set(range(n))
+        for rid in removals & live:
+            q.abandon_connection(rid)
+            live.discard(rid)
+        now = base
+        for step in steps:
+            now += step
+            got = expire(q, now)
+            want = {rid for rid in live if base + deadlines[rid] <= now}
+            assert sorted(got) == sorted(want)
+            live -= want
+            for rid in live:
+                assert base + deadlines[rid] > now
+        with q._mutex:
+            q._repair()  # a rebuilt wheel holds exactly the live entries
+        assert sorted(expire(q, base + 10**12)) == sorted(live)
