@@ -82,21 +82,23 @@ class ShardFile:
         """Record ``i`` of this shard after checking its image and mask CRC."""
         if not self._data_crc_ok(i):
             raise ShardError(self.name, i, f"image/mask CRC mismatch ({self.metas[i].rel})")
+        start, image_end, end = self._data_span(i)
+        view = memoryview(self._mm)
+        image, mask = view[start:image_end], view[image_end:end]
+        has_mask = bool(int(self.index[i]["flags"]) & FLAG_HAS_MASK)
+        return Record(image=image, mask=mask if has_mask else None, meta=self.metas[i])
+
+    def _data_span(self, i: int) -> tuple[int, int, int]:
+        """File offsets of record ``i``'s image start, image end (= mask start) and mask end."""
         entry = self.index[i]
         start = int(entry["offset"]) + int(entry["meta_len"])
         image_end = start + int(entry["image_len"])
-        end = image_end + int(entry["mask_len"])
-        view = memoryview(self._mm)
-        image, mask = view[start:image_end], view[image_end:end]
-        has_mask = bool(int(entry["flags"]) & FLAG_HAS_MASK)
-        return Record(image=image, mask=mask if has_mask else None, meta=self.metas[i])
+        return start, image_end, image_end + int(entry["mask_len"])
 
     def _data_crc_ok(self, i: int) -> bool:
-        entry = self.index[i]
-        start = int(entry["offset"]) + int(entry["meta_len"])
-        end = start + int(entry["image_len"]) + int(entry["mask_len"])
+        start, _, end = self._data_span(i)
         with memoryview(self._mm) as view, view[start:end] as data:
-            return crc32(data) == int(entry["data_crc"])
+            return crc32(data) == int(self.index[i]["data_crc"])
 
     def sha256(self) -> str:
         return hashlib.sha256(self._mm).hexdigest()
@@ -121,9 +123,9 @@ class ShardFile:
         raise ShardError(self.name, int(np.argmax(ends > size)), f"{reason}; record cut off")
 
     def _read_index(self) -> np.ndarray:
-        start, stop = HEADER_SIZE, self.header.data_offset
-        index = np.frombuffer(self._mm[start:stop], dtype=INDEX_DTYPE).copy()
-        if crc32(self._mm[start:stop]) != self.header.index_crc:
+        data = self._mm[HEADER_SIZE : self.header.data_offset]
+        index = np.frombuffer(data, dtype=INDEX_DTYPE).copy()
+        if crc32(data) != self.header.index_crc:
             raise self._diagnose_index(index)
         return index
 
@@ -154,11 +156,12 @@ class ShardFile:
         )
         if len(bad_flags):
             raise ShardError(self.name, int(bad_flags[0]), "index record has invalid flags")
-        starts = np.concatenate([[header.data_offset], _record_ends(index)[:-1]])
+        ends = _record_ends(index)
+        starts = np.concatenate([[header.data_offset], ends[:-1]])
         misplaced = np.flatnonzero(index["offset"] != starts)
         if len(misplaced):
             raise ShardError(self.name, int(misplaced[0]), "record is not where the index ends")
-        if int(_record_ends(index)[-1]) != header.file_size:
+        if int(ends[-1]) != header.file_size:
             raise ShardError(self.name, len(index) - 1, "records do not end at the file's end")
 
     def _read_meta(self, i: int) -> RecordMeta:
