@@ -6,11 +6,12 @@
 For each frame size (200x200 single SD-900 tile, 1024x1024 line-camera frame) it times one
 pass of the network (``ScratchNet.forward``: normalise + pad, network, head; no test-time
 views, no post-processing) and the same weights exported to ONNX from the fused PyTorch
-mirror, run by onnxruntime with ``intra_op_num_threads`` = the thread count numpy's BLAS
-uses (``--threads``; default: all cores). The ONNX graph starts from the normalised, padded
-input (onnxruntime gets that work for free). ``--repeats`` runs of each after one warm-up;
-the table shows the fastest run of each (``*_median_ms`` in the JSON:
-the medians) and the largest probability difference between the two. Also times the full
+mirror, run by onnxruntime with ``intra_op_num_threads`` = ``--threads`` (default: the
+numpy forward's band threads, ``cpu_bands.THREADS``: the CPUs this process may run on; its
+BLAS runs single-threaded inside them). The ONNX graph starts from the normalised, padded
+input (onnxruntime gets that work for free). ``--repeats`` runs of each after 0.5 s
+(``WARM_S``) of warm-up runs; the table shows the fastest run of each (``*_median_ms`` in
+the JSON: the medians) and the largest probability difference between the two. Also times the full
 ``predict`` (post-processing and the model's test-time views included, median) per image.
 ``--profile`` adds each layer's median time within the forward (``layers_ms`` in the JSON;
 the schedule's layer functions timed in place, so the sum is a little under the total).
@@ -36,7 +37,7 @@ import onnxruntime as ort
 import torch
 import torch.nn.functional as F
 
-from scratchd.kernels import _cpu, cpu_schedule, net
+from scratchd.kernels import _cpu, cpu_bands, cpu_schedule, net
 from scratchd.kernels.model import ScratchNet, load_model
 from scratchd.kernels.normalize_pad import normalize_pad_ref
 from scratchd.kernels.torchnet import TorchScratchNet, load_weights
@@ -181,7 +182,7 @@ def main() -> None:
     )
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--threads", type=int, default=cpu_bands.THREADS)
     ap.add_argument("--json", type=Path, default=Path("docs/bench/cpu.json"))
     ap.add_argument("--profile", action="store_true", help="also time each layer")
     args = ap.parse_args()
