@@ -1,4 +1,5 @@
-"""Argument validation shared by the ``<op>_ref`` functions (and later their ``<op>_cuda`` twins).
+"""Argument validation shared by the ``<op>_ref`` functions (their ``<op>_cuda`` twins share
+``check_act`` and check device arrays with ``_cuda.check_device_array``).
 
 Every op checks dtype, rank and the shapes that must agree *before* it computes, so a wrong
 call fails with a message naming the op and the argument instead of broadcasting silently.
