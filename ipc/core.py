@@ -223,10 +223,6 @@ class QueueCore:
                 os.kill(pid, signal.SIGKILL)
                 self.stuck_kills += 1
 
-    @staticmethod
-    def _pid() -> int:
-        return os.getpid()
-
 
 def _process_of(tid: int) -> int:
     """The process (thread group) a thread id belongs to; 0 if it is gone or unknown."""
