@@ -6,9 +6,12 @@ Every request the acceptor enqueues is recorded here under its queue handle
 - the queue's completion doorbell (an eventfd rung by a worker after it flips a descriptor
   to DONE, and by reclaims) is registered with ``loop.add_reader``; its callback calls
   ``collect_completed``, which drains it first (a completion landing meanwhile rings again);
-- deadlines: a single loop timer armed at ``next_deadline_ns()`` (no earlier than one tick
-  from now, so a deadline inside the current wheel tick cannot spin the loop) calls
-  ``expire_due``; the wheel answers expired requests ``timeout`` within a tick.
+- deadlines: a single loop timer armed at the earliest queued deadline (no earlier than one
+  tick from now, so a deadline inside the current wheel tick cannot spin the loop) calls
+  ``expire_due``; the wheel answers expired requests ``timeout`` within a tick. A descriptor
+  becomes QUEUED only by ``submit`` (then ``enqueued`` arms at its own deadline, without asking
+  the queue) or by a reclaim (then ``collect`` re-arms from ``next_deadline_ns()``), so the
+  timer is always due by the earliest deadline.
 
 Exactly once: a reply is sent only by :meth:`Dispatcher.answer`, and a queued request only
 after its entry is *popped* from the table, so a completion that shows up twice (say, from
@@ -111,7 +114,7 @@ class Dispatcher:
         self.pending[flight.handle] = flight
         flight.conn.in_queue.add(flight.handle)
         self.idle.clear()
-        self.arm_expiry()
+        self._arm_at(flight.deadline_ns)
 
     def forget_connection(self, conn: Connection) -> int:
         """A client left: drop its entries (the queue frees their slots). Returns how many."""
@@ -139,8 +142,10 @@ class Dispatcher:
     def arm_expiry(self) -> None:
         """Make sure a timer fires by the earliest queued deadline (at least a tick out)."""
         deadline = self.queue.next_deadline_ns()
-        if deadline is None:
-            return
+        if deadline is not None:
+            self._arm_at(deadline)
+
+    def _arm_at(self, deadline: int) -> None:
         now = time.monotonic_ns()
         at = max(deadline, now + self.tick_ns)
         if self._timer is not None:
