@@ -33,6 +33,7 @@ built from it, so they cannot drift apart.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -93,7 +94,8 @@ class BlockSpec:
         return self.stride == 1 and self.cin == self.cout and self.join is None
 
 
-def block_plan(cfg: NetConfig) -> list[BlockSpec]:
+@functools.cache  # a pure function of the (frozen) config, asked for by every forward
+def block_plan(cfg: NetConfig) -> tuple[BlockSpec, ...]:
     """The DS blocks in execution order (stem and head are fixed around them)."""
     w = cfg.widths
     blocks: list[BlockSpec] = []
@@ -118,7 +120,7 @@ def block_plan(cfg: NetConfig) -> list[BlockSpec]:
             c_in = cin + w[stage] if i == 0 else w[stage]
             blocks.append(BlockSpec(f"dec{stage}.{i}", c_in, w[stage], join=join))
         cin = w[stage]
-    return blocks
+    return tuple(blocks)
 
 
 def weight_shapes(cfg: NetConfig) -> dict[str, tuple[int, ...]]:
