@@ -53,7 +53,6 @@ from scratchd.daemon.images import (
     Invalid,
     check_image,
     convert_into,
-    rgb_to_luma,
     shape_cost_error,
     write_raw_grey,
 )
@@ -69,7 +68,6 @@ __all__ = [
     "Invalid",
     "check_image",
     "convert_into",
-    "rgb_to_luma",
     "shape_cost_error",
 ]
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 from typing import Final
 
 import numpy as np
+from PIL import Image
 
 from scratchd.ipc import wire
-from scratchd.ipc.image import ImageError, decode_image, sniff_format
+from scratchd.ipc.image import ImageError, decode_image, sniff_format, to_grey
 
 AnyInferRequest = wire.InferRequest | wire.InferFrame
 
@@ -70,7 +71,7 @@ def convert_into(payload: memoryview, request: AnyInferRequest) -> tuple[int, in
     else:
         assert request.pixels is not None
         rgb = np.frombuffer(request.pixels, np.uint8).reshape(request.height, request.width, 3)
-        grey = rgb_to_luma(rgb)
+        grey = to_grey(Image.fromarray(rgb, "RGB"))  # the luma an encoded RGB image gets
     height, width = grey.shape
     reason = shape_cost_error(height, width, slot_bytes)
     if reason:
@@ -99,9 +100,3 @@ def shape_cost_error(height: int, width: int, slot_bytes: int) -> str:
         f"image of {height}x{width} pads to {padded} pixels for the network, more than twice "
         f"the limit of {slot_bytes}; send frames that are less elongated"
     )
-
-
-def rgb_to_luma(rgb: np.ndarray) -> np.ndarray:
-    """ITU-R 601-2 luma exactly as Pillow's ``convert("L")`` computes it (fixed point)."""
-    r, g, b = (rgb[..., i].astype(np.uint32) for i in range(3))
-    return ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).astype(np.uint8)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from PIL import Image
 
-from scratchd.daemon.acceptor import Invalid, check_image, convert_into, rgb_to_luma
+from scratchd.daemon.acceptor import Invalid, check_image, convert_into
 from scratchd.ipc.image import ImageError
 from scratchd.ipc.wire import InferRequest
 
@@ -57,9 +57,13 @@ def test_well_formed_requests_pass() -> None:
 
 @settings(max_examples=50, deadline=None)
 @given(arrays(np.uint8, st.tuples(st.integers(1, 17), st.integers(1, 17), st.just(3))))
-def test_rgb_luma_matches_pillow_exactly(rgb: np.ndarray) -> None:
+def test_raw_rgb_becomes_the_luma_pillow_gives_it(rgb: np.ndarray) -> None:
     expected = np.asarray(Image.fromarray(rgb, "RGB").convert("L"))
-    np.testing.assert_array_equal(rgb_to_luma(rgb), expected)
+    slot = bytearray(1024)
+    assert convert_into(memoryview(slot), _raw(rgb)) == expected.shape
+    np.testing.assert_array_equal(
+        np.frombuffer(slot, np.uint8, count=expected.size), expected.ravel()
+    )
 
 
 @pytest.mark.parametrize("kind", ["png", "rgb"])
