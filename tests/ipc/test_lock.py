@@ -25,15 +25,20 @@ def die_holding(mutex: RobustMutex) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run_child(body: Callable[[], None]) -> int:
-    """Fork, run ``body`` in the child, return its wait status (killed children included)."""
+def fork_child(body: Callable[[], None]) -> int:
+    """Fork; the child runs ``body`` and exits. Returns the child's pid."""
     pid = os.fork()
     if pid == 0:
         try:
             body()
         finally:
             os._exit(0)
-    return os.waitpid(pid, 0)[1]
+    return pid
+
+
+def run_child(body: Callable[[], None]) -> int:
+    """Run ``body`` in a child; its wait status (killed children included)."""
+    return os.waitpid(fork_child(body), 0)[1]
 
 
 def test_holder_killed_inside_the_critical_section_is_repaired_once() -> None:
@@ -93,15 +98,7 @@ def test_mutual_exclusion_across_processes() -> None:
             with mutex.held():
                 counter[0] = counter[0] + 1  # a read-modify-write: lost updates without the lock
 
-    pids = []
-    for _ in range(2):
-        pid = os.fork()
-        if pid == 0:
-            try:
-                bump()
-            finally:
-                os._exit(0)
-        pids.append(pid)
+    pids = [fork_child(bump) for _ in range(2)]  # both run at once
     for pid in pids:
         assert os.waitpid(pid, 0)[1] == 0
     assert counter[0] == 2 * rounds
