@@ -14,13 +14,12 @@ both only need the buffer protocol.
 
 from __future__ import annotations
 
-from typing import Final
-
 import numpy as np
 from PIL import Image
 
 from scratchd.ipc import wire
 from scratchd.ipc.image import ImageError, decode_image, sniff_format, to_grey
+from scratchd.kernels.normalize_pad import padded_size
 
 AnyInferRequest = wire.InferRequest | wire.InferFrame
 
@@ -80,20 +79,17 @@ def convert_into(payload: memoryview, request: AnyInferRequest) -> tuple[int, in
     return int(height), int(width)
 
 
-PAD_MULTIPLE: Final = 16
-"""The network pads each side to a multiple of 16 (``kernels.net.forward``): its cost and
-memory follow the padded area, not the pixel count."""
-
-
 def shape_cost_error(height: int, width: int, slot_bytes: int) -> str:
     """Why a frame's shape would cost far more than its pixel count, or "" if it will not.
 
+    The network pads each side to a multiple of 16 (``kernels.normalize_pad``): its cost and
+    memory follow the padded area, not the pixel count.
     A 1 x 4M frame fits a 4 MiB slot but pads to 16 x 4M: sixteen times the largest frame's
     compute and activation memory, enough to OOM a worker or stall it past its heartbeat.
     The padded area may be at most twice the slot: room for the padding of any frame that
     is not extremely elongated (a full-slot frame needs a shorter side of about 8 or more).
     """
-    padded = -(-height // PAD_MULTIPLE) * PAD_MULTIPLE * (-(-width // PAD_MULTIPLE) * PAD_MULTIPLE)
+    padded = padded_size(height) * padded_size(width)
     if padded <= 2 * slot_bytes:
         return ""
     return (
