@@ -256,7 +256,7 @@ class Client:
             raise ConnectionError(f"reply frame of {length} bytes is larger than any reply")
         return wire.decode_daemon_message(self._read_exactly(length))
 
-    def _read_exactly(self, n: int) -> bytes:
+    def _read_exactly(self, n: int) -> bytearray:
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
@@ -265,7 +265,7 @@ class Client:
             if k == 0:
                 raise ConnectionError("scratchd closed the connection")
             got += k
-        return bytes(buf)
+        return buf  # msgspec decodes from it as it is: no copy to bytes
 
     def close(self) -> None:
         self._sock.close()

@@ -269,7 +269,7 @@ _SMALL_MESSAGE: Final = 512
 """Room for everything of a request but its image (the buffer grows if it is not enough)."""
 
 
-def frame_length(prefix: bytes | memoryview) -> int:
+def frame_length(prefix: bytes | bytearray | memoryview) -> int:
     """The body length announced by a 4-byte prefix."""
     (length,) = LENGTH_PREFIX.unpack(prefix)
     return int(length)
@@ -286,7 +286,7 @@ def decode_client_frame(body: bytes | bytearray | memoryview) -> ClientFrame:
     return _frame_decoder.decode(body)
 
 
-def decode_daemon_message(body: bytes | memoryview) -> DaemonMessage:
+def decode_daemon_message(body: bytes | bytearray | memoryview) -> DaemonMessage:
     """Decode a reply body (client side)."""
     return _daemon_decoder.decode(body)
 
