@@ -192,14 +192,16 @@ class Acceptor:
         task.add_done_callback(self._lingering.discard)
 
     def oversized(self, conn: Connection, length: int) -> None:
-        reason = f"frame of {length} bytes exceeds the limit of {self.max_frame}"
-        flight = InFlight(conn, 0, "unknown", 0, time.monotonic_ns())
-        self.dispatcher.reject(flight, "invalid", reason + "; closing the connection")
-        conn.close()
+        self._close_stream(conn, f"frame of {length} bytes exceeds the limit of {self.max_frame}")
 
     def stalled(self, conn: Connection, length: int) -> None:
         timeout_ms = self.config.server.frame_timeout_ms
-        reason = f"frame body of {length} bytes not received within {timeout_ms} ms"
+        self._close_stream(
+            conn, f"frame body of {length} bytes not received within {timeout_ms} ms"
+        )
+
+    def _close_stream(self, conn: Connection, reason: str) -> None:
+        """A stream that can no longer be trusted: one ``invalid`` reply (id 0), then close."""
         flight = InFlight(conn, 0, "unknown", 0, time.monotonic_ns())
         self.dispatcher.reject(flight, "invalid", reason + "; closing the connection")
         conn.close()
