@@ -19,42 +19,6 @@ struct VecWidth {
     static constexpr int value = (C % 8 == 0) ? 8 : 1;
 };
 
-// p[0..V) (halves) → f[0..V) (floats). p must be 16-byte aligned when V == 8.
-template <int V>
-__device__ __forceinline__ void load_h(const __half* __restrict__ p, float (&f)[V]) {
-    if constexpr (V == 8) {
-        const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
-        const __half2* h = reinterpret_cast<const __half2*>(&u);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 t = __half22float2(h[i]);
-            f[2 * i] = t.x;
-            f[2 * i + 1] = t.y;
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < V; ++i) f[i] = __half2float(p[i]);
-    }
-}
-
-// Same as load_h, from shared memory (no read-only cache path).
-template <int V>
-__device__ __forceinline__ void load_h_smem(const __half* p, float (&f)[V]) {
-    if constexpr (V == 8) {
-        const uint4 u = *reinterpret_cast<const uint4*>(p);
-        const __half2* h = reinterpret_cast<const __half2*>(&u);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float2 t = __half22float2(h[i]);
-            f[2 * i] = t.x;
-            f[2 * i + 1] = t.y;
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < V; ++i) f[i] = __half2float(p[i]);
-    }
-}
-
 // V halves as loaded from memory, unconverted (16 bytes, or one half), so a thread can issue
 // all its loads before it converts and uses any of them.
 template <int V>
@@ -98,6 +62,22 @@ __device__ __forceinline__ void unpack(const RawH<V>& r, float (&f)[V]) {
         }
     } else {
         f[0] = __half2float(r.h);
+    }
+}
+
+// p[0..V) (halves) → f[0..V) (floats). p must be 16-byte aligned when V == 8.
+template <int V>
+__device__ __forceinline__ void load_h(const __half* __restrict__ p, float (&f)[V]) {
+    unpack<V>(load_raw<V>(p), f);
+}
+
+// Same as load_h, from shared memory (no read-only cache path).
+template <int V>
+__device__ __forceinline__ void load_h_smem(const __half* p, float (&f)[V]) {
+    if constexpr (V == 8) {
+        unpack<8>(RawH<8>{*reinterpret_cast<const uint4*>(p)}, f);
+    } else {
+        unpack<1>(RawH<1>{p[0]}, f);
     }
 }
 
