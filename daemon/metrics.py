@@ -84,36 +84,18 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 _BATCH_MEMORY = 4096
 
 
-def _empty_depths() -> Sequence[int]:
-    return ()
-
-
-def _no_workers() -> Mapping[str, int]:
-    return {}
-
-
-def _zero() -> float:
-    return 0.0
-
-
-def _no_devices() -> Mapping[str, float]:
-    return {}
-
-
-def _no_restarts() -> Mapping[str, int]:
-    return {}
-
-
 @dataclass
 class LiveSources:
-    """Read at scrape time; each callable must be cheap and safe on the event loop."""
+    """Read at scrape time; each callable must be cheap and safe on the event loop.
+    Until the daemon binds them: no queue, no workers, zeros (``tuple()``, ``dict()``,
+    ``float()``)."""
 
-    queue_depth: Callable[[], Sequence[int]] = _empty_depths  # index = priority
-    worker_states: Callable[[], Mapping[str, int]] = _no_workers  # state name -> count
-    drift_score: Callable[[], float] = _zero
-    output_entropy: Callable[[], float] = _zero
-    restarts: Callable[[], Mapping[str, int]] = _no_restarts  # device -> since start
-    fragmentation: Callable[[], Mapping[str, float]] = _no_devices  # GPU device -> ratio
+    queue_depth: Callable[[], Sequence[int]] = tuple  # index = priority
+    worker_states: Callable[[], Mapping[str, int]] = dict  # state name -> count
+    drift_score: Callable[[], float] = float
+    output_entropy: Callable[[], float] = float
+    restarts: Callable[[], Mapping[str, int]] = dict  # device -> since start
+    fragmentation: Callable[[], Mapping[str, float]] = dict  # GPU device -> ratio
 
 
 class SlidingWindow:
