@@ -16,8 +16,9 @@
  *                       collect_completed (each takes the mutex itself, or runs inside
  *                       Python's hold on its slow path), writing in exactly the order
  *                       documented in ipc/queue.py; the ready lists and the timing wheel
- *                       (their only implementation: the Python sections call link, unlink,
- *                       expire, best, earliest_deadline and rebuild with the mutex held);
+ *                       and the done stack (their only implementation: the Python sections
+ *                       call link, unlink, expire, best, earliest_deadline, finish and
+ *                       rebuild with the mutex held);
  *                       and the bounded spins (GIL released) before a process sleeps on its
  *                       eventfd. ``fault`` is FaultPoint.reach (or None): called with the
  *                       point's name where ipc/faults.py names a point, so SCRATCHD_IPC_FAULT
@@ -53,7 +54,7 @@
 #define PRIORITIES 8
 _Static_assert(sizeof(pthread_mutex_t) <= MUTEX_BYTES, "pthread_mutex_t outgrew MUTEX_BYTES");
 
-enum { FREE = 0, QUEUED = 2, CLAIMED = 3, DONE = 4, EXPIRED = 5 };
+enum { FREE = 0, QUEUED = 2, CLAIMED = 3, DONE = 4, EXPIRED = 5, FAILED = 6 };
 enum { ACTIVE = 1 };
 
 static int64_t now_ns(void) {
@@ -453,7 +454,7 @@ static int wheel_remove(Core *c, int32_t i) {
     return 0;
 }
 
-/* core.py QueueCore._finish: done_ns, push on the done stack, then the state. */
+/* Finish i: done_ns, push on the done stack (linked through rnext), then the state. */
 static void finish(Core *c, int32_t i, uint8_t state, int64_t now) {
     F(c, i, int64_t, d_done_ns) = now;
     RNEXT(c, i) = *c->h_done_head;
@@ -770,6 +771,19 @@ static PyObject *Core_earliest_deadline(Core *c, PyObject *unused) {
     return PyLong_FromLongLong(earliest);
 }
 
+/* Finish descriptor i as DONE, EXPIRED or FAILED at now: done_ns, push on the done stack,
+ * then the state (finish()). reclaim_worker's expired and quarantined claims. */
+static PyObject *Core_finish(Core *c, PyObject *args) {
+    CORE_OPEN(c);
+    long i;
+    int state;
+    long long now;
+    if (!PyArg_ParseTuple(args, "liL", &i, &state, &now) || !index_ok(c, i)) return NULL;
+    if (state < DONE || state > FAILED) return PyErr_Format(PyExc_ValueError, "state %d", state);
+    finish(c, (int32_t)i, (uint8_t)state, now);
+    Py_RETURN_NONE;
+}
+
 /* What collect() returns for finished descriptor i (expire_due builds its Completions). */
 static PyObject *Core_finished(Core *c, PyObject *arg) {
     CORE_OPEN(c);
@@ -918,6 +932,7 @@ static PyMethodDef Core_methods[] = {
     {"expire", (PyCFunction)Core_expire, METH_O, "unlink the due (lock held)"},
     {"best", (PyCFunction)Core_best, METH_NOARGS, "next to claim, or -1 (lock held)"},
     {"earliest_deadline", (PyCFunction)Core_earliest_deadline, METH_NOARGS, "(lock held)"},
+    {"finish", (PyCFunction)Core_finish, METH_VARARGS, "push on the done stack (lock held)"},
     {"finished", (PyCFunction)Core_finished, METH_O, "collect()'s row for i (lock held)"},
     {"rebuild", (PyCFunction)Core_rebuild, METH_O, "re-link the QUEUED (lock held)"},
     {"ready_total", (PyCFunction)Core_ready_total, METH_NOARGS, "queued requests, racy"},

@@ -237,10 +237,10 @@ class WorkerOps(QueueCore):
             report.dropped.append(h)
             self._make_free(i)
         elif d.kills[i] >= max_kills:
-            self._finish(i, FAILED, now_ns)
+            self._native.finish(i, FAILED, now_ns)
             report.quarantined.append(h)
         elif d.deadline_ns[i] <= now_ns:
-            self._finish(i, EXPIRED, now_ns)
+            self._native.finish(i, EXPIRED, now_ns)
             report.expired.append(h)
         else:
             self._native.link(i)

@@ -17,7 +17,8 @@ member ~50× slower than with an int.
 The index over the descriptor table, derived from it (repair rebuilds it from the states)
 and implemented once, in C (``_native.Core``: the hot sections use it directly, the Python
 sections here and in ``claims.py``/``queue.py`` call ``link``, ``unlink``, ``expire``,
-``best``, ``earliest_deadline`` and ``rebuild`` with the mutex held)::
+``best``, ``earliest_deadline``, ``finish`` (done stack) and ``rebuild`` with the mutex
+held)::
 
     ready head[8], tail[8], count[8]  int32  per priority; NIL (-1) when empty
     desc rnext, rprev                 int32  ready-list links through the descriptors
@@ -147,14 +148,6 @@ class QueueCore:
         d.state[i] = FREE
         if self._seg.owner:
             self._free_list.append(i)
-
-    def _finish(self, i: int, state: int, now_ns: int) -> None:
-        """Move a descriptor to DONE / EXPIRED / FAILED (lock held): link, then state."""
-        d = self._d
-        d.done_ns[i] = now_ns
-        d.rnext[i] = self._done_head[0]
-        self._done_head[0] = i
-        d.state[i] = state
 
     def _contended(self, how: Contended, op: Callable[..., R | Contended], *args: Any) -> R:
         """The slow path of a native operation whose own trylock did not simply succeed:
