@@ -43,7 +43,7 @@ from typing import Final
 from scratchd.daemon.acceptor import Acceptor
 from scratchd.daemon.config import Config
 from scratchd.daemon.dispatch import Dispatcher, InFlight
-from scratchd.daemon.gpus import place
+from scratchd.daemon.gpus import Placement, place
 from scratchd.daemon.log import log_event
 from scratchd.daemon.observability import Observability, read_model_reference
 from scratchd.daemon.service import ServiceManager
@@ -78,18 +78,19 @@ def queue_name(socket_path: str) -> str:
     return f"/scratchd-{os.getuid()}-{digest}"
 
 
-def resolve_backend(config: Config) -> str:
-    """``cpu`` or ``cuda`` (daemon/gpus.py); a ConfigError for one this machine cannot run."""
-    return place(config).backend
-
-
 class Daemon:
-    """One daemon instance; ``await Daemon(config).run()`` serves until told to stop."""
+    """One daemon instance; ``await Daemon(config).run()`` serves until told to stop.
+    ``placement`` is ``gpus.place(config)`` when the caller already decided it."""
 
-    def __init__(self, config: Config, read_config: Callable[[], Config] | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        read_config: Callable[[], Config] | None = None,
+        placement: Placement | None = None,
+    ) -> None:
         self.config = config
         self.state = Lifecycle.STARTING
-        self.placement = place(config)
+        self.placement = placement or place(config)
         self.backend = self.placement.backend
         self.queue_name = queue_name(config.server.socket)
         self.started = time.time()
@@ -330,10 +331,14 @@ class Daemon:
         )
 
 
-def serve(config: Config, read_config: Callable[[], Config] | None = None) -> int:
+def serve(
+    config: Config,
+    read_config: Callable[[], Config] | None = None,
+    placement: Placement | None = None,
+) -> int:
     """Run a daemon on uvloop in the foreground; returns the exit status. ``read_config``
-    reads the configuration again for a reload (SIGHUP)."""
+    reads the configuration again for a reload (SIGHUP); ``placement`` as for ``Daemon``."""
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(Daemon(config, read_config).run())
+        return runner.run(Daemon(config, read_config, placement).run())

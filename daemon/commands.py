@@ -53,6 +53,7 @@ def serve(
 ) -> None:
     """Run the daemon in the foreground until SIGTERM/SIGINT."""
     from scratchd.daemon import app
+    from scratchd.daemon.gpus import place
     from scratchd.daemon.log import configure
 
     configure()
@@ -63,10 +64,10 @@ def serve(
     }
     try:
         config = load_config(config_path, overrides)
-        app.resolve_backend(config)
+        placement = place(config)  # a backend this machine cannot run is a ConfigError
     except ConfigError as exc:
         raise ConfigExit(str(exc)) from None
-    sys.exit(app.serve(config, lambda: load_config(config_path, overrides)))
+    sys.exit(app.serve(config, lambda: load_config(config_path, overrides), placement))
 
 
 @click.command()
