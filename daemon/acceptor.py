@@ -44,7 +44,7 @@ from typing import Final
 
 import msgspec
 
-from scratchd.daemon.access import AccessGate
+from scratchd.daemon.access import AccessGate, AccessPolicy
 from scratchd.daemon.config import Config
 from scratchd.daemon.connection import BufferPool, Connection
 from scratchd.daemon.dispatch import Dispatcher, InFlight
@@ -315,9 +315,9 @@ class Acceptor:
         and the queue geometry do not change while running."""
         self.config = config
         self._class_index = {name: i for i, name in enumerate(config.class_names())}
-        self.gate.policy = AccessGate.from_config(
+        self.gate.policy = AccessPolicy.from_lists(
             config.server.allowed_uids, config.server.allowed_gids
-        ).policy
+        )
 
     def classify(self, request: AnyInferRequest) -> Admission:
         """The request's class, priority and deadline (its own values override the class's)."""
