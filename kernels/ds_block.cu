@@ -26,6 +26,20 @@ __device__ constexpr bool column_used(int j) {
     return false;
 }
 
+// acc[q] += v * w[kx] for every output q and tap kx that read input column j.
+template <int V, int P, int STRIDE, int DIL>
+__device__ __forceinline__ void add_column(
+    int j, const float (&v)[V], const float (&w)[3][V], float (&acc)[P][V]) {
+#pragma unroll
+    for (int q = 0; q < P; ++q)
+#pragma unroll
+        for (int kx = 0; kx < 3; ++kx)
+            if (q * STRIDE + kx * DIL == j) {
+#pragma unroll
+                for (int e = 0; e < V; ++e) acc[q][e] = fmaf(v[e], w[kx][e], acc[q][e]);
+            }
+}
+
 // acc[q] = relu(b + dw3x3 at (n, oy, ox0 + q)) for q < P, channels [c, c + V).
 template <int V, int P, int STRIDE, int DIL, bool HOIST, int KP, int CA, int CB>
 __device__ __forceinline__ void dw_row_group(
@@ -65,14 +79,7 @@ __device__ __forceinline__ void dw_row_group(
                 if (!column_used<P, STRIDE, DIL>(j)) continue;
                 float v[V];
                 unpack<V>(raw[ky][j], v);
-#pragma unroll
-                for (int q = 0; q < P; ++q)
-#pragma unroll
-                    for (int kx = 0; kx < 3; ++kx)
-                        if (q * STRIDE + kx * DIL == j) {
-#pragma unroll
-                            for (int e = 0; e < V; ++e) acc[q][e] = fmaf(v[e], w[kx][e], acc[q][e]);
-                        }
+                add_column<V, P, STRIDE, DIL>(j, v, w, acc);
             }
         }
     } else {
@@ -91,14 +98,7 @@ __device__ __forceinline__ void dw_row_group(
                 if (ix < 0 || ix >= src.W) continue;
                 float v[V];
                 load_h<V>(src.at(n, iy, ix, c), v);
-#pragma unroll
-                for (int q = 0; q < P; ++q)
-#pragma unroll
-                    for (int kx = 0; kx < 3; ++kx)
-                        if (q * STRIDE + kx * DIL == j) {
-#pragma unroll
-                            for (int e = 0; e < V; ++e) acc[q][e] = fmaf(v[e], w[kx][e], acc[q][e]);
-                        }
+                add_column<V, P, STRIDE, DIL>(j, v, w, acc);
             }
         }
     }
