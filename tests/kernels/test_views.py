@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import cast
 
 import numpy as np
 import pytest
@@ -46,7 +47,7 @@ def test_refs_average_views_exactly_like_scratchnet(
     got = view_mean_ref(_fake_net(a), None if b is None else _fake_net(b), tuple(views), 3)
     # ScratchNet.prob itself, its network replaced by the fake one (views and forward are
     # all it reads), so a change to its averaging shows up here.
-    fake = SimpleNamespace(views=tuple(views), forward=_fake_net)
+    fake = cast(ScratchNet, SimpleNamespace(views=tuple(views), forward=_fake_net))
     want = ScratchNet.prob(fake, frames)
     assert want.dtype == np.float32 and np.array_equal(got.prob, want)
     assert got.prob.shape == shape and got.score.shape == got.entropy.shape == (shape[0],)
