@@ -41,10 +41,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from serve_report import markers, rewrite_section
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
-START, END = "<!-- bench_alloc: start -->", "<!-- bench_alloc: end -->"
+START, END = markers("bench_alloc")
 
 
 @dataclass(frozen=True)
@@ -347,15 +348,7 @@ def reading(result: dict[str, Any]) -> list[str]:
 
 
 def render(json_path: Path, md_path: Path) -> None:
-    result = json.loads(json_path.read_text())
-    section = markdown(result)
-    text = md_path.read_text() if md_path.exists() else ""
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        text = head + section + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    md_path.write_text(text)
+    rewrite_section(md_path, markdown(json.loads(json_path.read_text())), "bench_alloc")
 
 
 def print_table(result: dict[str, Any]) -> None:

@@ -31,12 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from serve_report import markers, rewrite_section
 
 from scratchd.kernels.model import DEFAULT_PATH, ModelMeta, ScratchNet, load_model
 from scratchd.kernels.net import NetConfig, count_params, random_weights
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = [(1, 1024), (4, 1024), (16, 1024), (1, 256), (4, 256), (16, 256)]
+START, END = markers("bench_kernels")  # its section of docs/benchmarks.md
 
 
 def load_bench_model() -> tuple[ScratchNet, str]:
@@ -409,24 +411,9 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "kernels.json").write_text(json.dumps(report, indent=1) + "\n")
     text = markdown(report)
-    write_section(args.md, text)
+    args.md.parent.mkdir(parents=True, exist_ok=True)
+    rewrite_section(args.md, f"{START}\n{text}{END}\n", "bench_kernels")
     print(text)
-
-
-START, END = "<!-- bench_kernels: start -->", "<!-- bench_kernels: end -->"
-
-
-def write_section(path: Path, text: str) -> None:
-    """Replace this benchmark's section of ``path`` (other scripts own the rest of it)."""
-    section = f"{START}\n{text}{END}\n"
-    old = path.read_text() if path.is_file() else "# Benchmarks\n\n"
-    if START in old and END in old:
-        head, rest = old.split(START, 1)
-        new = head + section + rest.split(END, 1)[1].lstrip("\n")
-    else:
-        new = old.rstrip("\n") + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(new)
 
 
 if __name__ == "__main__":
