@@ -14,8 +14,9 @@ every launch a ``<op>_cuda`` of this package, fused where it pays::
                                window score (+ 2 memsets of its accumulators)
 
 That is 11 + 3 launches and 2 memsets for the default ``NetConfig`` (14 blocks + 3 for the
-shipped 40..320-wide model with two blocks per decoder stage). Blocks wider than one
-block's shared memory split their output channels over ``blockIdx.y`` (``_cuda.pw_slices``).
+shipped 48..384-wide model with two blocks per decoder stage). Blocks wider than one
+block's shared memory split their output channels over ``blockIdx.y`` (``_cuda.pw_slices``;
+the shipped model's enc3.* and dec2.0 blocks, 384 channels in or out, take two).
 
 Buffers (:class:`Buffers`) are allocated once per (batch, height, width) and every launch
 writes into them (``out=``), so the same launch sequence can be recorded and captured into a

@@ -28,7 +28,8 @@ CASES = [
     (1, 6, 10, 3, 5, 7, 1, 1, False, True),
     (1, 12, 16, 96, 0, 96, 1, 1, True, False),
     (2, 24, 24, 48, 24, 24, 1, 1, False, True),
-    # The shipped model's widest blocks: output channels split over blockIdx.y.
+    # The first shipped model's (1.0, 40..320) widest blocks: output channels split over
+    # blockIdx.y, two slices each (as the shipped 1.1 model's 384-channel blocks are).
     (1, 16, 20, 320, 160, 160, 1, 1, False, False),
     (2, 9, 12, 320, 0, 320, 1, 4, True, False),
     (1, 18, 14, 160, 0, 320, 2, 1, False, False),
