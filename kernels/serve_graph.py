@@ -149,7 +149,6 @@ class ServeGraph:
         cp = cu.cupy()
         m = net.model.meta
         self.net, self.bucket, self.height, self.width = net, bucket, height, width
-        self.threshold, self.min_area, self.score_window = m.threshold, m.min_area, m.score_window
         self.host = HostFinish(height, width, m.threshold, m.min_area, m.score_window)
         self.capacity = run_capacity
         self.layout = view_layout(net.model.views, height, width)
@@ -201,11 +200,10 @@ class ServeGraph:
         prob_a = a.out.prob if a is not None else self._no_a[1]
         prob_b = b.out.prob if b is not None else None
         view_mean_cuda(
-            prob_a, prob_b, views, self.score_window, out=self.mean, scratch=self.scratch
+            prob_a, prob_b, views, self.host.score_window, out=self.mean, scratch=self.scratch
         )
-        row_runs_cuda(
-            self.mean.prob, self.threshold, self.capacity, out=self.runs, scratch=self.row_count
-        )
+        thr = self.host.threshold
+        row_runs_cuda(self.mean.prob, thr, self.capacity, out=self.runs, scratch=self.row_count)
 
     @property
     def footprint_bytes(self) -> int:
@@ -255,7 +253,8 @@ class ServeGraph:
         self._to_host(st.hist[:n], self._first().out.hist[:n])
         self._wait_copies()  # the graph is done: the run counts are known
         count = st.head[2, :n].view(np.int32).copy()
-        self._fetch_runs(n, min(int(count.max()), self.capacity))
+        widest = min(int(count.max()), self.capacity)  # the fullest frame's stored runs
+        self._fetch_runs(n, widest)
         maps = {j: self._mean_map(j) for j in np.flatnonzero(count > self.capacity).tolist()}
         prob = cupyx.empty_pinned((n, self.height, self.width), np.float32) if want_prob else None
         if prob is not None:
@@ -264,7 +263,6 @@ class ServeGraph:
         self.state = ServeState.READY
         self.host_fallbacks += len(maps)
         self.last_compute_ms = float(self._end_elapsed())
-        widest = min(int(count.max()), self.capacity)
         return Collected(
             score=st.head[0, :n].view(np.float32).copy(),
             entropy=st.head[1, :n].view(np.float32).copy(),
