@@ -218,12 +218,15 @@ def check_shape(op: str, name: str, arr: Any, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{op}: {name} must have shape {shape}, got {tuple(arr.shape)}")
 
 
-def output(op: str, out: Any | None, shape: tuple[int, ...], dtype: type | np.dtype) -> Any:
-    """``out`` checked against ``shape``/``dtype``, or a new array (never inside a capture)."""
+def output(
+    op: str, out: Any | None, shape: tuple[int, ...], dtype: type | np.dtype, name: str = "out"
+) -> Any:
+    """``out`` checked against ``shape``/``dtype``, or a new array (never inside a capture).
+    ``name``: the argument's name in the error (an output, or a scratch buffer)."""
     if out is None:
         return cupy().empty(shape, dtype=dtype)
-    check_device_array(op, "out", out, ndim=len(shape), dtype=dtype)
-    check_shape(op, "out", out, shape)
+    check_device_array(op, name, out, ndim=len(shape), dtype=dtype)
+    check_shape(op, name, out, shape)
     return out
 
 

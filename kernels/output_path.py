@@ -101,17 +101,13 @@ def output_path_cuda(
     _, height, width = images.shape
     if c != 1 or images.shape[0] != n or not (0 < height <= 2 * h and 0 < width <= 2 * w):
         raise ValueError(f"{op}: logits {logits.shape} do not cover images {images.shape}")
-    cp = cu.cupy()
     out = out if out is not None else output_path_buffers(n, height, width)
     for name, arr, shape, dtype in zip(
         OutputPath._fields, out, _shapes(n, height, width), _DTYPES, strict=True
     ):
         cu.check_device_array(op, f"out.{name}", arr, ndim=len(shape), dtype=dtype)
         cu.check_shape(op, f"out.{name}", arr, shape)
-    if scratch is None:
-        scratch = cp.empty((3 * n,), np.uint32)
-    cu.check_device_array(op, "scratch", scratch, ndim=1, dtype=np.uint32)
-    cu.check_shape(op, "scratch", scratch, (3 * n,))
+    scratch = cu.output(op, scratch, (3 * n,), np.uint32, "scratch")
     # scratch = [entropy sums (float bits) | score maxima (float bits) | tickets]; hist is
     # accumulated too: both zeroed on the stream first (memset nodes when captured).
     cu.zero(scratch)

@@ -105,10 +105,7 @@ def row_runs_cuda(
     cu.check_shape(op, "out.runs", out.runs, (n, capacity, RECORD))
     cu.check_device_array(op, "out.count", out.count, ndim=1, dtype=np.int32)
     cu.check_shape(op, "out.count", out.count, (n,))
-    if scratch is None:
-        scratch = cu.cupy().empty((n * h,), np.int32)
-    cu.check_device_array(op, "scratch", scratch, ndim=1, dtype=np.int32)
-    cu.check_shape(op, "scratch", scratch, (n * h,))
+    scratch = cu.output(op, scratch, (n * h,), np.int32, "scratch")
     cu.zero(out.count)
     grid, block = (-(-h // WARPS), n), (32 * WARPS,)
     counts = cu.kernel("row_runs.cu", "row_run_counts", ("row_runs",))

@@ -186,9 +186,7 @@ def view_mean_cuda(
     for name, arr, shape in zip(ViewMean._fields, out, ((n, h, w), (n,), (n,)), strict=True):
         cu.check_device_array(op, f"out.{name}", arr, ndim=len(shape), dtype=np.float32)
         cu.check_shape(op, f"out.{name}", arr, shape)
-    scratch = scratch if scratch is not None else cu.cupy().empty((3 * n,), np.uint32)
-    cu.check_device_array(op, "scratch", scratch, ndim=1, dtype=np.uint32)
-    cu.check_shape(op, "scratch", scratch, (3 * n,))
+    scratch = cu.output(op, scratch, (3 * n,), np.uint32, "scratch")
     cu.zero(scratch)  # [entropy sums | score maxima | tickets], accumulated with atomics
     ent_sum, score_bits, tickets = scratch[:n], scratch[n : 2 * n], scratch[2 * n :]
     func = cu.kernel("views.cu", "view_mean", ("view_stack",))
