@@ -38,7 +38,8 @@ OpenBLAS's peak, the depthwise kernels ~1.6 ms, stem 0.2, epilogues 0.3, head 0.
 threads take ~8 ms (``scripts/bench_cpu.py --profile`` times each layer). What is not
 arithmetic: each layer hands bands to the pool (~20-50 us of wake-up), and every Python call
 between the kernels holds the GIL for a microsecond or two, so bands are large (2 MB, and
-at least one per core: a 200x200 frame's layers are one band per core).
+at least one per core: a 200x200 frame's layers are one band per core, but for the shipped
+model's widest, ``dec0.0``'s 144 channels at H/2, two).
 """
 
 from __future__ import annotations
