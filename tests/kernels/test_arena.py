@@ -19,6 +19,8 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from scratchd.kernels.arena import SEAL_BLOCKS, DeviceArena, StreamOrderedArena
 from scratchd.kernels.offset_arena import ALIGN, ArenaExhausted
 
+from .cuda_helpers import cupy
+
 # ---------------------------------------------------------------- stream-ordered reuse
 
 
@@ -223,12 +225,6 @@ extern "C" __global__ void spin_fill(unsigned char* p, long long n, long long ns
         p[i] = value;
 }
 """
-
-
-def cupy() -> Any:
-    import cupy
-
-    return cupy
 
 
 @pytest.mark.gpu

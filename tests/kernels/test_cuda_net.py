@@ -24,6 +24,8 @@ from scratchd.kernels.net import (
 )
 from scratchd.kernels.normalize_pad import normalize_pad_ref
 
+from .cuda_helpers import fresh_rng
+
 PROB_ATOL = 2e-2
 
 
@@ -59,8 +61,7 @@ def _random_model(seed: int) -> ScratchNet:
 def test_cuda_forward_matches_numpy_on_random_weights(shape: tuple[int, int, int]) -> None:
     from scratchd.kernels.cuda_graph import CudaScratchNet
 
-    seed = int(np.random.SeedSequence().entropy % 2**32)  # type: ignore[operator]
-    rng = np.random.default_rng(seed)
+    rng, seed = fresh_rng()
     model = _random_model(seed % 1000)
     images = rng.integers(0, 256, shape, dtype=np.uint8)
     want = model.prob(images)
