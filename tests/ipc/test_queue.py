@@ -5,9 +5,9 @@ depends on: claim order (priority, then deadline, then FIFO), which requests tim
 every submitted request is answered exactly once (or dropped because its client left), that
 no descriptor leaks and that stale claims cannot complete.
 
-submit, claim, complete and collect run in C (``ipc/_native.c``) while expiry, reclaim,
-abandonment and repair stay in Python over the same links, so the state machine interleaves
-both writers; ``index_is_well_formed`` walks every list after every step.
+submit, claim, complete and collect are whole C sections (``ipc/_native.c``) while expiry,
+reclaim, abandonment and repair are Python sections calling the same C index steps, so the
+state machine interleaves both; ``index_is_well_formed`` walks every list after every step.
 """
 
 from __future__ import annotations
