@@ -198,12 +198,11 @@ class QueueCore:
         # In (deadline, seq) order every ready-list push lands at the tail: O(1) each.
         order = queued[np.lexsort((dn["seq"][queued], dn["deadline_ns"][queued]))]
         self._native.rebuild(order.tolist())
-        finished = np.flatnonzero(state >= DONE).tolist()
-        finished.sort(key=lambda k: int(self._d.done_ns[k]))
+        finished = np.flatnonzero(state >= DONE)
         self._done_head[0] = NIL
-        for i in finished:
-            self._d.rnext[i] = self._done_head[0]
-            self._done_head[0] = i
+        # Oldest first, as they were pushed; finish() rewrites done_ns and state unchanged.
+        for i in finished[np.argsort(dn["done_ns"][finished], kind="stable")].tolist():
+            self._native.finish(i, int(state[i]), int(dn["done_ns"][i]))
         self._seg.header["repairs"] += 1
 
     def _kill_stuck_holder(self, tid: int) -> None:
