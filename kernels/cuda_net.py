@@ -14,9 +14,11 @@ every launch a ``<op>_cuda`` of this package, fused where it pays::
                                window score (+ 2 memsets of its accumulators)
 
 That is 11 + 3 launches and 2 memsets for the default ``NetConfig`` (14 blocks + 3 for the
-shipped 48..384-wide model with two blocks per decoder stage). Blocks wider than one
-block's shared memory split their output channels over ``blockIdx.y`` (``_cuda.pw_slices``;
-the shipped model's enc3.* and dec2.0 blocks, 384 channels in or out, take two).
+shipped 48..384-wide model with two blocks per decoder stage). The wide blocks (pointwise
+GEMM of ≥ 192x384 MACs a pixel: the shipped model's enc3.* and dec2.0) run as two launches
+instead (``ds_split``: depthwise into ``Buffers.dw_scratch``, then a tiled GEMM), chosen once
+per model by ``ds_split.split_wanted``; each such block has its pointwise weight transposed
+on the device (``<block>.pw.wt``).
 
 Buffers (:class:`Buffers`) are allocated once per (batch, height, width) and every launch
 writes into them (``out=``), so the same launch sequence can be recorded and captured into a
@@ -32,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from scratchd.kernels.ds_block import ds_block_cuda
+from scratchd.kernels.ds_split import ds_split_cuda, split_wanted
 from scratchd.kernels.net import BlockSpec, NetConfig, Weights, block_plan, check_weights
 from scratchd.kernels.normalize_pad import padded_size
 from scratchd.kernels.output_path import OutputPath, output_path_buffers, output_path_cuda
@@ -52,6 +55,7 @@ class Buffers:
     logits: Any  # [B, Hp/2, Wp/2, 1] float32
     out: OutputPath  # prob, mask, score, entropy, hist
     scratch: Any  # [3B] uint32 accumulators of output_path
+    dw_scratch: Any  # flat fp16: the depthwise output of the split blocks, one at a time
 
 
 class CudaForward:
@@ -75,6 +79,11 @@ class CudaForward:
             fp16 = name.endswith(".w") and not name.startswith("head.")
             self.w[name] = cp.asarray(arr.astype(np.float16 if fp16 else np.float32))
         self.head_block = self.plan[-1].name
+        self.split = frozenset(
+            b.name for b in self.plan if split_wanted(b.cin, b.cout, b.name == self.head_block)
+        )
+        for name in self.split:
+            self.w[f"{name}.pw.wt"] = cp.ascontiguousarray(self.w[f"{name}.pw.w"].T)
 
     def buffers(self, batch: int, height: int, width: int) -> Buffers:
         """Allocate the device arrays of one (batch, height, width) forward."""
@@ -85,12 +94,15 @@ class CudaForward:
         acts: dict[str, Any] = {}
         h, w = hp // 2, wp // 2
         acts["stem"] = cp.empty((batch, h, w, self.cfg.widths[0]), np.float16)
+        mid = 8  # halves of dw_scratch: the largest split block's depthwise output
         for b in self.plan:
             if b.join is not None:
                 h, w = 2 * h, 2 * w
             h, w = (h - 1) // b.stride + 1, (w - 1) // b.stride + 1
             if b.name != self.head_block:
                 acts[b.name] = cp.empty((batch, h, w, b.cout), np.float16)
+            if b.name in self.split:
+                mid = max(mid, batch * h * w * b.cin)
         return Buffers(
             batch=batch,
             height=height,
@@ -100,6 +112,7 @@ class CudaForward:
             logits=cp.empty((batch, hp // 2, wp // 2, 1), np.float32),
             out=output_path_buffers(batch, height, width),
             scratch=cp.empty((3 * batch,), np.uint32),
+            dw_scratch=cp.empty((mid,), np.float16),
         )
 
     def run(self, buf: Buffers) -> None:
@@ -120,6 +133,13 @@ class CudaForward:
 
     def _block(self, b: BlockSpec, h: Any, skips: dict[str, Any], buf: Buffers) -> Any:
         w, p = self.w, b.name
+        if p in self.split:
+            return ds_split_cuda(
+                h, w[f"{p}.dw.w"], w[f"{p}.dw.b"], w[f"{p}.pw.wt"], w[f"{p}.pw.b"],
+                stride=b.stride, dilation=b.dilation,
+                skip=None if b.join is None else skips[b.join],
+                residual=b.residual, scratch=buf.dw_scratch, out=buf.acts[p],
+            )  # fmt: skip
         head = p == self.head_block
         return ds_block_cuda(
             h, w[f"{p}.dw.w"], w[f"{p}.dw.b"], w[f"{p}.pw.w"], w[f"{p}.pw.b"],

@@ -1,0 +1,190 @@
+// ds_split: a depthwise-separable block as two launches, for the wide blocks where the fused
+// ds_block.cu cannot keep the SM busy (its whole pointwise weight lives in shared memory, so a
+// 384-channel block runs one 4-warp block per SM and serialises depthwise, GEMM and epilogue).
+//
+//   dw_stage  [N, Ho, Wo, CIN] = relu(dw3x3(src) + b)   src: x, or the decoder join
+//             concat(nearest_up2x(x), skip) read on the fly (DwSource); one thread per
+//             (pixel, 8 channels): sd::dw_point, the fused kernel's arithmetic in its order
+//   pw_gemm   out = relu(half(A @ W + bias) (+ res))    a tiled tensor-core GEMM
+//
+// pw_gemm: a block owns BM = 128 rows (pixels) x BN output channels and walks K in steps of
+// BK, double-buffered with cp.async (the copy of step k+1 is in flight while step k
+// multiplies). 8 warps: 4 along M (32 rows each: two m16 tiles) x 2 along N (BN/2 columns:
+// NT n8 tiles). Fragments come from shared memory through ldmatrix.
+//
+//   shared memory (halves), per stage s ∈ {0, 1}
+//   ┌──────────────────────────────┬──────────────────────────────┐
+//   │ sA[s] [BM][KS]  rows of A     │ sB[s] [BN][KS]  rows of Wᵀ    │   KS = BK + 8: a row is an
+//   └──────────────────────────────┴──────────────────────────────┘   odd number of 16 B units,
+//                                                                      so ldmatrix's 8 rows hit
+//                                                                      8 distinct bank groups
+// The weight comes transposed ([COUT, K], k contiguous) so both operands load as 16-byte rows.
+// Numerics match ds_block.cu: the depthwise result is rounded to fp16, the products summed
+// in fp32 over k in ascending 16-steps, acc + bias rounded to fp16, then residual and ReLU
+// in fp32, stored as fp16. Rows past M read zeros (cp.async zero-fill) and are not stored.
+#include "common.cuh"
+
+namespace sd {
+
+// A generic pointer into shared memory as the 32-bit shared-window address PTX wants.
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    unsigned s;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }\n" : "=r"(s) : "l"(p));
+    return s;
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    const unsigned s = smem_addr(dst);
+    const int bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const __half* p) {
+    const unsigned s = smem_addr(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const __half* p) {
+    const unsigned s = smem_addr(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(s));
+}
+
+constexpr int GEMM_BM = 128;
+constexpr int GEMM_THREADS = 256;
+
+}  // namespace sd
+
+template <int CA, int CB, int STRIDE, int DIL>
+__global__ void __launch_bounds__(256) dw_stage(
+    const __half* __restrict__ x,     // [N, H, W, CA]; with CB > 0: [N, H/2, W/2, CA]
+    const __half* __restrict__ skip,  // [N, H, W, CB] (CB > 0 only)
+    const __half* __restrict__ w,     // [3, 3, CA + CB]
+    const float* __restrict__ b,      // [CA + CB]
+    __half* __restrict__ out,         // [N, Ho, Wo, CA + CB]
+    int N, int H, int W, int Ho, int Wo) {
+    constexpr int C = CA + CB;
+    constexpr int V = (CA % 8 == 0 && CB % 8 == 0) ? 8 : 1;
+    constexpr int GROUPS = C / V;
+    const sd::DwSource<CA, CB> src{x, skip, H, W};
+    const int plane = Ho * Wo, items = N * plane * GROUPS;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < items; i += gridDim.x * blockDim.x) {
+        const int p = i / GROUPS, c = (i - p * GROUPS) * V;
+        const int n = p / plane, rem = p - n * plane, oy = rem / Wo, ox = rem - oy * Wo;
+        float acc[V];
+        sd::dw_point<V, STRIDE, DIL, true>(src, w, b, n, oy, ox, c, acc);
+        sd::store_h<V>(out + p * C + c, acc);
+    }
+}
+
+template <int K, int COUT, int BN, int BK, bool RES>
+__global__ void __launch_bounds__(sd::GEMM_THREADS) pw_gemm(
+    const __half* __restrict__ a,     // [M, K]
+    const __half* __restrict__ wt,    // [COUT, K]: the pointwise weight, transposed
+    const float* __restrict__ bias,   // [COUT]
+    const __half* __restrict__ res,   // [M, COUT] (RES only)
+    __half* __restrict__ out,         // [M, COUT]
+    int M) {
+    constexpr int BM = sd::GEMM_BM, KS = BK + 8, KT = K / BK, CH = BK / 8;
+    constexpr int WN = BN / 2, NT = WN / 8;
+    static_assert(K % BK == 0 && BK % 16 == 0, "K is whole BK steps, BK whole k16 steps");
+    static_assert(COUT % BN == 0 && BN % 16 == 0, "BN splits COUT into whole warp columns");
+    static_assert((KS / 8) % 2 == 1, "odd 16-byte units per row: conflict-free ldmatrix");
+    __shared__ __align__(16) __half sA[2][BM * KS];
+    __shared__ __align__(16) __half sB[2][BN * KS];
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wm = (warp & 3) * 32, wn = (warp >> 2) * WN;
+
+    auto load = [&](int stage, int k0) {
+        for (int i = threadIdx.x; i < BM * CH; i += sd::GEMM_THREADS) {
+            const int r = i / CH, c = (i - r * CH) * 8, m = m0 + r;
+            const bool valid = m < M;
+            sd::cp_async16(&sA[stage][r * KS + c], a + (valid ? m : 0) * K + k0 + c, valid);
+        }
+        for (int i = threadIdx.x; i < BN * CH; i += sd::GEMM_THREADS) {
+            const int r = i / CH, c = (i - r * CH) * 8;
+            sd::cp_async16(&sB[stage][r * KS + c], wt + (n0 + r) * K + k0 + c, true);
+        }
+        sd::cp_async_commit();
+    };
+
+    float acc[2][NT][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[mi][nt][0] = acc[mi][nt][1] = acc[mi][nt][2] = acc[mi][nt][3] = 0.0f;
+
+    // ldmatrix row addresses: A x4 = rows 0-15 at k +0 (lanes 0-15) and +8 (lanes 16-31);
+    // B x4 = n rows 0-7 at k +0, +8, then n rows 8-15 at k +0, +8 (two n8 tiles).
+    const int a_row = lane & 15, a_k = (lane >> 4) * 8;
+    const int b_row = (lane & 7) + ((lane >> 4) << 3), b_k = ((lane >> 3) & 1) * 8;
+
+    load(0, 0);
+    for (int kt = 0; kt < KT; ++kt) {
+        if (kt + 1 < KT) {
+            load((kt + 1) & 1, (kt + 1) * BK);
+            sd::cp_async_wait<1>();
+        } else {
+            sd::cp_async_wait<0>();
+        }
+        __syncthreads();
+        const __half* A = sA[kt & 1];
+        const __half* B = sB[kt & 1];
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            unsigned af[2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) sd::ldmatrix_x4(af[mi], A + (wm + mi * 16 + a_row) * KS + kk + a_k);
+#pragma unroll
+            for (int nt = 0; nt + 1 < NT; nt += 2) {
+                unsigned bf[4];
+                sd::ldmatrix_x4(bf, B + (wn + nt * 8 + b_row) * KS + kk + b_k);
+                const unsigned b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+                    sd::mma_16816(acc[mi][nt], af[mi], b0);
+                    sd::mma_16816(acc[mi][nt + 1], af[mi], b1);
+                }
+            }
+            if constexpr (NT % 2 == 1) {  // the last n8 tile alone: x2 (lanes 0-15 address)
+                unsigned bf[2];
+                sd::ldmatrix_x2(bf, B + (wn + (NT - 1) * 8 + (lane & 7)) * KS + kk + b_k);
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) sd::mma_16816(acc[mi][NT - 1], af[mi], bf);
+            }
+        }
+        __syncthreads();  // every warp is done with this stage before it is refilled
+    }
+
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int col = n0 + wn + nt * 8 + 2 * t;
+        const float b0 = __ldg(bias + col), b1 = __ldg(bias + col + 1);
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = m0 + wm + mi * 16 + g + 8 * h;
+                if (row >= M) continue;
+                float2 v = __half22float2(__floats2half2_rn(acc[mi][nt][2 * h] + b0, acc[mi][nt][2 * h + 1] + b1));
+                if constexpr (RES) {
+                    const float2 r = __half22float2(*reinterpret_cast<const __half2*>(res + row * COUT + col));
+                    v.x += r.x;
+                    v.y += r.y;
+                }
+                *reinterpret_cast<__half2*>(out + row * COUT + col) = __floats2half2_rn(fmaxf(v.x, 0.0f), fmaxf(v.y, 0.0f));
+            }
+    }
+}

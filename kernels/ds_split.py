@@ -1,0 +1,123 @@
+"""``ds_split``: a depthwise-separable block as two launches, for the wide blocks.
+
+The same op as :func:`scratchd.kernels.ds_block.ds_block_ref` (its reference) without the
+head: ``ds_split.cu`` runs the depthwise stage (``dw_stage``: the decoder join read on the
+fly, bias, ReLU) into a scratch tensor, then a tiled tensor-core GEMM (``pw_gemm``: bias,
+residual, ReLU in the epilogue). The fused ``ds_block.cu`` keeps the whole pointwise weight in
+shared memory; for 384 channels that is one 4-warp block per SM with its depthwise, GEMM and
+epilogue phases in series, and those blocks ran at 1-4 % of the copy rate (docs/benchmarks.md).
+Here the GEMM streams 32-channel slices of both operands through shared memory, so a block
+needs 41 KB and many run per SM; the cost is one write and one read of the depthwise output,
+small at the resolutions where the wide blocks live.
+
+Both kernels round and sum exactly as the fused kernel does (fp16 depthwise output, fp32
+products in ascending k, ``half(acc + bias)`` before the residual), so the two paths give the
+same bits. :func:`split_wanted` is the plan's choice between them (``SCRATCHD_DS_SPLIT``
+overrides it for benchmarks); :func:`split_shape_ok` says whether the GEMM tiles fit.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from scratchd.kernels.ds_block import _check_fusable
+
+SPLIT_ENV = "SCRATCHD_DS_SPLIT"  # "auto" (split_wanted's rule), "none" or "all"
+# The rule: split where the pointwise GEMM is at least this many MACs per pixel (the
+# shipped model's enc3.* blocks and dec2.0; see docs/benchmarks.md for the measurements).
+SPLIT_MIN_MACS = 192 * 384
+GEMM_BM = 128  # rows of A per block (ds_split.cu: GEMM_BM)
+
+
+def split_shape_ok(cin: int, cout: int) -> bool:
+    """Whether ``pw_gemm`` has tiles for ``cin -> cout`` (both multiples of 16)."""
+    return cin % 16 == 0 and cout % 16 == 0
+
+
+def split_wanted(cin: int, cout: int, head: bool = False) -> bool:
+    """Whether the forward runs this block as dw_stage + pw_gemm instead of ds_block."""
+    mode = os.environ.get(SPLIT_ENV, "auto")
+    if mode not in ("auto", "none", "all"):
+        raise ValueError(f"{SPLIT_ENV} must be auto, none or all, got {mode!r}")
+    if head or not split_shape_ok(cin, cout) or mode == "none":
+        return False
+    return mode == "all" or cin * cout >= SPLIT_MIN_MACS
+
+
+def gemm_tiles(k: int, cout: int) -> tuple[int, int]:
+    """``(BN, BK)`` of ``pw_gemm<K, COUT, BN, BK, RES>``: the widest column tile dividing
+    ``cout`` (more reuse of each A tile) and 32-channel k steps where ``k`` allows."""
+    bn = next(b for b in (128, 96, 64, 48, 32, 16) if cout % b == 0)
+    return bn, 32 if k % 32 == 0 else 16
+
+
+def ds_split_cuda(
+    x: Any,  # [N, H, W, CA] float16 (CuPy); with skip: [N, H/2, W/2, CA]
+    dw_w: Any,  # [3, 3, CA + CB] float16
+    dw_b: Any,  # [CA + CB] float32
+    pw_wt: Any,  # [Cout, CA + CB] float16: the pointwise weight, TRANSPOSED
+    pw_b: Any,  # [Cout] float32
+    stride: int = 1,
+    dilation: int = 1,
+    skip: Any | None = None,  # [N, H, W, CB] float16
+    residual: bool = False,
+    *,
+    scratch: Any,  # flat float16, at least N * Ho * Wo * (CA + CB) elements
+    out: Any | None = None,  # [N, Ho, Wo, Cout] float16: written in place when given
+) -> Any:  # [N, Ho, Wo, Cout] float16
+    """CUDA twin of :func:`ds_block_ref` without the head, as two launches (``ds_split.cu``).
+    ``scratch`` holds the depthwise output between them (a forward shares one buffer)."""
+    from scratchd.kernels import _cuda as cu
+
+    op = "ds_split"
+    _check_fusable(op, stride, skip is not None, residual, None, None)
+    cu.check_device_array(op, "x", x, ndim=4, dtype=np.float16)
+    n, hx, wx, ca = x.shape
+    cb, height, width = 0, hx, wx
+    if skip is not None:
+        cu.check_device_array(op, "skip", skip, ndim=4, dtype=np.float16)
+        cb, height, width = skip.shape[3], 2 * hx, 2 * wx
+        cu.check_shape(op, "skip", skip, (n, height, width, cb))
+    cin = ca + cb
+    cu.check_device_array(op, "dw_w", dw_w, ndim=3, dtype=np.float16)
+    cu.check_shape(op, "dw_w", dw_w, (3, 3, cin))
+    cu.check_device_array(op, "dw_b", dw_b, ndim=1, dtype=np.float32)
+    cu.check_shape(op, "dw_b", dw_b, (cin,))
+    cu.check_device_array(op, "pw_wt", pw_wt, ndim=2, dtype=np.float16)
+    cout = pw_wt.shape[0]
+    cu.check_shape(op, "pw_wt", pw_wt, (cout, cin))
+    cu.check_device_array(op, "pw_b", pw_b, ndim=1, dtype=np.float32)
+    cu.check_shape(op, "pw_b", pw_b, (cout,))
+    if not split_shape_ok(cin, cout):
+        raise ValueError(f"{op}: Cin and Cout must be multiples of 16, got {cin} -> {cout}")
+    if residual and cin != cout:
+        raise ValueError(f"{op}: a residual needs Cin == Cout, got {cin} -> {cout}")
+    if dilation < 1:
+        raise ValueError(f"{op}: dilation must be >= 1, got {dilation}")
+    ho, wo = (height - 1) // stride + 1, (width - 1) // stride + 1
+    m = n * ho * wo
+    cu.check_device_array(op, "scratch", scratch, ndim=1, dtype=np.float16)
+    if scratch.size < m * cin:
+        raise ValueError(f"{op}: scratch holds {scratch.size} halves, needs {m * cin}")
+    out = cu.output(op, out, (n, ho, wo, cout), np.float16)
+    mid = scratch[: m * cin]
+    bn, bk = gemm_tiles(cin, cout)
+    dw_name = cu.template_name("dw_stage", ca, cb, stride, dilation)
+    gemm_name = cu.template_name("pw_gemm", cin, cout, bn, bk, residual)
+    dw = cu.kernel("ds_split.cu", dw_name, [gemm_name])
+    gemm = cu.kernel("ds_split.cu", gemm_name, [dw_name])
+    groups = cin // 8 if ca % 8 == 0 and cb % 8 == 0 else cin
+    items = m * groups
+    cu.launch(
+        dw, (cu.grid_size(items, 256),), (256,),
+        (x, x if skip is None else skip, dw_w, dw_b, mid,
+         *map(cu.i32, (n, height, width, ho, wo))),
+    )  # fmt: skip
+    cu.launch(
+        gemm, (-(-m // GEMM_BM), cout // bn), (256,),
+        (mid, pw_wt, pw_b, x if residual else mid, out, cu.i32(m)),
+    )  # fmt: skip
+    return out

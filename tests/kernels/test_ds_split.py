@@ -1,0 +1,161 @@
+"""ds_split_cuda (a DS block as depthwise + tiled GEMM) against ds_block_ref, bit for bit
+against the fused ds_block_cuda, and the forward's choice between the two paths."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scratchd.kernels.ds_block import ds_block_cuda, ds_block_ref
+from scratchd.kernels.ds_split import (
+    SPLIT_ENV,
+    ds_split_cuda,
+    gemm_tiles,
+    split_shape_ok,
+    split_wanted,
+)
+from scratchd.kernels.model import load_model
+from scratchd.kernels.net import NetConfig, block_plan
+
+from .cuda_helpers import assert_close, cupy, dev, fresh_rng, half, poisoned
+
+SHIPPED = NetConfig(widths=(48, 96, 192, 384), depths=(1, 2, 2, 1), dilations=(2, 4), dec_depth=2)
+
+
+def test_the_shipped_plan_splits_exactly_its_wide_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SPLIT_ENV, raising=False)
+    plan = block_plan(SHIPPED)
+    head = plan[-1].name
+    split = [b.name for b in plan if split_wanted(b.cin, b.cout, b.name == head)]
+    assert split == ["enc3.0", "enc3.d0", "enc3.d1", "dec2.0"]
+    monkeypatch.setenv(SPLIT_ENV, "all")
+    every = [b.name for b in plan if split_wanted(b.cin, b.cout, b.name == head)]
+    assert every == [b.name for b in plan if b.name != head]  # never the head block
+    monkeypatch.setenv(SPLIT_ENV, "none")
+    assert not any(split_wanted(b.cin, b.cout) for b in plan)
+
+
+def test_split_needs_gemm_tiles_and_a_known_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SPLIT_ENV, "all")
+    assert not split_wanted(24, 48) and not split_shape_ok(24, 48)  # 24 is not 16-aligned
+    assert split_wanted(48, 96) and split_shape_ok(48, 96)
+    monkeypatch.setenv(SPLIT_ENV, "sometimes")
+    with pytest.raises(ValueError, match=SPLIT_ENV):
+        split_wanted(384, 384)
+
+
+@pytest.mark.parametrize(
+    ("k", "cout", "tiles"),
+    [(384, 384, (128, 32)), (576, 192, (96, 32)), (144, 48, (48, 16)), (48, 96, (96, 16)),
+     (288, 96, (96, 32)), (16, 16, (16, 16)), (192, 64, (64, 32))],
+)  # fmt: skip
+def test_gemm_tiles_divide_the_shapes(k: int, cout: int, tiles: tuple[int, int]) -> None:
+    bn, bk = gemm_tiles(k, cout)
+    assert (bn, bk) == tiles
+    assert cout % bn == 0 and k % bk == 0 and bn % 16 == 0
+
+
+# (N, H, W, CA, CB, Cout, stride, dilation, residual): H, W are the block's input size (with
+# CB > 0, the joined size: x is H/2 x W/2). M = N*Ho*Wo is never a multiple of 128 below but
+# in the last case, so the GEMM's partial row tile is always exercised.
+CASES = [
+    (1, 1, 1, 16, 0, 16, 1, 1, True),
+    (2, 9, 7, 48, 0, 96, 1, 1, False),
+    (1, 17, 13, 192, 0, 384, 2, 1, False),
+    (2, 11, 9, 384, 0, 384, 1, 2, True),
+    (1, 12, 14, 384, 0, 384, 1, 4, True),
+    (2, 16, 14, 384, 192, 192, 1, 1, False),
+    (1, 30, 34, 96, 48, 48, 1, 1, False),  # K = 144: BK 16; Cout 48: an odd n8 tile count
+    (3, 10, 6, 192, 96, 96, 1, 1, False),
+    (1, 33, 35, 96, 0, 96, 1, 1, True),
+    (2, 16, 16, 384, 0, 384, 1, 2, True),  # M = 512: whole tiles only
+]
+
+
+def _data(case: tuple[int, ...]) -> tuple[dict[str, np.ndarray], int]:
+    rng, seed = fresh_rng()
+    n, h, w, ca, cb, cout, *_ = case
+    cin = ca + cb
+    data = {
+        "x": half(rng, (n, h // 2, w // 2, ca) if cb else (n, h, w, ca)),
+        "dw_w": half(rng, (3, 3, cin), 0.4),
+        "dw_b": rng.normal(0, 0.3, cin).astype(np.float32),
+        "pw_w": half(rng, (cin, cout), 1.0 / np.sqrt(cin)),
+        "pw_b": rng.normal(0, 0.3, cout).astype(np.float32),
+    }
+    if cb:
+        data["skip"] = half(rng, (n, h, w, cb))
+    return data, seed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda s: "x".join(str(int(v)) for v in s))
+def test_ds_split_matches_ref_and_the_fused_kernel_bit_for_bit(case: tuple[int, ...]) -> None:
+    cp = cupy()
+    d, seed = _data(case)
+    ca, cb, stride, dil, residual = case[3], case[4], case[6], case[7], bool(case[8])
+    skip = d.get("skip")
+    ref = ds_block_ref(
+        d["x"], d["dw_w"], d["dw_b"], d["pw_w"], d["pw_b"], stride, dil, skip, residual
+    )
+    x, dw_w, dw_b = dev(d["x"]), dev(d["dw_w"]), dev(d["dw_b"], np.float32)
+    pw_w, pw_b = dev(d["pw_w"]), dev(d["pw_b"], np.float32)
+    skip_d = None if skip is None else dev(skip)
+    m_cin = int(np.prod(ref.shape[:3])) * (ca + cb)
+    scratch = poisoned((m_cin + 5,), np.float16)
+    out = poisoned(ref.shape, np.float16)
+    got = ds_split_cuda(
+        x, dw_w, dw_b, cp.ascontiguousarray(pw_w.T), pw_b, stride, dil, skip_d, residual,
+        scratch=scratch, out=out,
+    )  # fmt: skip
+    assert got is out
+    assert_close(got, ref, seed, "ds_split")
+    fused = ds_block_cuda(x, dw_w, dw_b, pw_w, pw_b, stride, dil, skip_d, residual)
+    same = cp.asnumpy(got).view(np.uint16) == cp.asnumpy(fused).view(np.uint16)
+    assert same.all(), f"seed={seed}: {np.count_nonzero(~same)} elements differ from ds_block"
+    assert np.isnan(cp.asnumpy(scratch[m_cin:]).astype(np.float32)).all()  # nothing past M*Cin
+
+
+@pytest.mark.gpu
+def test_ds_split_refuses_a_short_scratch_and_unaligned_widths() -> None:
+    cp = cupy()
+    d, _ = _data((1, 8, 8, 32, 0, 32, 1, 1, False))
+    args = (dev(d["x"]), dev(d["dw_w"]), dev(d["dw_b"], np.float32),
+            cp.ascontiguousarray(dev(d["pw_w"]).T), dev(d["pw_b"], np.float32))  # fmt: skip
+    with pytest.raises(ValueError, match="scratch holds"):
+        ds_split_cuda(*args, scratch=cp.empty(8 * 8 * 32 - 1, np.float16))
+    rng = np.random.default_rng(0)
+    x = dev(half(rng, (1, 4, 4, 24)))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        ds_split_cuda(
+            x, dev(half(rng, (3, 3, 24))), dev(np.zeros(24), np.float32),
+            dev(half(rng, (24, 24))), dev(np.zeros(24), np.float32),
+            scratch=cp.empty(4 * 4 * 24, np.float16),
+        )  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_the_shipped_forward_gives_the_same_bits_split_or_fused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The whole shipped forward (captured graphs) with every block fused, the default split
+    and every block split: the logits and probabilities agree bit for bit."""
+    from scratchd.kernels.cuda_graph import CudaScratchNet
+
+    model = load_model()
+    rng, seed = fresh_rng()
+    images = rng.integers(0, 256, (3, 72, 104), dtype=np.uint8)
+    outs, split = {}, {}
+    for mode in ("none", "auto", "all"):
+        monkeypatch.setenv(SPLIT_ENV, mode)
+        net = CudaScratchNet(model)
+        outs[mode] = net.run(images)
+        logits = net.graph(3, 72, 104).buf.logits
+        outs[mode]["logits"] = cupy().asnumpy(logits)[:3]
+        split[mode] = len(net.fwd.split)
+    assert split == {"none": 0, "auto": 4, "all": len(block_plan(SHIPPED)) - 1}
+    for mode in ("auto", "all"):
+        for key in ("logits", "prob", "score"):
+            np.testing.assert_array_equal(
+                outs[mode][key], outs["none"][key], f"{mode} {key} {seed}"
+            )
