@@ -1,0 +1,143 @@
+"""Benchmark: each DS block of the shipped model fused (``ds_block.cu``) vs split
+(``ds_split.cu``: depthwise + tiled GEMM), and the whole forward under each split mode.
+
+Per block, at ``--batch`` view frames of 1024x1024 (the serving graph runs 4 views per frame,
+so 16 view frames = a bucket of 4): device time from CUDA events around ``--reps`` eager
+launches of the block on the forward's own activations, median of ``--rounds`` rounds.
+Then the whole forward (stem → blocks → output path) captured as a CUDA graph with
+``SCRATCHD_DS_SPLIT`` = none / auto / all: median graph time. The forward's split rule
+(``ds_split.split_wanted``) should pick the faster path per block; this is its evidence.
+
+Prints a table; writes ``--out`` (default ``docs/bench/ds-split.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from scratchd.kernels.ds_split import SPLIT_ENV
+from scratchd.kernels.model import load_model
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZE = 1024
+
+
+def forward(mode: str) -> Any:
+    from scratchd.kernels.cuda_net import CudaForward
+
+    os.environ[SPLIT_ENV] = mode
+    m = load_model()
+    meta = m.meta
+    return CudaForward(m.weights, m.config, meta.mean, meta.std, meta.threshold, meta.score_window)
+
+
+def timed(cp: Any, fn: Any, reps: int, rounds: int) -> float:
+    """Median over ``rounds`` of the mean device µs of ``reps`` back-to-back calls."""
+    fn()
+    per = []
+    for _ in range(rounds):
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        for _ in range(reps):
+            fn()
+        stop.record()
+        stop.synchronize()
+        per.append(cp.cuda.get_elapsed_time(start, stop) * 1000.0 / reps)
+    return statistics.median(per)
+
+
+def per_block(cp: Any, batch: int, reps: int, rounds: int) -> list[dict[str, Any]]:
+    from scratchd.kernels.stem import stem_cuda
+
+    fused, split = forward("none"), forward("all")
+    buf = split.buffers(batch, SIZE, SIZE)
+    rng = np.random.default_rng(5)
+    buf.images.set(rng.integers(0, 256, buf.images.shape, dtype=np.uint8))
+    w = split.w
+    h = stem_cuda(buf.images, split.mean, split.std, w["stem.w"], w["stem.b"], out=buf.acts["stem"])
+    skips = {"skip0": h}
+    rows = []
+    for b in split.plan:
+        row: dict[str, Any] = {
+            "block": b.name, "cin": b.cin, "cout": b.cout, "stride": b.stride,
+            "dilation": b.dilation, "join": b.join is not None,
+        }  # fmt: skip
+        row["fused_us"] = round(
+            timed(cp, lambda b=b, h=h: fused._block(b, h, skips, buf), reps, rounds), 2
+        )
+        if b.name in split.split:
+            row["split_us"] = round(
+                timed(cp, lambda b=b, h=h: split._block(b, h, skips, buf), reps, rounds), 2
+            )
+        out = split._block(b, h, skips, buf)
+        row["out_shape"] = list(out.shape)
+        rows.append(row)
+        if b.saves is not None:
+            skips[b.saves] = out
+        h = out
+    return rows
+
+
+def whole(cp: Any, batch: int, reps: int, rounds: int) -> dict[str, float]:
+    from scratchd.kernels.cuda_graph import capture
+
+    result = {}
+    for mode in ("none", "auto", "all"):
+        fwd = forward(mode)
+        buf = fwd.buffers(batch, SIZE, SIZE)
+        stream = cp.cuda.Stream(non_blocking=True)
+        graph = capture(stream, partial(fwd.run, buf))
+        with stream:
+            result[mode] = round(timed(cp, lambda g=graph, s=stream: g.launch(s), reps, rounds), 1)
+        del graph, buf
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=16, help="view frames of 1024x1024")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "ds-split.json")
+    args = ap.parse_args()
+    import cupy as cp
+
+    rows = per_block(cp, args.batch, args.reps, args.rounds)
+    graphs = whole(cp, args.batch, args.reps, args.rounds)
+    os.environ.pop(SPLIT_ENV, None)
+    print(
+        f"{'block':10} {'cin→cout':>10} {'s':>2} {'d':>2} {'join':>5} "
+        f"{'fused µs':>10} {'split µs':>10} {'x':>6}"
+    )
+    for r in rows:
+        s = r.get("split_us")
+        ratio = f"{r['fused_us'] / s:6.2f}" if s else "     -"
+        print(
+            f"{r['block']:10} {r['cin']:>4}→{r['cout']:<5} {r['stride']:>2} {r['dilation']:>2} "
+            f"{r['join']!s:>5} {r['fused_us']:>10.1f} {s if s else '-':>10} {ratio}"
+        )
+    print(f"whole forward (graph), {args.batch} view frames of {SIZE}²: " + ", ".join(
+        f"{k} {v:.1f} µs" for k, v in graphs.items()))  # fmt: skip
+    name = cp.cuda.runtime.getDeviceProperties(0)["name"]
+    record = {
+        "device": name.decode() if isinstance(name, bytes) else str(name),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "batch_view_frames": args.batch, "size": SIZE, "reps": args.reps,
+        "rounds": args.rounds, "blocks": rows, "forward_graph_us": graphs,
+    }  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
