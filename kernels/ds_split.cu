@@ -8,16 +8,17 @@
 //   pw_gemm   out = relu(half(A @ W + bias) (+ res))    a tiled tensor-core GEMM
 //
 // pw_gemm: a block owns BM = 128 rows (pixels) x BN output channels and walks K in steps of
-// BK, double-buffered with cp.async (the copy of step k+1 is in flight while step k
-// multiplies). 8 warps: 4 along M (32 rows each: two m16 tiles) x 2 along N (BN/2 columns:
-// NT n8 tiles). Fragments come from shared memory through ldmatrix.
+// BK through a ring of STAGES shared buffers filled by cp.async (the copies of the next
+// STAGES - 1 steps are in flight while step k multiplies; one barrier per step). 8 warps:
+// 4 along M (32 rows each: two m16 tiles) x 2 along N (BN/2 columns: NT n8 tiles).
+// Fragments come from shared memory through ldmatrix.
 //
-//   shared memory (halves), per stage s ∈ {0, 1}
-//   ┌──────────────────────────────┬──────────────────────────────┐
-//   │ sA[s] [BM][KS]  rows of A     │ sB[s] [BN][KS]  rows of Wᵀ    │   KS = BK + 8: a row is an
-//   └──────────────────────────────┴──────────────────────────────┘   odd number of 16 B units,
-//                                                                      so ldmatrix's 8 rows hit
-//                                                                      8 distinct bank groups
+//   dynamic shared memory (halves)
+//   ┌────────────────────────────────────┬────────────────────────────────────┐
+//   │ sA [STAGES][BM][KS]  rows of A      │ sB [STAGES][BN][KS]  rows of Wᵀ     │
+//   └────────────────────────────────────┴────────────────────────────────────┘
+//   KS = BK + 8: a row is an odd number of 16-byte units, so ldmatrix's 8 rows hit 8
+//   distinct bank groups. Step k lives in buffer k % STAGES.
 // The weight comes transposed ([COUT, K], k contiguous) so both operands load as 16-byte rows.
 // Numerics match ds_block.cu: the depthwise result is rounded to fp16, the products summed
 // in fp32 over k in ascending 16-steps, acc + bias rounded to fp16, then residual and ReLU
@@ -87,7 +88,7 @@ __global__ void __launch_bounds__(256) dw_stage(
     }
 }
 
-template <int K, int COUT, int BN, int BK, bool RES>
+template <int K, int COUT, int BN, int BK, int STAGES, bool RES>
 __global__ void __launch_bounds__(sd::GEMM_THREADS) pw_gemm(
     const __half* __restrict__ a,     // [M, K]
     const __half* __restrict__ wt,    // [COUT, K]: the pointwise weight, transposed
@@ -100,21 +101,30 @@ __global__ void __launch_bounds__(sd::GEMM_THREADS) pw_gemm(
     static_assert(K % BK == 0 && BK % 16 == 0, "K is whole BK steps, BK whole k16 steps");
     static_assert(COUT % BN == 0 && BN % 16 == 0, "BN splits COUT into whole warp columns");
     static_assert((KS / 8) % 2 == 1, "odd 16-byte units per row: conflict-free ldmatrix");
-    __shared__ __align__(16) __half sA[2][BM * KS];
-    __shared__ __align__(16) __half sB[2][BN * KS];
+    static_assert(STAGES >= 2, "at least double buffering");
+    extern __shared__ __align__(16) unsigned char smem[];
+    __half* sA = reinterpret_cast<__half*>(smem);  // [STAGES][BM * KS]
+    __half* sB = sA + STAGES * BM * KS;            // [STAGES][BN * KS]
     const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wm = (warp & 3) * 32, wn = (warp >> 2) * WN;
 
-    auto load = [&](int stage, int k0) {
-        for (int i = threadIdx.x; i < BM * CH; i += sd::GEMM_THREADS) {
-            const int r = i / CH, c = (i - r * CH) * 8, m = m0 + r;
-            const bool valid = m < M;
-            sd::cp_async16(&sA[stage][r * KS + c], a + (valid ? m : 0) * K + k0 + c, valid);
-        }
-        for (int i = threadIdx.x; i < BN * CH; i += sd::GEMM_THREADS) {
-            const int r = i / CH, c = (i - r * CH) * 8;
-            sd::cp_async16(&sB[stage][r * KS + c], wt + (n0 + r) * K + k0 + c, true);
+    // Stage k-step `kt` into buffer kt % STAGES; past the last step, an empty group, so that
+    // every thread always has exactly STAGES - 1 groups in flight at the wait below.
+    auto load = [&](int kt) {
+        if (kt < KT) {
+            __half* dA = sA + (kt % STAGES) * BM * KS;
+            __half* dB = sB + (kt % STAGES) * BN * KS;
+            const int k0 = kt * BK;
+            for (int i = threadIdx.x; i < BM * CH; i += sd::GEMM_THREADS) {
+                const int r = i / CH, c = (i - r * CH) * 8, m = m0 + r;
+                const bool valid = m < M;
+                sd::cp_async16(dA + r * KS + c, a + (valid ? m : 0) * K + k0 + c, valid);
+            }
+            for (int i = threadIdx.x; i < BN * CH; i += sd::GEMM_THREADS) {
+                const int r = i / CH, c = (i - r * CH) * 8;
+                sd::cp_async16(dB + r * KS + c, wt + (n0 + r) * K + k0 + c, true);
+            }
         }
         sd::cp_async_commit();
     };
@@ -130,17 +140,14 @@ __global__ void __launch_bounds__(sd::GEMM_THREADS) pw_gemm(
     const int a_row = lane & 15, a_k = (lane >> 4) * 8;
     const int b_row = (lane & 7) + ((lane >> 4) << 3), b_k = ((lane >> 3) & 1) * 8;
 
-    load(0, 0);
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) load(s);
     for (int kt = 0; kt < KT; ++kt) {
-        if (kt + 1 < KT) {
-            load((kt + 1) & 1, (kt + 1) * BK);
-            sd::cp_async_wait<1>();
-        } else {
-            sd::cp_async_wait<0>();
-        }
-        __syncthreads();
-        const __half* A = sA[kt & 1];
-        const __half* B = sB[kt & 1];
+        sd::cp_async_wait<STAGES - 2>();  // step kt has landed (this thread's copies)
+        __syncthreads();                  // ... everyone's; and step kt - 1 is consumed
+        load(kt + STAGES - 1);            // refill the buffer step kt - 1 used
+        const __half* A = sA + (kt % STAGES) * BM * KS;
+        const __half* B = sB + (kt % STAGES) * BN * KS;
 #pragma unroll
         for (int kk = 0; kk < BK; kk += 16) {
             unsigned af[2][4];
@@ -164,7 +171,6 @@ __global__ void __launch_bounds__(sd::GEMM_THREADS) pw_gemm(
                 for (int mi = 0; mi < 2; ++mi) sd::mma_16816(acc[mi][NT - 1], af[mi], bf);
             }
         }
-        __syncthreads();  // every warp is done with this stage before it is refilled
     }
 
     const int g = lane >> 2, t = lane & 3;

@@ -6,9 +6,10 @@ fly, bias, ReLU) into a scratch tensor, then a tiled tensor-core GEMM (``pw_gemm
 residual, ReLU in the epilogue). The fused ``ds_block.cu`` keeps the whole pointwise weight in
 shared memory; for 384 channels that is one 4-warp block per SM with its depthwise, GEMM and
 epilogue phases in series, and those blocks ran at 1-4 % of the copy rate (docs/benchmarks.md).
-Here the GEMM streams 32-channel slices of both operands through shared memory, so a block
-needs 41 KB and many run per SM; the cost is one write and one read of the depthwise output,
-small at the resolutions where the wide blocks live.
+Here the GEMM streams k slices of both operands through a ring of shared buffers (61 KB a
+block at the default 32-channel steps, 3 stages), so several blocks run per SM; the cost is
+one write and one read of the depthwise output, small at the resolutions where the wide
+blocks live. Measured per block in ``scripts/bench_ds_split.py`` (docs/bench/ds-split.json).
 
 Both kernels round and sum exactly as the fused kernel does (fp16 depthwise output, fp32
 products in ascending k, ``half(acc + bias)`` before the residual), so the two paths give the
@@ -26,6 +27,8 @@ import numpy as np
 from scratchd.kernels.ds_block import _check_fusable
 
 SPLIT_ENV = "SCRATCHD_DS_SPLIT"  # "auto" (split_wanted's rule), "none" or "all"
+GEMM_ENV = "SCRATCHD_DS_GEMM"  # "BK:STAGES" of pw_gemm, e.g. "32:3" (benchmarks compare them)
+DEFAULT_GEMM = "32:3"
 # The rule: split where the pointwise GEMM is at least this many MACs per pixel (the
 # shipped model's enc3.* blocks and dec2.0; see docs/benchmarks.md for the measurements).
 SPLIT_MIN_MACS = 192 * 384
@@ -47,11 +50,25 @@ def split_wanted(cin: int, cout: int, head: bool = False) -> bool:
     return mode == "all" or cin * cout >= SPLIT_MIN_MACS
 
 
-def gemm_tiles(k: int, cout: int) -> tuple[int, int]:
-    """``(BN, BK)`` of ``pw_gemm<K, COUT, BN, BK, RES>``: the widest column tile dividing
-    ``cout`` (more reuse of each A tile) and 32-channel k steps where ``k`` allows."""
+def gemm_tiles(k: int, cout: int) -> tuple[int, int, int]:
+    """``(BN, BK, STAGES)`` of ``pw_gemm<K, COUT, BN, BK, STAGES, RES>``: the widest column
+    tile dividing ``cout`` (more reuse of each A tile); the largest k step dividing ``k`` up
+    to the configured one (``SCRATCHD_DS_GEMM``, default ``DEFAULT_GEMM``)."""
+    spec = os.environ.get(GEMM_ENV, DEFAULT_GEMM)
+    try:
+        want_bk, stages = (int(v) for v in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"{GEMM_ENV} must be BK:STAGES, e.g. 32:3, got {spec!r}") from None
+    if want_bk not in (16, 32, 64) or not 2 <= stages <= 6:
+        raise ValueError(f"{GEMM_ENV}: BK must be 16, 32 or 64 and STAGES 2..6, got {spec!r}")
     bn = next(b for b in (128, 96, 64, 48, 32, 16) if cout % b == 0)
-    return bn, 32 if k % 32 == 0 else 16
+    bk = next(b for b in (64, 32, 16) if b <= want_bk and k % b == 0)
+    return bn, bk, stages
+
+
+def gemm_smem_bytes(bn: int, bk: int, stages: int) -> int:
+    """Dynamic shared memory of one ``pw_gemm`` block: the ring of A and Wᵀ tiles."""
+    return stages * (GEMM_BM + bn) * (bk + 8) * 2
 
 
 def ds_split_cuda(
@@ -104,11 +121,14 @@ def ds_split_cuda(
         raise ValueError(f"{op}: scratch holds {scratch.size} halves, needs {m * cin}")
     out = cu.output(op, out, (n, ho, wo, cout), np.float16)
     mid = scratch[: m * cin]
-    bn, bk = gemm_tiles(cin, cout)
+    bn, bk, stages = gemm_tiles(cin, cout)
+    smem = gemm_smem_bytes(bn, bk, stages)
     dw_name = cu.template_name("dw_stage", ca, cb, stride, dilation)
-    gemm_name = cu.template_name("pw_gemm", cin, cout, bn, bk, residual)
+    gemm_name = cu.template_name("pw_gemm", cin, cout, bn, bk, stages, residual)
     dw = cu.kernel("ds_split.cu", dw_name, [gemm_name])
     gemm = cu.kernel("ds_split.cu", gemm_name, [dw_name])
+    if smem > 48 * 1024 and gemm.max_dynamic_shared_size_bytes < smem:
+        gemm.max_dynamic_shared_size_bytes = smem
     groups = cin // 8 if ca % 8 == 0 and cb % 8 == 0 else cin
     items = m * groups
     cu.launch(
@@ -118,6 +138,6 @@ def ds_split_cuda(
     )  # fmt: skip
     cu.launch(
         gemm, (-(-m // GEMM_BM), cout // bn), (256,),
-        (mid, pw_wt, pw_b, x if residual else mid, out, cu.i32(m)),
+        (mid, pw_wt, pw_b, x if residual else mid, out, cu.i32(m)), smem,
     )  # fmt: skip
     return out

@@ -4,7 +4,9 @@
 Per block, at ``--batch`` view frames of 1024x1024 (the serving graph runs 4 views per frame,
 so 16 view frames = a bucket of 4): device time from CUDA events around ``--reps`` eager
 launches of the block on the forward's own activations, median of ``--rounds`` rounds.
-Then the whole forward (stem → blocks → output path) captured as a CUDA graph with
+A split block is also timed per ``--gemms`` pipeline (``BK:STAGES`` of ``pw_gemm``) and
+broken into its depthwise and GEMM launches. Then the whole forward (stem → blocks →
+output path) captured as a CUDA graph with
 ``SCRATCHD_DS_SPLIT`` = none / auto / all: median graph time. The forward's split rule
 (``ds_split.split_wanted``) should pick the faster path per block; this is its evidence.
 
@@ -24,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from scratchd.kernels.ds_split import SPLIT_ENV
+from scratchd.kernels.ds_split import DEFAULT_GEMM, GEMM_ENV, SPLIT_ENV
 from scratchd.kernels.model import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +57,19 @@ def timed(cp: Any, fn: Any, reps: int, rounds: int) -> float:
     return statistics.median(per)
 
 
-def per_block(cp: Any, batch: int, reps: int, rounds: int) -> list[dict[str, Any]]:
+def split_parts(cp: Any, fn: Any, reps: int, rounds: int) -> tuple[float, float]:
+    """Device µs of the depthwise launch and of the GEMM launch of one split block."""
+    from scratchd.kernels import _cuda as cu
+
+    with cu.recording() as steps:
+        fn()
+    dw, gemm = steps
+    return round(timed(cp, dw, reps, rounds), 2), round(timed(cp, gemm, reps, rounds), 2)
+
+
+def per_block(
+    cp: Any, batch: int, reps: int, rounds: int, gemms: list[str]
+) -> list[dict[str, Any]]:
     from scratchd.kernels.stem import stem_cuda
 
     fused, split = forward("none"), forward("all")
@@ -71,13 +85,15 @@ def per_block(cp: Any, batch: int, reps: int, rounds: int) -> list[dict[str, Any
             "block": b.name, "cin": b.cin, "cout": b.cout, "stride": b.stride,
             "dilation": b.dilation, "join": b.join is not None,
         }  # fmt: skip
-        row["fused_us"] = round(
-            timed(cp, lambda b=b, h=h: fused._block(b, h, skips, buf), reps, rounds), 2
-        )
+        row["fused_us"] = round(timed(cp, partial(fused._block, b, h, skips, buf), reps, rounds), 2)
         if b.name in split.split:
-            row["split_us"] = round(
-                timed(cp, lambda b=b, h=h: split._block(b, h, skips, buf), reps, rounds), 2
-            )
+            run = partial(split._block, b, h, skips, buf)
+            for spec in gemms:
+                os.environ[GEMM_ENV] = spec
+                row[f"split_us@{spec}"] = round(timed(cp, run, reps, rounds), 2)
+                row[f"dw_us@{spec}"], row[f"gemm_us@{spec}"] = split_parts(cp, run, reps, rounds)
+            os.environ.pop(GEMM_ENV, None)
+            row["split_us"] = row[f"split_us@{DEFAULT_GEMM}"]
         out = split._block(b, h, skips, buf)
         row["out_shape"] = list(out.shape)
         rows.append(row)
@@ -107,23 +123,34 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="view frames of 1024x1024")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--gemms", default=DEFAULT_GEMM, help=f"pw_gemm BK:STAGES to compare ({GEMM_ENV})"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "ds-split.json")
     args = ap.parse_args()
     import cupy as cp
 
-    rows = per_block(cp, args.batch, args.reps, args.rounds)
+    gemms = args.gemms.split(",")
+    if DEFAULT_GEMM not in gemms:
+        gemms.append(DEFAULT_GEMM)
+    rows = per_block(cp, args.batch, args.reps, args.rounds, gemms)
     graphs = whole(cp, args.batch, args.reps, args.rounds)
     os.environ.pop(SPLIT_ENV, None)
     print(
         f"{'block':10} {'cin→cout':>10} {'s':>2} {'d':>2} {'join':>5} "
-        f"{'fused µs':>10} {'split µs':>10} {'x':>6}"
+        f"{'fused µs':>10} {'split µs':>10} {'x':>6}  split = dw + gemm µs per BK:STAGES"
     )
     for r in rows:
         s = r.get("split_us")
         ratio = f"{r['fused_us'] / s:6.2f}" if s else "     -"
         print(
             f"{r['block']:10} {r['cin']:>4}→{r['cout']:<5} {r['stride']:>2} {r['dilation']:>2} "
-            f"{r['join']!s:>5} {r['fused_us']:>10.1f} {s if s else '-':>10} {ratio}"
+            f"{r['join']!s:>5} {r['fused_us']:>10.1f} {s if s else '-':>10} {ratio}  "
+            + "  ".join(
+                f"{g}: {r[f'dw_us@{g}']:.0f}+{r[f'gemm_us@{g}']:.0f}"
+                for g in gemms
+                if f"dw_us@{g}" in r
+            )
         )
     print(f"whole forward (graph), {args.batch} view frames of {SIZE}²: " + ", ".join(
         f"{k} {v:.1f} µs" for k, v in graphs.items()))  # fmt: skip
@@ -132,7 +159,8 @@ def main() -> None:
         "device": name.decode() if isinstance(name, bytes) else str(name),
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "batch_view_frames": args.batch, "size": SIZE, "reps": args.reps,
-        "rounds": args.rounds, "blocks": rows, "forward_graph_us": graphs,
+        "rounds": args.rounds, "gemms": gemms, "default_gemm": DEFAULT_GEMM,
+        "blocks": rows, "forward_graph_us": graphs,
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1) + "\n")

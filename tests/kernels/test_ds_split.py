@@ -8,6 +8,7 @@ import pytest
 
 from scratchd.kernels.ds_block import ds_block_cuda, ds_block_ref
 from scratchd.kernels.ds_split import (
+    GEMM_ENV,
     SPLIT_ENV,
     ds_split_cuda,
     gemm_tiles,
@@ -45,14 +46,26 @@ def test_split_needs_gemm_tiles_and_a_known_mode(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.parametrize(
-    ("k", "cout", "tiles"),
-    [(384, 384, (128, 32)), (576, 192, (96, 32)), (144, 48, (48, 16)), (48, 96, (96, 16)),
-     (288, 96, (96, 32)), (16, 16, (16, 16)), (192, 64, (64, 32))],
+    ("k", "cout", "spec", "tiles"),
+    [(384, 384, "32:3", (128, 32, 3)), (576, 192, "32:3", (96, 32, 3)),
+     (144, 48, "32:3", (48, 16, 3)), (48, 96, "64:2", (96, 16, 2)),
+     (288, 96, "64:4", (96, 32, 4)), (16, 16, "32:3", (16, 16, 3)),
+     (192, 64, "64:3", (64, 64, 3)), (384, 384, "16:6", (128, 16, 6))],
 )  # fmt: skip
-def test_gemm_tiles_divide_the_shapes(k: int, cout: int, tiles: tuple[int, int]) -> None:
-    bn, bk = gemm_tiles(k, cout)
-    assert (bn, bk) == tiles
+def test_gemm_tiles_divide_the_shapes(
+    k: int, cout: int, spec: str, tiles: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(GEMM_ENV, spec)
+    bn, bk, stages = gemm_tiles(k, cout)
+    assert (bn, bk, stages) == tiles
     assert cout % bn == 0 and k % bk == 0 and bn % 16 == 0
+
+
+@pytest.mark.parametrize("spec", ["32", "48:3", "32:1", "32:7", "a:b"])
+def test_gemm_config_is_checked(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(GEMM_ENV, spec)
+    with pytest.raises(ValueError, match=GEMM_ENV):
+        gemm_tiles(384, 384)
 
 
 # (N, H, W, CA, CB, Cout, stride, dilation, residual): H, W are the block's input size (with
@@ -91,6 +104,22 @@ def _data(case: tuple[int, ...]) -> tuple[dict[str, np.ndarray], int]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda s: "x".join(str(int(v)) for v in s))
 def test_ds_split_matches_ref_and_the_fused_kernel_bit_for_bit(case: tuple[int, ...]) -> None:
+    _check_case(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["32:2", "64:3", "16:5"])
+@pytest.mark.parametrize(
+    "case", [CASES[i] for i in (3, 5, 6)], ids=lambda s: "x".join(str(int(v)) for v in s)
+)
+def test_ds_split_is_exact_under_every_gemm_pipeline(
+    case: tuple[int, ...], spec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(GEMM_ENV, spec)
+    _check_case(case)
+
+
+def _check_case(case: tuple[int, ...]) -> None:
     cp = cupy()
     d, seed = _data(case)
     ca, cb, stride, dil, residual = case[3], case[4], case[6], case[7], bool(case[8])
