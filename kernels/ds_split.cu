@@ -4,7 +4,7 @@
 //
 //   dw_stage  [N, Ho, Wo, CIN] = relu(dw3x3(src) + b)   src: x, or the decoder join
 //             concat(nearest_up2x(x), skip) read on the fly (DwSource); one thread per
-//             (pixel, 8 channels): sd::dw_point, the fused kernel's arithmetic in its order
+//             (P pixels of a row, 8 channels): dw_group.cuh, the fused kernel's own code
 //   pw_gemm   out = relu(half(A @ W + bias) (+ res))    a tiled tensor-core GEMM
 //
 // pw_gemm: a block owns BM = 128 rows (pixels) x BN output channels and walks K in steps of
@@ -23,7 +23,7 @@
 // Numerics match ds_block.cu: the depthwise result is rounded to fp16, the products summed
 // in fp32 over k in ascending 16-steps, acc + bias rounded to fp16, then residual and ReLU
 // in fp32, stored as fp16. Rows past M read zeros (cp.async zero-fill) and are not stored.
-#include "common.cuh"
+#include "dw_group.cuh"
 
 namespace sd {
 
@@ -66,25 +66,32 @@ constexpr int GEMM_THREADS = 256;
 
 }  // namespace sd
 
-template <int CA, int CB, int STRIDE, int DIL>
+template <int CA, int CB, int STRIDE, int DIL, int P, bool HOIST>
 __global__ void __launch_bounds__(256) dw_stage(
     const __half* __restrict__ x,     // [N, H, W, CA]; with CB > 0: [N, H/2, W/2, CA]
     const __half* __restrict__ skip,  // [N, H, W, CB] (CB > 0 only)
     const __half* __restrict__ w,     // [3, 3, CA + CB]
     const float* __restrict__ b,      // [CA + CB]
     __half* __restrict__ out,         // [N, Ho, Wo, CA + CB]
-    int N, int H, int W, int Ho, int Wo) {
-    constexpr int C = CA + CB;
+    int N, int H, int W, int Ho, int Wo) {  // Wo % P == 0
+    constexpr int C = CA + CB, KP = (C + 15) / 16 * 16;
     constexpr int V = (CA % 8 == 0 && CB % 8 == 0) ? 8 : 1;
     constexpr int GROUPS = C / V;
+    extern __shared__ __align__(16) float sDw[];  // [9][KP], zero beyond C
+    for (int i = threadIdx.x; i < 9 * KP; i += blockDim.x) {
+        const int t = i / KP, c = i - t * KP;
+        sDw[i] = c < C ? __half2float(w[t * C + c]) : 0.0f;
+    }
+    __syncthreads();
     const sd::DwSource<CA, CB> src{x, skip, H, W};
-    const int plane = Ho * Wo, items = N * plane * GROUPS;
+    const int plane = Ho * Wo, items = N * plane / P * GROUPS;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < items; i += gridDim.x * blockDim.x) {
-        const int p = i / GROUPS, c = (i - p * GROUPS) * V;
-        const int n = p / plane, rem = p - n * plane, oy = rem / Wo, ox = rem - oy * Wo;
-        float acc[V];
-        sd::dw_point<V, STRIDE, DIL, true>(src, w, b, n, oy, ox, c, acc);
-        sd::store_h<V>(out + p * C + c, acc);
+        const int g = i / GROUPS, c = (i - g * GROUPS) * V, p0 = g * P;
+        const int n = p0 / plane, rem = p0 - n * plane, oy = rem / Wo, ox0 = rem - oy * Wo;
+        float acc[P][V];
+        sd::dw_row_group<V, P, STRIDE, DIL, HOIST, KP>(src, sDw, b, n, oy, ox0, c, acc);
+#pragma unroll
+        for (int q = 0; q < P; ++q) sd::store_h<V>(out + (p0 + q) * C + c, acc[q]);
     }
 }
 

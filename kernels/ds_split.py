@@ -2,12 +2,13 @@
 
 The same op as :func:`scratchd.kernels.ds_block.ds_block_ref` (its reference) without the
 head: ``ds_split.cu`` runs the depthwise stage (``dw_stage``: the decoder join read on the
-fly, bias, ReLU) into a scratch tensor, then a tiled tensor-core GEMM (``pw_gemm``: bias,
+fly, bias, ReLU; the fused kernel's own code and schedule, ``dw_group.cuh`` and
+``ds_block.dw_schedule``) into a scratch tensor, then a tiled tensor-core GEMM (``pw_gemm``: bias,
 residual, ReLU in the epilogue). The fused ``ds_block.cu`` keeps the whole pointwise weight in
 shared memory; for 384 channels that is one 4-warp block per SM with its depthwise, GEMM and
 epilogue phases in series, and those blocks ran at 1-4 % of the copy rate (docs/benchmarks.md).
-Here the GEMM streams k slices of both operands through a ring of shared buffers (61 KB a
-block at the default 32-channel steps, 3 stages), so several blocks run per SM; the cost is
+Here the GEMM streams k slices of both operands through a ring of shared buffers (111 KB a
+block at the default 64-channel steps and 3 stages), so two blocks run per SM; the cost is
 one write and one read of the depthwise output, small at the resolutions where the wide
 blocks live. Measured per block in ``scripts/bench_ds_split.py`` (docs/bench/ds-split.json).
 
@@ -24,11 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from scratchd.kernels.ds_block import _check_fusable
+from scratchd.kernels.ds_block import _check_fusable, dw_schedule
 
 SPLIT_ENV = "SCRATCHD_DS_SPLIT"  # "auto" (split_wanted's rule), "none" or "all"
 GEMM_ENV = "SCRATCHD_DS_GEMM"  # "BK:STAGES" of pw_gemm, e.g. "32:3" (benchmarks compare them)
-DEFAULT_GEMM = "32:3"
+DEFAULT_GEMM = "64:3"  # measured best on the H200 (docs/bench/ds-split.json)
 # The rule: split where the pointwise GEMM is at least this many MACs per pixel (the
 # shipped model's enc3.* blocks and dec2.0; see docs/benchmarks.md for the measurements).
 SPLIT_MIN_MACS = 192 * 384
@@ -123,18 +124,20 @@ def ds_split_cuda(
     mid = scratch[: m * cin]
     bn, bk, stages = gemm_tiles(cin, cout)
     smem = gemm_smem_bytes(bn, bk, stages)
-    dw_name = cu.template_name("dw_stage", ca, cb, stride, dilation)
+    sweep, hoist = dw_schedule(cin, stride, wo)
+    dw_smem = 9 * (-(-cin // 16) * 16) * 4  # sDw: [9][KP] fp32
+    dw_name = cu.template_name("dw_stage", ca, cb, stride, dilation, sweep, hoist)
     gemm_name = cu.template_name("pw_gemm", cin, cout, bn, bk, stages, residual)
     dw = cu.kernel("ds_split.cu", dw_name, [gemm_name])
     gemm = cu.kernel("ds_split.cu", gemm_name, [dw_name])
     if smem > 48 * 1024 and gemm.max_dynamic_shared_size_bytes < smem:
         gemm.max_dynamic_shared_size_bytes = smem
     groups = cin // 8 if ca % 8 == 0 and cb % 8 == 0 else cin
-    items = m * groups
+    items = m // sweep * groups
     cu.launch(
         dw, (cu.grid_size(items, 256),), (256,),
         (x, x if skip is None else skip, dw_w, dw_b, mid,
-         *map(cu.i32, (n, height, width, ho, wo))),
+         *map(cu.i32, (n, height, width, ho, wo))), dw_smem,
     )  # fmt: skip
     cu.launch(
         gemm, (-(-m // GEMM_BM), cout // bn), (256,),

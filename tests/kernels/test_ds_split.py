@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scratchd.kernels.ds_block import ds_block_cuda, ds_block_ref
+from scratchd.kernels.ds_block import HOIST_ENV, SWEEP_ENV, ds_block_cuda, ds_block_ref
 from scratchd.kernels.ds_split import (
     GEMM_ENV,
     SPLIT_ENV,
@@ -116,6 +116,20 @@ def test_ds_split_is_exact_under_every_gemm_pipeline(
     case: tuple[int, ...], spec: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(GEMM_ENV, spec)
+    _check_case(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["1:1", "2:0", "4:1", "4:0"])
+@pytest.mark.parametrize(
+    "case", [CASES[i] for i in (5, 6, 9)], ids=lambda s: "x".join(str(int(v)) for v in s)
+)
+def test_ds_split_is_exact_under_every_depthwise_schedule(
+    case: tuple[int, ...], schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sweep, hoist = schedule.split(":")
+    monkeypatch.setenv(SWEEP_ENV, sweep)  # both paths read the same schedule
+    monkeypatch.setenv(HOIST_ENV, hoist)
     _check_case(case)
 
 
