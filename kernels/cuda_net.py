@@ -15,7 +15,8 @@ every launch a ``<op>_cuda`` of this package, fused where it pays::
 
 That is 11 + 3 launches and 2 memsets for the default ``NetConfig`` (14 blocks + 3 for the
 shipped 48..384-wide model with two blocks per decoder stage). The wide blocks (pointwise
-GEMM of ≥ 192x384 MACs a pixel: the shipped model's enc3.* and dec2.0) run as two launches
+GEMM of ≥ 192x384 MACs a pixel, or a join of ≥ 256 channels: the shipped model's enc3.*,
+dec2.0 and dec1.0) run as two launches
 instead (``ds_split``: depthwise into ``Buffers.dw_scratch``, then a tiled GEMM), chosen once
 per model by ``ds_split.split_wanted``; each such block has its pointwise weight transposed
 on the device (``<block>.pw.wt``).
@@ -80,7 +81,9 @@ class CudaForward:
             self.w[name] = cp.asarray(arr.astype(np.float16 if fp16 else np.float32))
         self.head_block = self.plan[-1].name
         self.split = frozenset(
-            b.name for b in self.plan if split_wanted(b.cin, b.cout, b.name == self.head_block)
+            b.name
+            for b in self.plan
+            if split_wanted(b.cin, b.cout, b.name == self.head_block, b.join is not None)
         )
         for name in self.split:
             self.w[f"{name}.pw.wt"] = cp.ascontiguousarray(self.w[f"{name}.pw.w"].T)

@@ -20,6 +20,7 @@
 //   KS = BK + 8: a row is an odd number of 16-byte units, so ldmatrix's 8 rows hit 8
 //   distinct bank groups. Step k lives in buffer k % STAGES.
 // The weight comes transposed ([COUT, K], k contiguous) so both operands load as 16-byte rows.
+// The epilogue stages half(acc + bias) in shared memory and writes whole 16-byte rows.
 // Numerics match ds_block.cu: the depthwise result is rounded to fp16, the products summed
 // in fp32 over k in ascending 16-steps, acc + bias rounded to fp16, then residual and ReLU
 // in fp32, stored as fp16. Rows past M read zeros (cp.async zero-fill) and are not stored.
@@ -180,24 +181,43 @@ __global__ void __launch_bounds__(sd::GEMM_THREADS) pw_gemm(
         }
     }
 
+    // Epilogue: half(acc + bias) is staged in shared memory (the ring is free once every warp
+    // is past the k loop), then each thread finishes 8 channels of a row with 16-byte loads
+    // of the residual and 16-byte stores, so a warp writes whole rows.
+    constexpr int CS = BN + 8;  // row stride of the staged tile: 16-byte rows, spread banks
+    static_assert(BM * CS <= STAGES * (BM + BN) * KS, "the staged tile fits in the ring");
+    sd::cp_async_wait<0>();  // only empty groups are left, but keep the ring quiet
+    __syncthreads();
+    __half* sC = sA;
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-        const int col = n0 + wn + nt * 8 + 2 * t;
-        const float b0 = __ldg(bias + col), b1 = __ldg(bias + col + 1);
+        const int col = wn + nt * 8 + 2 * t;
+        const float b0 = __ldg(bias + n0 + col), b1 = __ldg(bias + n0 + col + 1);
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const int row = m0 + wm + mi * 16 + g + 8 * h;
-                if (row >= M) continue;
-                float2 v = __half22float2(__floats2half2_rn(acc[mi][nt][2 * h] + b0, acc[mi][nt][2 * h + 1] + b1));
-                if constexpr (RES) {
-                    const float2 r = __half22float2(*reinterpret_cast<const __half2*>(res + row * COUT + col));
-                    v.x += r.x;
-                    v.y += r.y;
-                }
-                *reinterpret_cast<__half2*>(out + row * COUT + col) = __floats2half2_rn(fmaxf(v.x, 0.0f), fmaxf(v.y, 0.0f));
+                const int r = wm + mi * 16 + g + 8 * h;
+                *reinterpret_cast<__half2*>(sC + r * CS + col) =
+                    __floats2half2_rn(acc[mi][nt][2 * h] + b0, acc[mi][nt][2 * h + 1] + b1);
             }
+    }
+    __syncthreads();
+    constexpr int GROUPS = BN / 8;
+    for (int i = threadIdx.x; i < BM * GROUPS; i += sd::GEMM_THREADS) {
+        const int r = i / GROUPS, c = (i - r * GROUPS) * 8, row = m0 + r;
+        if (row >= M) continue;
+        float v[8];
+        sd::load_h_smem<8>(sC + r * CS + c, v);
+        if constexpr (RES) {
+            float rv[8];
+            sd::load_h<8>(res + row * COUT + n0 + c, rv);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] += rv[j];
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = fmaxf(v[j], 0.0f);
+        sd::store_h<8>(out + row * COUT + n0 + c, v);
     }
 }

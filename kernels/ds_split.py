@@ -33,6 +33,8 @@ DEFAULT_GEMM = "64:3"  # measured best on the H200 (docs/bench/ds-split.json)
 # The rule: split where the pointwise GEMM is at least this many MACs per pixel (the
 # shipped model's enc3.* blocks and dec2.0; see docs/benchmarks.md for the measurements).
 SPLIT_MIN_MACS = 192 * 384
+# ... and the decoder joins of at least this many input channels (dec1.0: 288 → 96).
+SPLIT_MIN_JOIN = 256
 GEMM_BM = 128  # rows of A per block (ds_split.cu: GEMM_BM)
 
 
@@ -41,14 +43,19 @@ def split_shape_ok(cin: int, cout: int) -> bool:
     return cin % 16 == 0 and cout % 16 == 0
 
 
-def split_wanted(cin: int, cout: int, head: bool = False) -> bool:
-    """Whether the forward runs this block as dw_stage + pw_gemm instead of ds_block."""
+def split_wanted(cin: int, cout: int, head: bool = False, join: bool = False) -> bool:
+    """Whether the forward runs this block as dw_stage + pw_gemm instead of ds_block.
+
+    ``auto``: the wide blocks (≥ ``SPLIT_MIN_MACS`` pointwise MACs a pixel) and the wide
+    decoder joins (``join`` with ≥ ``SPLIT_MIN_JOIN`` input channels), where the split ran
+    faster on the H200 (docs/bench/ds-split.json, ``scripts/bench_ds_split.py``); the
+    narrow high-resolution blocks move too many bytes through the scratch tensor."""
     mode = os.environ.get(SPLIT_ENV, "auto")
     if mode not in ("auto", "none", "all"):
         raise ValueError(f"{SPLIT_ENV} must be auto, none or all, got {mode!r}")
     if head or not split_shape_ok(cin, cout) or mode == "none":
         return False
-    return mode == "all" or cin * cout >= SPLIT_MIN_MACS
+    return mode == "all" or cin * cout >= SPLIT_MIN_MACS or (join and cin >= SPLIT_MIN_JOIN)
 
 
 def gemm_tiles(k: int, cout: int) -> tuple[int, int, int]:
@@ -60,10 +67,10 @@ def gemm_tiles(k: int, cout: int) -> tuple[int, int, int]:
         want_bk, stages = (int(v) for v in spec.split(":"))
     except ValueError:
         raise ValueError(f"{GEMM_ENV} must be BK:STAGES, e.g. 32:3, got {spec!r}") from None
-    if want_bk not in (16, 32, 64) or not 2 <= stages <= 6:
-        raise ValueError(f"{GEMM_ENV}: BK must be 16, 32 or 64 and STAGES 2..6, got {spec!r}")
+    if want_bk not in (16, 32, 48, 64) or not 2 <= stages <= 6:
+        raise ValueError(f"{GEMM_ENV}: BK must be 16, 32, 48 or 64, STAGES 2..6, got {spec!r}")
     bn = next(b for b in (128, 96, 64, 48, 32, 16) if cout % b == 0)
-    bk = next(b for b in (64, 32, 16) if b <= want_bk and k % b == 0)
+    bk = next(b for b in (64, 48, 32, 16) if b <= want_bk and k % b == 0)
     return bn, bk, stages
 
 
