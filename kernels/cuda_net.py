@@ -15,11 +15,12 @@ every launch a ``<op>_cuda`` of this package, fused where it pays::
 
 That is 11 + 3 launches and 2 memsets for the default ``NetConfig`` (14 blocks + 3 for the
 shipped 48..384-wide model with two blocks per decoder stage). The wide blocks (pointwise
-GEMM of ≥ 192x384 MACs a pixel, or a join of ≥ 256 channels: the shipped model's enc3.*,
-dec2.0 and dec1.0) run as two launches
+GEMM of ≥ 192x384 MACs a pixel) and the decoder joins (the shipped model's enc3.*, dec2.0,
+dec1.0 and dec0.0) run as two launches
 instead (``ds_split``: depthwise into ``Buffers.dw_scratch``, then a tiled GEMM), chosen once
-per model by ``ds_split.split_wanted``; each such block has its pointwise weight transposed
-on the device (``<block>.pw.wt``).
+per model by ``ds_split.split_wanted`` (each such block has its pointwise weight transposed
+on the device, ``<block>.pw.wt``), except at sizes where the block's depthwise output would
+pass the kernels' int32 indexing (``Buffers.split`` lists the blocks split at that size).
 
 Buffers (:class:`Buffers`) are allocated once per (batch, height, width) and every launch
 writes into them (``out=``), so the same launch sequence can be recorded and captured into a
@@ -56,6 +57,7 @@ class Buffers:
     logits: Any  # [B, Hp/2, Wp/2, 1] float32
     out: OutputPath  # prob, mask, score, entropy, hist
     scratch: Any  # [3B] uint32 accumulators of output_path
+    split: frozenset[str]  # blocks run as ds_split at this size (CudaForward.split that fit)
     dw_scratch: Any  # flat fp16: the depthwise output of the split blocks, one at a time
 
 
@@ -98,13 +100,17 @@ class CudaForward:
         h, w = hp // 2, wp // 2
         acts["stem"] = cp.empty((batch, h, w, self.cfg.widths[0]), np.float16)
         mid = 8  # halves of dw_scratch: the largest split block's depthwise output
+        split = set()
         for b in self.plan:
             if b.join is not None:
                 h, w = 2 * h, 2 * w
             h, w = (h - 1) // b.stride + 1, (w - 1) // b.stride + 1
             if b.name != self.head_block:
                 acts[b.name] = cp.empty((batch, h, w, b.cout), np.float16)
-            if b.name in self.split:
+            # A split block whose depthwise output would pass the kernels' int32 indexing
+            # (dec0.0 at 64 view frames of 1024²) stays fused at this size.
+            if b.name in self.split and batch * h * w * b.cin <= cu.INT32_LIMIT:
+                split.add(b.name)
                 mid = max(mid, batch * h * w * b.cin)
         return Buffers(
             batch=batch,
@@ -115,6 +121,7 @@ class CudaForward:
             logits=cp.empty((batch, hp // 2, wp // 2, 1), np.float32),
             out=output_path_buffers(batch, height, width),
             scratch=cp.empty((3 * batch,), np.uint32),
+            split=frozenset(split),
             dw_scratch=cp.empty((mid,), np.float16),
         )
 
@@ -136,7 +143,7 @@ class CudaForward:
 
     def _block(self, b: BlockSpec, h: Any, skips: dict[str, Any], buf: Buffers) -> Any:
         w, p = self.w, b.name
-        if p in self.split:
+        if p in buf.split:
             return ds_split_cuda(
                 h, w[f"{p}.dw.w"], w[f"{p}.dw.b"], w[f"{p}.pw.wt"], w[f"{p}.pw.b"],
                 stride=b.stride, dilation=b.dilation,

@@ -33,8 +33,6 @@ DEFAULT_GEMM = "64:3"  # measured best on the H200 (docs/bench/ds-split.json)
 # The rule: split where the pointwise GEMM is at least this many MACs per pixel (the
 # shipped model's enc3.* blocks and dec2.0; see docs/benchmarks.md for the measurements).
 SPLIT_MIN_MACS = 192 * 384
-# ... and the decoder joins of at least this many input channels (dec1.0: 288 → 96).
-SPLIT_MIN_JOIN = 256
 GEMM_BM = 128  # rows of A per block (ds_split.cu: GEMM_BM)
 
 
@@ -46,16 +44,16 @@ def split_shape_ok(cin: int, cout: int) -> bool:
 def split_wanted(cin: int, cout: int, head: bool = False, join: bool = False) -> bool:
     """Whether the forward runs this block as dw_stage + pw_gemm instead of ds_block.
 
-    ``auto``: the wide blocks (≥ ``SPLIT_MIN_MACS`` pointwise MACs a pixel) and the wide
-    decoder joins (``join`` with ≥ ``SPLIT_MIN_JOIN`` input channels), where the split ran
-    faster on the H200 (docs/bench/ds-split.json, ``scripts/bench_ds_split.py``); the
-    narrow high-resolution blocks move too many bytes through the scratch tensor."""
+    ``auto``: the wide blocks (≥ ``SPLIT_MIN_MACS`` pointwise MACs a pixel) and the decoder
+    joins, where the split ran faster on the H200 (docs/bench/ds-split.json, from
+    ``scripts/bench_ds_split.py``: 1.1-4.5x); the other blocks, narrow and at high
+    resolution, ran 0.74-0.85x split (the scratch tensor's bytes cost more there)."""
     mode = os.environ.get(SPLIT_ENV, "auto")
     if mode not in ("auto", "none", "all"):
         raise ValueError(f"{SPLIT_ENV} must be auto, none or all, got {mode!r}")
     if head or not split_shape_ok(cin, cout) or mode == "none":
         return False
-    return mode == "all" or cin * cout >= SPLIT_MIN_MACS or (join and cin >= SPLIT_MIN_JOIN)
+    return mode == "all" or join or cin * cout >= SPLIT_MIN_MACS
 
 
 def gemm_tiles(k: int, cout: int) -> tuple[int, int, int]:

@@ -28,7 +28,7 @@ def test_the_shipped_plan_splits_exactly_its_wide_blocks(monkeypatch: pytest.Mon
     plan = block_plan(SHIPPED)
     head = plan[-1].name
     split = [b.name for b in plan if split_wanted(b.cin, b.cout, b.name == head, bool(b.join))]
-    assert split == ["enc3.0", "enc3.d0", "enc3.d1", "dec2.0", "dec1.0"]
+    assert split == ["enc3.0", "enc3.d0", "enc3.d1", "dec2.0", "dec1.0", "dec0.0"]
     monkeypatch.setenv(SPLIT_ENV, "all")
     every = [b.name for b in plan if split_wanted(b.cin, b.cout, b.name == head, bool(b.join))]
     assert every == [b.name for b in plan if b.name != head]  # never the head block
@@ -181,23 +181,27 @@ def test_ds_split_refuses_a_short_scratch_and_unaligned_widths() -> None:
 def test_the_shipped_forward_gives_the_same_bits_split_or_fused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The whole shipped forward (captured graphs) with every block fused, the default split
-    and every block split: the logits and probabilities agree bit for bit."""
+    """The whole shipped forward (captured graphs) with every block fused, the default split,
+    every block split, and the default split where dec0.0's depthwise output would pass the
+    int32 indexing limit (it stays fused): logits and probabilities agree bit for bit."""
+    from scratchd.kernels import _cuda as cu
     from scratchd.kernels.cuda_graph import CudaScratchNet
 
     model = load_model()
     rng, seed = fresh_rng()
     images = rng.integers(0, 256, (3, 72, 104), dtype=np.uint8)
     outs, split = {}, {}
-    for mode in ("none", "auto", "all"):
-        monkeypatch.setenv(SPLIT_ENV, mode)
+    for mode in ("none", "auto", "all", "auto-limited"):
+        monkeypatch.setenv(SPLIT_ENV, mode.removesuffix("-limited"))
+        if mode == "auto-limited":  # dec0.0's scratch: 3 x 40 x 56 x 144 = 967680 halves
+            monkeypatch.setattr(cu, "INT32_LIMIT", 900_000)
         net = CudaScratchNet(model)
         outs[mode] = net.run(images)
-        logits = net.graph(3, 72, 104).buf.logits
-        outs[mode]["logits"] = cupy().asnumpy(logits)[:3]
-        split[mode] = len(net.fwd.split)
-    assert split == {"none": 0, "auto": 5, "all": len(block_plan(SHIPPED)) - 1}
-    for mode in ("auto", "all"):
+        buf = net.graph(3, 72, 104).buf
+        outs[mode]["logits"] = cupy().asnumpy(buf.logits)[:3]
+        split[mode] = len(buf.split)
+    assert split == {"none": 0, "auto": 6, "all": len(block_plan(SHIPPED)) - 1, "auto-limited": 5}
+    for mode in ("auto", "all", "auto-limited"):
         for key in ("logits", "prob", "score"):
             np.testing.assert_array_equal(
                 outs[mode][key], outs["none"][key], f"{mode} {key} {seed}"
