@@ -60,6 +60,13 @@ class Buffers:
     split: frozenset[str]  # blocks run as ds_split at this size (CudaForward.split that fit)
     dw_scratch: Any  # flat fp16: the depthwise output of the split blocks, one at a time
 
+    def arrays(self) -> list[Any]:
+        """Every device array held here (what a footprint counts)."""
+        return [
+            self.images, self.logits, self.scratch, self.dw_scratch, *self.acts.values(),
+            *self.out,
+        ]  # fmt: skip
+
 
 class CudaForward:
     """Device weights and the fused launch sequence of one ScratchNet model (one device)."""

@@ -35,9 +35,10 @@ counted in ``host_fallbacks`` and flagged in its result, never silently truncate
 histogram of each frame is the one of its first view frame (views only permute pixels).
 
 Measured on the H200 (docs/bench/serve-graph.json, 1024x1024 mosaics of real tiles, ~6000
-runs a frame): the graph takes 2.6 ms a frame with the shipped 4 views (41.7 ms for bucket
-16), 0.67 ms with the identity view alone; ``collect`` 0.03-0.1 ms a frame; the host finish
-about 60 us + 0.1-0.3 us a run. Device footprint ≈ 646 MB a frame with 4 views.
+runs a frame): the graph takes 1.9-2.1 ms a frame with the shipped 4 views (30.8 ms for
+bucket 16), 0.49-0.67 ms with the identity view alone; ``collect`` 0.03-0.1 ms a frame; the
+host finish about 60 us + 0.1-0.3 us a run. Device footprint ≈ 950 MB a frame with 4 views
+(the recorded 646 MB predates counting the split blocks' depthwise scratch).
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ class ServeGraph:
         arrays.append(self.runs.runs)
         for buf in (self.fwd_a, self.fwd_b):
             if buf is not None:
-                arrays += [buf.images, buf.logits, buf.scratch, *buf.acts.values(), *buf.out]
+                arrays += buf.arrays()
         return sum(int(a.nbytes) for a in arrays)
 
     def launch(self, k: int, after: Any | None = None) -> None:

@@ -211,3 +211,22 @@ def test_host_finish_matches_postprocess_on_real_maps(data_dir: Path) -> None:
         assert got.verdict == want.verdict and got.score == float(batch.score[j])
         plain = host.frame(batch, j, False)
         assert plain.mask is None and plain.boxes == got.boxes
+
+
+@pytest.mark.gpu
+def test_footprint_counts_every_buffer_the_graph_allocates(shipped: ScratchNet) -> None:
+    """The batch sizer trusts ``footprint_bytes``: it must cover what building the graph took
+    from the allocator (every forward buffer, the split blocks' scratch included)."""
+    import cupy as cp
+
+    from scratchd.kernels.cuda_graph import CudaScratchNet
+    from scratchd.kernels.serve_graph import ServeGraph
+
+    net = CudaScratchNet(shipped)
+    pool = cp.get_default_memory_pool()
+    cp.cuda.Device().synchronize()
+    before = pool.used_bytes()
+    g = ServeGraph(net, 2, 200, 232)
+    taken = pool.used_bytes() - before
+    assert g.footprint_bytes <= taken
+    assert taken - g.footprint_bytes <= 0.02 * taken + (1 << 20), (taken, g.footprint_bytes)
