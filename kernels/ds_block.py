@@ -41,7 +41,7 @@ def ds_block_ref(
 ) -> np.ndarray:  # [N, Ho, Wo, Cout] float32, or [N, Ho, Wo, 1] with the head
     """A DS block (optionally opening with the decoder join, optionally ending in the head)."""
     h = x if skip is None else upsample_concat_ref(x, skip)
-    _check_fusable("ds_block", stride, skip is not None, residual, head_w, head_b)
+    check_fusable("ds_block", stride, skip is not None, residual, head_w, head_b)
     y = dwconv3x3_ref(h, dw_w, dw_b, stride, dilation, "relu")
     out = pwconv_ref(y, pw_w, pw_b, "relu", h if residual else None)
     if head_w is not None and head_b is not None:
@@ -49,7 +49,7 @@ def ds_block_ref(
     return out
 
 
-def _check_fusable(
+def check_fusable(
     op: str, stride: int, joined: bool, residual: bool, head_w: Any, head_b: Any
 ) -> None:
     if stride not in (1, 2):
@@ -60,6 +60,29 @@ def _check_fusable(
         raise ValueError(f"{op}: a residual needs stride 1 and no skip")
     if (head_w is None) != (head_b is None):
         raise ValueError(f"{op}: head_w and head_b come together")
+
+
+def check_dw_inputs(
+    op: str, x: Any, skip: Any | None, dw_w: Any, dw_b: Any
+) -> tuple[int, int, int, int, int]:
+    """Check a DS block's input and depthwise arguments (fp16 NHWC ``x``, the join's ``skip``
+    at twice x's size, ``dw_w [3, 3, Cin]`` fp16, ``dw_b [Cin]`` fp32) and return
+    ``(N, CA, CB, H, W)``: CB = 0 without a join; H x W is the depthwise input's size."""
+    from scratchd.kernels import _cuda as cu
+
+    cu.check_device_array(op, "x", x, ndim=4, dtype=np.float16)
+    n, hx, wx, ca = x.shape
+    cb, height, width = 0, hx, wx
+    if skip is not None:
+        cu.check_device_array(op, "skip", skip, ndim=4, dtype=np.float16)
+        cb, height, width = skip.shape[3], 2 * hx, 2 * wx
+        cu.check_shape(op, "skip", skip, (n, height, width, cb))
+    cin = ca + cb
+    cu.check_device_array(op, "dw_w", dw_w, ndim=3, dtype=np.float16)
+    cu.check_shape(op, "dw_w", dw_w, (3, 3, cin))
+    cu.check_device_array(op, "dw_b", dw_b, ndim=1, dtype=np.float32)
+    cu.check_shape(op, "dw_b", dw_b, (cin,))
+    return n, ca, cb, height, width
 
 
 # Schedule knobs of the depthwise stage (read at each call, so a benchmark can compare
@@ -107,19 +130,9 @@ def ds_block_cuda(
     from scratchd.kernels import _cuda as cu
 
     op = "ds_block"
-    _check_fusable(op, stride, skip is not None, residual, head_w, head_b)
-    cu.check_device_array(op, "x", x, ndim=4, dtype=np.float16)
-    n, hx, wx, ca = x.shape
-    cb, height, width = 0, hx, wx
-    if skip is not None:
-        cu.check_device_array(op, "skip", skip, ndim=4, dtype=np.float16)
-        cb, height, width = skip.shape[3], 2 * hx, 2 * wx
-        cu.check_shape(op, "skip", skip, (n, height, width, cb))
+    check_fusable(op, stride, skip is not None, residual, head_w, head_b)
+    n, ca, cb, height, width = check_dw_inputs(op, x, skip, dw_w, dw_b)
     cin = ca + cb
-    cu.check_device_array(op, "dw_w", dw_w, ndim=3, dtype=np.float16)
-    cu.check_shape(op, "dw_w", dw_w, (3, 3, cin))
-    cu.check_device_array(op, "dw_b", dw_b, ndim=1, dtype=np.float32)
-    cu.check_shape(op, "dw_b", dw_b, (cin,))
     cu.check_device_array(op, "pw_w", pw_w, ndim=2, dtype=np.float16)
     cout = pw_w.shape[1]
     cu.check_shape(op, "pw_w", pw_w, (cin, cout))

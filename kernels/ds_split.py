@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from scratchd.kernels.ds_block import _check_fusable, dw_schedule
+from scratchd.kernels.ds_block import check_dw_inputs, check_fusable, dw_schedule
 
 SPLIT_ENV = "SCRATCHD_DS_SPLIT"  # "auto" (split_wanted's rule), "none" or "all"
 GEMM_ENV = "SCRATCHD_DS_GEMM"  # "BK:STAGES" of pw_gemm, e.g. "32:3" (benchmarks compare them)
@@ -96,19 +96,9 @@ def ds_split_cuda(
     from scratchd.kernels import _cuda as cu
 
     op = "ds_split"
-    _check_fusable(op, stride, skip is not None, residual, None, None)
-    cu.check_device_array(op, "x", x, ndim=4, dtype=np.float16)
-    n, hx, wx, ca = x.shape
-    cb, height, width = 0, hx, wx
-    if skip is not None:
-        cu.check_device_array(op, "skip", skip, ndim=4, dtype=np.float16)
-        cb, height, width = skip.shape[3], 2 * hx, 2 * wx
-        cu.check_shape(op, "skip", skip, (n, height, width, cb))
+    check_fusable(op, stride, skip is not None, residual, None, None)
+    n, ca, cb, height, width = check_dw_inputs(op, x, skip, dw_w, dw_b)
     cin = ca + cb
-    cu.check_device_array(op, "dw_w", dw_w, ndim=3, dtype=np.float16)
-    cu.check_shape(op, "dw_w", dw_w, (3, 3, cin))
-    cu.check_device_array(op, "dw_b", dw_b, ndim=1, dtype=np.float32)
-    cu.check_shape(op, "dw_b", dw_b, (cin,))
     cu.check_device_array(op, "pw_wt", pw_wt, ndim=2, dtype=np.float16)
     cout = pw_wt.shape[0]
     cu.check_shape(op, "pw_wt", pw_wt, (cout, cin))
