@@ -16,11 +16,11 @@ every launch a ``<op>_cuda`` of this package, fused where it pays::
 That is 11 + 3 launches and 2 memsets for the default ``NetConfig`` (14 blocks + 3 for the
 shipped 48..384-wide model with two blocks per decoder stage). The wide blocks (pointwise
 GEMM of ≥ 192x384 MACs a pixel) and the decoder joins (the shipped model's enc3.*, dec2.0,
-dec1.0 and dec0.0) run as two launches
-instead (``ds_split``: depthwise into ``Buffers.dw_scratch``, then a tiled GEMM), chosen once
-per model by ``ds_split.split_wanted`` (each such block has its pointwise weight transposed
-on the device, ``<block>.pw.wt``), except at sizes where the block's depthwise output would
-pass the kernels' int32 indexing (``Buffers.split`` lists the blocks split at that size).
+dec1.0 and dec0.0) run as two launches instead (``ds_split``: depthwise into
+``Buffers.dw_scratch``, then a tiled GEMM), except at sizes where the block's depthwise
+output would pass the kernels' int32 indexing (``Buffers.split`` lists the blocks split at
+that size); a block can also run as ``ds_tiled`` (one launch on the GEMM's tiling). The path
+of each block is chosen once per model by ``ds_split.block_path`` (``CudaForward.path``).
 
 Buffers (:class:`Buffers`) are allocated once per (batch, height, width) and every launch
 writes into them (``out=``), so the same launch sequence can be recorded and captured into a
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from scratchd.kernels.ds_block import ds_block_cuda
-from scratchd.kernels.ds_split import ds_split_cuda, split_wanted
+from scratchd.kernels.ds_split import ds_split_cuda, ds_tiled_cuda, plan_paths
 from scratchd.kernels.net import BlockSpec, NetConfig, Weights, block_plan, check_weights
 from scratchd.kernels.normalize_pad import padded_size
 from scratchd.kernels.output_path import OutputPath, output_path_buffers, output_path_cuda
@@ -89,13 +89,13 @@ class CudaForward:
             fp16 = name.endswith(".w") and not name.startswith("head.")
             self.w[name] = cp.asarray(arr.astype(np.float16 if fp16 else np.float32))
         self.head_block = self.plan[-1].name
-        self.split = frozenset(
-            b.name
-            for b in self.plan
-            if split_wanted(b.cin, b.cout, b.name == self.head_block, b.join is not None)
-        )
-        for name in self.split:
-            self.w[f"{name}.pw.wt"] = cp.ascontiguousarray(self.w[f"{name}.pw.w"].T)
+        # Each block's path (ds_split.block_path): fused, split or tiled; the latter two take
+        # the pointwise weight transposed (<block>.pw.wt).
+        self.path = plan_paths(cfg)
+        self.split = frozenset(name for name, path in self.path.items() if path == "split")
+        for name, path in self.path.items():
+            if path != "fused":
+                self.w[f"{name}.pw.wt"] = cp.ascontiguousarray(self.w[f"{name}.pw.w"].T)
 
     def buffers(self, batch: int, height: int, width: int) -> Buffers:
         """Allocate the device arrays of one (batch, height, width) forward."""
@@ -158,8 +158,10 @@ class CudaForward:
                 residual=b.residual, scratch=buf.dw_scratch, out=buf.acts[p],
             )  # fmt: skip
         head = p == self.head_block
-        return ds_block_cuda(
-            h, w[f"{p}.dw.w"], w[f"{p}.dw.b"], w[f"{p}.pw.w"], w[f"{p}.pw.b"],
+        launcher = ds_tiled_cuda if self.path[p] == "tiled" else ds_block_cuda
+        pw = w[f"{p}.pw.wt"] if self.path[p] == "tiled" else w[f"{p}.pw.w"]
+        return launcher(
+            h, w[f"{p}.dw.w"], w[f"{p}.dw.b"], pw, w[f"{p}.pw.b"],
             stride=b.stride, dilation=b.dilation,
             skip=None if b.join is None else skips[b.join],
             residual=b.residual,

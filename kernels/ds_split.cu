@@ -221,3 +221,179 @@ __global__ void __launch_bounds__(sd::GEMM_THREADS) pw_gemm(
         sd::store_h<8>(out + row * COUT + n0 + c, v);
     }
 }
+
+// ds_tiled: the whole block in one kernel on pw_gemm's tiling. The A operand of k step kt
+// (BM pixels x BK channels) is not loaded but computed: the depthwise stage of those pixels
+// and channels (dw_group.cuh, the fused kernel's code) straight into a double-buffered
+// shared tile, while the transposed weight streams through the cp.async ring as in pw_gemm.
+// Step kt + 1's depthwise work follows step kt's MMAs in each warp, so with two blocks per
+// SM one warp's loads overlap another's tensor-core work; one barrier per k step. The
+// depthwise output never reaches device memory (ds_split's scratch round trip is gone), at
+// the price of recomputing it per column tile (COUT / BN times). With HEAD (BN == COUT) the
+// epilogue reduces each pixel to the 1x1 head's logit like ds_block.cu's, in its order.
+//
+//   dynamic shared memory: sDw [9][K] fp32 | sA [2][BM][KS] halves | sB [STAGES][BN][KS] halves
+template <int CA, int CB, int COUT, int BN, int BK, int STAGES, int STRIDE, int DIL, int P, bool HOIST, bool RES, bool HEAD>
+__global__ void __launch_bounds__(sd::GEMM_THREADS, 2) ds_tiled(
+    const __half* __restrict__ x,     // [N, H, W, CA]; with CB > 0: [N, H/2, W/2, CA]
+    const __half* __restrict__ skip,  // [N, H, W, CB] (CB > 0 only)
+    const __half* __restrict__ dw_w,  // [3, 3, CA + CB]
+    const float* __restrict__ dw_b,   // [CA + CB]
+    const __half* __restrict__ wt,    // [COUT, CA + CB]: the pointwise weight, transposed
+    const float* __restrict__ bias,   // [COUT]
+    const float* __restrict__ head_w, // [COUT] (HEAD only)
+    const float* __restrict__ head_b, // [1] (HEAD only)
+    void* __restrict__ out,           // [N, Ho, Wo, COUT] half; HEAD: [N, Ho, Wo, 1] float
+    int N, int H, int W, int Ho, int Wo) {  // Wo % P == 0
+    constexpr int K = CA + CB, BM = sd::GEMM_BM, KS = BK + 8, KT = K / BK, CH = BK / 8;
+    constexpr int WN = BN / 2, NT = WN / 8, GROUPS = BK / 8;
+    static_assert(CA % 8 == 0 && CB % 8 == 0 && K % 16 == 0, "8-channel groups, k16 steps");
+    static_assert(K % BK == 0 && BK % 16 == 0, "K is whole BK steps, BK whole k16 steps");
+    static_assert(COUT % BN == 0 && BN % 16 == 0, "BN splits COUT into whole warp columns");
+    static_assert((KS / 8) % 2 == 1, "odd 16-byte units per row: conflict-free ldmatrix");
+    static_assert(STAGES >= 2 && BM % P == 0, "a ring; tiles of whole P-groups");
+    static_assert(!HEAD || BN == COUT, "the head needs every channel of a pixel in one block");
+    static_assert(!RES || (STRIDE == 1 && CB == 0 && CA == COUT), "residual needs matching shapes");
+    extern __shared__ __align__(16) unsigned char smem[];
+    float* sDw = reinterpret_cast<float*>(smem);                 // [9][K]
+    __half* sA = reinterpret_cast<__half*>(sDw + 9 * K);         // [2][BM * KS]
+    __half* sB = sA + 2 * BM * KS;                               // [STAGES][BN * KS]
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const int plane = Ho * Wo, M = N * plane;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wm = (warp & 3) * 32, wn = (warp >> 2) * WN;
+    const sd::DwSource<CA, CB> src{x, skip, H, W};
+
+    auto load_b = [&](int kt) {
+        if (kt < KT) {
+            __half* dB = sB + (kt % STAGES) * BN * KS;
+            for (int i = threadIdx.x; i < BN * CH; i += sd::GEMM_THREADS) {
+                const int r = i / CH, c = (i - r * CH) * 8;
+                sd::cp_async16(dB + r * KS + c, wt + (n0 + r) * K + kt * BK + c, true);
+            }
+        }
+        sd::cp_async_commit();
+    };
+    // A of step kt: relu(dw3x3 + b) of the tile's pixels, channels [kt*BK, kt*BK + BK).
+    auto make_a = [&](int kt) {
+        __half* dA = sA + (kt & 1) * BM * KS;
+        for (int i = threadIdx.x; i < (BM / P) * GROUPS; i += sd::GEMM_THREADS) {
+            const int g = i / GROUPS, cl = (i - g * GROUPS) * 8, r0 = g * P, p0 = m0 + r0;
+            float acc[P][8];
+            if (p0 < M) {  // M is a multiple of P: the whole group is valid
+                const int n = p0 / plane, rem = p0 - n * plane, oy = rem / Wo, ox0 = rem - oy * Wo;
+                sd::dw_row_group<8, P, STRIDE, DIL, HOIST, K>(src, sDw, dw_b, n, oy, ox0, kt * BK + cl, acc);
+            } else {
+#pragma unroll
+                for (int q = 0; q < P; ++q) sd::fill<8>(acc[q], 0.0f);
+            }
+#pragma unroll
+            for (int q = 0; q < P; ++q) sd::store_h<8>(dA + (r0 + q) * KS + cl, acc[q]);
+        }
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) load_b(s);
+    for (int i = threadIdx.x; i < 9 * K; i += sd::GEMM_THREADS) sDw[i] = __half2float(dw_w[i]);
+    __syncthreads();
+    make_a(0);
+
+    float acc[2][NT][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[mi][nt][0] = acc[mi][nt][1] = acc[mi][nt][2] = acc[mi][nt][3] = 0.0f;
+    const int a_row = lane & 15, a_k = (lane >> 4) * 8;
+    const int b_row = (lane & 7) + ((lane >> 4) << 3), b_k = ((lane >> 3) & 1) * 8;
+
+    for (int kt = 0; kt < KT; ++kt) {
+        sd::cp_async_wait<STAGES - 2>();  // B of step kt has landed (this thread's copies)
+        __syncthreads();                  // ... everyone's, A of step kt is made, kt - 1 is done
+        load_b(kt + STAGES - 1);
+        const __half* A = sA + (kt & 1) * BM * KS;
+        const __half* B = sB + (kt % STAGES) * BN * KS;
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            unsigned af[2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) sd::ldmatrix_x4(af[mi], A + (wm + mi * 16 + a_row) * KS + kk + a_k);
+#pragma unroll
+            for (int nt = 0; nt + 1 < NT; nt += 2) {
+                unsigned bf[4];
+                sd::ldmatrix_x4(bf, B + (wn + nt * 8 + b_row) * KS + kk + b_k);
+                const unsigned b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+                    sd::mma_16816(acc[mi][nt], af[mi], b0);
+                    sd::mma_16816(acc[mi][nt + 1], af[mi], b1);
+                }
+            }
+            if constexpr (NT % 2 == 1) {
+                unsigned bf[2];
+                sd::ldmatrix_x2(bf, B + (wn + (NT - 1) * 8 + (lane & 7)) * KS + kk + b_k);
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) sd::mma_16816(acc[mi][NT - 1], af[mi], bf);
+            }
+        }
+        if (kt + 1 < KT) make_a(kt + 1);  // the other A buffer: its last reader was step kt - 1
+    }
+
+    // Epilogue, as pw_gemm's: half(acc + bias) staged in the A buffers, then whole rows.
+    constexpr int CS = BN + 8;
+    static_assert(BM * CS <= 2 * BM * KS, "the staged tile fits in the A buffers");
+    sd::cp_async_wait<0>();
+    __syncthreads();
+    __half* sC = sA;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int col = wn + nt * 8 + 2 * t;
+        const float b0 = __ldg(bias + n0 + col), b1 = __ldg(bias + n0 + col + 1);
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = wm + mi * 16 + g + 8 * h;
+                *reinterpret_cast<__half2*>(sC + r * CS + col) =
+                    __floats2half2_rn(acc[mi][nt][2 * h] + b0, acc[mi][nt][2 * h + 1] + b1);
+            }
+    }
+    __syncthreads();
+    if constexpr (HEAD) {
+        // Two threads per row, each summing half the channels, joined with a shuffle (the
+        // order of ds_block.cu's store_tile_head, so the logits are the same bits).
+        static_assert(sd::GEMM_THREADS == 2 * BM, "two threads per tile row");
+        constexpr int HALF = (COUT + 1) / 2;
+        const int r = threadIdx.x >> 1, part = threadIdx.x & 1, p = m0 + r;
+        const bool valid = p < M;
+        float s = 0.0f;
+#pragma unroll 4
+        for (int j = 0; j < HALF; ++j) {
+            const int c = part * HALF + j;
+            if (c >= COUT) break;
+            float v = __half2float(sC[r * CS + c]);
+            if constexpr (RES) v += valid ? __half2float(x[p * COUT + c]) : 0.0f;
+            v = fmaxf(v, 0.0f);
+            s = fmaf(v, __ldg(head_w + c), s);
+        }
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        if (valid && part == 0) static_cast<float*>(out)[p] = s + head_b[0];
+    } else {
+        __half* o = static_cast<__half*>(out);
+        for (int i = threadIdx.x; i < BM * (BN / 8); i += sd::GEMM_THREADS) {
+            const int r = i / (BN / 8), c = (i - r * (BN / 8)) * 8, row = m0 + r;
+            if (row >= M) continue;
+            float v[8];
+            sd::load_h_smem<8>(sC + r * CS + c, v);
+            if constexpr (RES) {
+                float rv[8];
+                sd::load_h<8>(x + row * COUT + n0 + c, rv);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) v[j] += rv[j];
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] = fmaxf(v[j], 0.0f);
+            sd::store_h<8>(o + row * COUT + n0 + c, v);
+        }
+    }
+}

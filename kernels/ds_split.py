@@ -12,10 +12,15 @@ block at the default 64-channel steps and 3 stages), so two blocks run per SM; t
 one write and one read of the depthwise output, small at the resolutions where the wide
 blocks live. Measured per block in ``scripts/bench_ds_split.py`` (docs/bench/ds-split.json).
 
-Both kernels round and sum exactly as the fused kernel does (fp16 depthwise output, fp32
-products in ascending k, ``half(acc + bias)`` before the residual), so the two paths give the
-same bits. :func:`split_wanted` is the plan's choice between them (``SCRATCHD_DS_SPLIT``
-overrides it for benchmarks); :func:`split_shape_ok` says whether the GEMM tiles fit.
+``ds_tiled`` (:func:`ds_tiled_cuda`) is the third path: one launch on the GEMM's tiling
+whose A tiles are computed by the depthwise stage instead of loaded (no scratch; the head
+can be fused too), at the price of recomputing the depthwise work per column tile.
+
+All kernels round and sum exactly as the fused kernel does (fp16 depthwise output, fp32
+products in ascending k, ``half(acc + bias)`` before the residual, the head's dot product in
+its order), so the three paths give the same bits. :func:`block_path` is the plan's choice
+among them (``SCRATCHD_DS_SPLIT`` overrides it for benchmarks); :func:`split_shape_ok` and
+:func:`tiled_shape_ok` say whether a path has tiles for a block.
 """
 
 from __future__ import annotations
@@ -26,8 +31,12 @@ from typing import Any
 import numpy as np
 
 from scratchd.kernels.ds_block import check_dw_inputs, check_fusable, dw_schedule
+from scratchd.kernels.net import NetConfig, block_plan
 
-SPLIT_ENV = "SCRATCHD_DS_SPLIT"  # "auto" (split_wanted's rule), "none" or "all"
+# The path of each block: "auto" (block_path's rule), "none" (all fused), "all" (all split)
+# or "tiled" (all tiled), wherever the path has tiles for the block's shape.
+SPLIT_ENV = "SCRATCHD_DS_SPLIT"
+PATHS = ("fused", "split", "tiled")
 GEMM_ENV = "SCRATCHD_DS_GEMM"  # "BK:STAGES" of pw_gemm, e.g. "32:3" (benchmarks compare them)
 DEFAULT_GEMM = "64:3"  # measured best on the H200 (docs/bench/ds-split.json)
 # The rule: split where the pointwise GEMM is at least this many MACs per pixel (the
@@ -41,25 +50,72 @@ def split_shape_ok(cin: int, cout: int) -> bool:
     return cin % 16 == 0 and cout % 16 == 0
 
 
-def split_wanted(cin: int, cout: int, head: bool = False, join: bool = False) -> bool:
-    """Whether the forward runs this block as dw_stage + pw_gemm instead of ds_block.
+def plan_paths(cfg: NetConfig) -> dict[str, str]:
+    """:func:`block_path` of every block of ``cfg``'s plan (a join's CB is its skip's width)."""
+    plan = block_plan(cfg)
+    skip_width = {"skip0": cfg.widths[0]}
+    paths = {}
+    for b in plan:
+        cb = 0 if b.join is None else skip_width[b.join]
+        paths[b.name] = block_path(b.cin - cb, cb, b.cout, b is plan[-1], b.stride)
+        if b.saves is not None:
+            skip_width[b.saves] = b.cout
+    return paths
 
-    ``auto``: the wide blocks (≥ ``SPLIT_MIN_MACS`` pointwise MACs a pixel) and the decoder
-    joins, where the split ran faster on the H200 (docs/bench/ds-split.json, from
+
+def tiled_shape_ok(ca: int, cb: int, cout: int, head: bool) -> bool:
+    """Whether ``ds_tiled`` has tiles for the block (8-channel groups, k16 steps; with the
+    head, every output channel in one column tile)."""
+    cin = ca + cb
+    ok = ca % 8 == 0 and cb % 8 == 0 and cin % 16 == 0 and cout % 16 == 0
+    return ok and (not head or tiled_bn(cout) == cout)
+
+
+def tiled_bn(cout: int) -> int:
+    """Column tile of ``ds_tiled``: at most 96 channels (its registers hold the depthwise
+    group and the accumulators at once)."""
+    return next(b for b in (96, 64, 48, 32, 16) if cout % b == 0)
+
+
+def block_path(
+    ca: int, cb: int, cout: int, head: bool = False, stride: int = 1
+) -> str:  # one of PATHS
+    """How the forward runs a DS block: ``fused`` (ds_block.cu), ``split`` (dw_stage +
+    pw_gemm) or ``tiled`` (ds_tiled).
+
+    ``auto``: split the wide blocks (≥ ``SPLIT_MIN_MACS`` pointwise MACs a pixel) and the
+    decoder joins, where the split ran faster on the H200 (docs/bench/ds-split.json, from
     ``scripts/bench_ds_split.py``: 1.1-4.5x); the other blocks, narrow and at high
     resolution, ran 0.74-0.85x split (the scratch tensor's bytes cost more there)."""
+    del stride  # the measured rule does not need it
     mode = os.environ.get(SPLIT_ENV, "auto")
-    if mode not in ("auto", "none", "all"):
-        raise ValueError(f"{SPLIT_ENV} must be auto, none or all, got {mode!r}")
-    if head or not split_shape_ok(cin, cout) or mode == "none":
-        return False
-    return mode == "all" or join or cin * cout >= SPLIT_MIN_MACS
+    if mode not in ("auto", "none", "all", "tiled"):
+        raise ValueError(f"{SPLIT_ENV} must be auto, none, all or tiled, got {mode!r}")
+    cin = ca + cb
+    can_split = not head and split_shape_ok(cin, cout)
+    if mode == "tiled":
+        return "tiled" if tiled_shape_ok(ca, cb, cout, head) else "fused"
+    if mode == "none" or not can_split:
+        return "fused"
+    return "split" if mode == "all" or cb > 0 or cin * cout >= SPLIT_MIN_MACS else "fused"
 
 
 def gemm_tiles(k: int, cout: int) -> tuple[int, int, int]:
     """``(BN, BK, STAGES)`` of ``pw_gemm<K, COUT, BN, BK, STAGES, RES>``: the widest column
     tile dividing ``cout`` (more reuse of each A tile); the largest k step dividing ``k`` up
     to the configured one (``SCRATCHD_DS_GEMM``, default ``DEFAULT_GEMM``)."""
+    want_bk, stages = gemm_config()
+    bn = next(b for b in (128, 96, 64, 48, 32, 16) if cout % b == 0)
+    return bn, k_step(k, want_bk), stages
+
+
+def k_step(k: int, want_bk: int) -> int:
+    """The largest k step (16-channel multiple) dividing ``k``, at most ``want_bk``."""
+    return next(b for b in (64, 48, 32, 16) if b <= want_bk and k % b == 0)
+
+
+def gemm_config() -> tuple[int, int]:
+    """``(BK, STAGES)`` asked for by ``SCRATCHD_DS_GEMM`` (default ``DEFAULT_GEMM``)."""
     spec = os.environ.get(GEMM_ENV, DEFAULT_GEMM)
     try:
         want_bk, stages = (int(v) for v in spec.split(":"))
@@ -67,9 +123,7 @@ def gemm_tiles(k: int, cout: int) -> tuple[int, int, int]:
         raise ValueError(f"{GEMM_ENV} must be BK:STAGES, e.g. 32:3, got {spec!r}") from None
     if want_bk not in (16, 32, 48, 64) or not 2 <= stages <= 6:
         raise ValueError(f"{GEMM_ENV}: BK must be 16, 32, 48 or 64, STAGES 2..6, got {spec!r}")
-    bn = next(b for b in (128, 96, 64, 48, 32, 16) if cout % b == 0)
-    bk = next(b for b in (64, 48, 32, 16) if b <= want_bk and k % b == 0)
-    return bn, bk, stages
+    return want_bk, stages
 
 
 def gemm_smem_bytes(bn: int, bk: int, stages: int) -> int:
@@ -138,4 +192,79 @@ def ds_split_cuda(
         gemm, (-(-m // GEMM_BM), cout // bn), (256,),
         (mid, pw_wt, pw_b, x if residual else mid, out, cu.i32(m)), smem,
     )  # fmt: skip
+    return out
+
+
+def tiled_sweep(stride: int, wo: int, bn: int) -> int:
+    """P of ds_tiled's depthwise groups: 4 pixels of a row where the column tile is narrow,
+    2 where the accumulators take more registers, 1 for stride 2 (like ``dw_schedule``)."""
+    cap = 1 if stride != 1 else (4 if bn <= 48 else 2)
+    return next(p for p in (4, 2, 1) if p <= cap and wo % p == 0)
+
+
+def ds_tiled_cuda(
+    x: Any,  # [N, H, W, CA] float16 (CuPy); with skip: [N, H/2, W/2, CA]
+    dw_w: Any,  # [3, 3, CA + CB] float16
+    dw_b: Any,  # [CA + CB] float32
+    pw_wt: Any,  # [Cout, CA + CB] float16: the pointwise weight, TRANSPOSED
+    pw_b: Any,  # [Cout] float32
+    stride: int = 1,
+    dilation: int = 1,
+    skip: Any | None = None,  # [N, H, W, CB] float16
+    residual: bool = False,
+    head_w: Any | None = None,  # [Cout, 1] float32
+    head_b: Any | None = None,  # [1] float32
+    *,
+    out: Any | None = None,  # the result's shape and dtype: written in place when given
+) -> Any:  # [N, Ho, Wo, Cout] float16, or [N, Ho, Wo, 1] float32 with the head
+    """CUDA twin of :func:`ds_block_ref` as one launch on ``pw_gemm``'s tiling
+    (``ds_tiled`` in ``ds_split.cu``): the depthwise stage computed into the GEMM's A tiles."""
+    from scratchd.kernels import _cuda as cu
+
+    op = "ds_tiled"
+    check_fusable(op, stride, skip is not None, residual, head_w, head_b)
+    n, ca, cb, height, width = check_dw_inputs(op, x, skip, dw_w, dw_b)
+    cin = ca + cb
+    cu.check_device_array(op, "pw_wt", pw_wt, ndim=2, dtype=np.float16)
+    cout = pw_wt.shape[0]
+    cu.check_shape(op, "pw_wt", pw_wt, (cout, cin))
+    cu.check_device_array(op, "pw_b", pw_b, ndim=1, dtype=np.float32)
+    cu.check_shape(op, "pw_b", pw_b, (cout,))
+    head = head_w is not None
+    if not tiled_shape_ok(ca, cb, cout, head):
+        raise ValueError(
+            f"{op}: needs CA, CB multiples of 8, Cin and Cout of 16 (and Cout <= 96 with the"
+            f" head), got {ca}+{cb} -> {cout}"
+        )
+    if residual and cin != cout:
+        raise ValueError(f"{op}: a residual needs Cin == Cout, got {cin} -> {cout}")
+    if dilation < 1:
+        raise ValueError(f"{op}: dilation must be >= 1, got {dilation}")
+    ho, wo = (height - 1) // stride + 1, (width - 1) // stride + 1
+    if head:
+        cu.check_device_array(op, "head_w", head_w, ndim=2, dtype=np.float32)
+        cu.check_shape(op, "head_w", head_w, (cout, 1))
+        cu.check_device_array(op, "head_b", head_b, ndim=1, dtype=np.float32)
+        cu.check_shape(op, "head_b", head_b, (1,))
+        out = cu.output(op, out, (n, ho, wo, 1), np.float32)
+    else:
+        out = cu.output(op, out, (n, ho, wo, cout), np.float16)
+    want_bk, stages = gemm_config()
+    bn, bk = tiled_bn(cout), k_step(cin, want_bk)
+    sweep = tiled_sweep(stride, wo, bn)
+    hoist = dw_schedule(cin, stride, wo)[1]
+    smem = 9 * cin * 4 + 2 * GEMM_BM * (bk + 8) * 2 + stages * bn * (bk + 8) * 2
+    name = cu.template_name(
+        "ds_tiled", ca, cb, cout, bn, bk, stages, stride, dilation, sweep, hoist, residual, head
+    )
+    func = cu.kernel("ds_split.cu", name)
+    if smem > 48 * 1024 and func.max_dynamic_shared_size_bytes < smem:
+        func.max_dynamic_shared_size_bytes = smem
+    m = n * ho * wo
+    args = (
+        x, x if skip is None else skip, dw_w, dw_b, pw_wt, pw_b,
+        head_w if head else pw_b, head_b if head else pw_b, out,
+        *map(cu.i32, (n, height, width, ho, wo)),
+    )  # fmt: skip
+    cu.launch(func, (-(-m // GEMM_BM), cout // bn), (256,), args, smem)
     return out

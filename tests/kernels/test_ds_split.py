@@ -10,10 +10,13 @@ from scratchd.kernels.ds_block import HOIST_ENV, SWEEP_ENV, ds_block_cuda, ds_bl
 from scratchd.kernels.ds_split import (
     GEMM_ENV,
     SPLIT_ENV,
+    block_path,
     ds_split_cuda,
+    ds_tiled_cuda,
     gemm_tiles,
+    plan_paths,
     split_shape_ok,
-    split_wanted,
+    tiled_shape_ok,
 )
 from scratchd.kernels.model import load_model
 from scratchd.kernels.net import NetConfig, block_plan
@@ -26,23 +29,32 @@ SHIPPED = NetConfig(widths=(48, 96, 192, 384), depths=(1, 2, 2, 1), dilations=(2
 def test_the_shipped_plan_splits_exactly_its_wide_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(SPLIT_ENV, raising=False)
     plan = block_plan(SHIPPED)
-    head = plan[-1].name
-    split = [b.name for b in plan if split_wanted(b.cin, b.cout, b.name == head, bool(b.join))]
+    paths = plan_paths(SHIPPED)
+    assert list(paths) == [b.name for b in plan]
+    split = [name for name, path in paths.items() if path == "split"]
     assert split == ["enc3.0", "enc3.d0", "enc3.d1", "dec2.0", "dec1.0", "dec0.0"]
+    assert {path for name, path in paths.items() if name not in split} == {"fused"}
     monkeypatch.setenv(SPLIT_ENV, "all")
-    every = [b.name for b in plan if split_wanted(b.cin, b.cout, b.name == head, bool(b.join))]
-    assert every == [b.name for b in plan if b.name != head]  # never the head block
+    every = [name for name, path in plan_paths(SHIPPED).items() if path == "split"]
+    assert every == [b.name for b in plan[:-1]]  # never the head block
+    monkeypatch.setenv(SPLIT_ENV, "tiled")
+    assert set(plan_paths(SHIPPED).values()) == {"tiled"}  # the head too: 48 channels
     monkeypatch.setenv(SPLIT_ENV, "none")
-    assert not any(split_wanted(b.cin, b.cout) for b in plan)
+    assert set(plan_paths(SHIPPED).values()) == {"fused"}
 
 
-def test_split_needs_gemm_tiles_and_a_known_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_paths_need_their_tiles_and_a_known_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SPLIT_ENV, "all")
-    assert not split_wanted(24, 48) and not split_shape_ok(24, 48)  # 24 is not 16-aligned
-    assert split_wanted(48, 96) and split_shape_ok(48, 96)
+    assert block_path(24, 0, 48) == "fused" and not split_shape_ok(24, 48)  # 24: not 16-aligned
+    assert block_path(48, 0, 96) == "split" and split_shape_ok(48, 96)
+    assert block_path(48, 0, 48, head=True) == "fused"  # the split path has no head
+    monkeypatch.setenv(SPLIT_ENV, "tiled")
+    assert block_path(48, 0, 48, head=True) == "tiled"
+    assert block_path(384, 0, 192, head=True) == "fused"  # a head needs Cout in one tile
+    assert not tiled_shape_ok(20, 4, 48, False) and block_path(20, 4, 48) == "fused"
     monkeypatch.setenv(SPLIT_ENV, "sometimes")
     with pytest.raises(ValueError, match=SPLIT_ENV):
-        split_wanted(384, 384)
+        block_path(384, 0, 384)
 
 
 @pytest.mark.parametrize(
@@ -156,7 +168,50 @@ def _check_case(case: tuple[int, ...]) -> None:
     fused = ds_block_cuda(x, dw_w, dw_b, pw_w, pw_b, stride, dil, skip_d, residual)
     same = cp.asnumpy(got).view(np.uint16) == cp.asnumpy(fused).view(np.uint16)
     assert same.all(), f"seed={seed}: {np.count_nonzero(~same)} elements differ from ds_block"
+    if tiled_shape_ok(ca, cb, case[5], False):
+        tiled = ds_tiled_cuda(
+            x, dw_w, dw_b, cp.ascontiguousarray(pw_w.T), pw_b, stride, dil, skip_d, residual,
+            out=poisoned(ref.shape, np.float16),
+        )  # fmt: skip
+        same = cp.asnumpy(tiled).view(np.uint16) == cp.asnumpy(fused).view(np.uint16)
+        assert same.all(), f"seed={seed}: {np.count_nonzero(~same)} tiled elements differ"
     assert np.isnan(cp.asnumpy(scratch[m_cin:]).astype(np.float32)).all()  # nothing past M*Cin
+
+
+# (N, H, W, CA, CB, Cout, stride, dilation, residual) of blocks that end in the 1x1 head.
+HEAD_CASES = [
+    (1, 34, 30, 48, 0, 48, 1, 1, True),  # the shipped model's dec0.1
+    (2, 17, 13, 32, 0, 48, 2, 1, False),
+    (1, 30, 34, 96, 48, 96, 1, 1, False),
+    (2, 9, 7, 16, 0, 16, 1, 3, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", HEAD_CASES, ids=lambda s: "x".join(str(int(v)) for v in s))
+def test_ds_tiled_head_gives_the_fused_kernels_logits(case: tuple[int, ...]) -> None:
+    cp = cupy()
+    d, seed = _data(case)
+    cout, stride, dil, residual = case[5], case[6], case[7], case[8]
+    rng = np.random.default_rng(seed)
+    head_w = rng.normal(0, 0.3, (cout, 1)).astype(np.float32)
+    head_b = rng.normal(0, 0.3, 1).astype(np.float32)
+    skip = d.get("skip")
+    ref = ds_block_ref(
+        d["x"], d["dw_w"], d["dw_b"], d["pw_w"], d["pw_b"], stride, dil, skip, bool(residual),
+        head_w, head_b,
+    )  # fmt: skip
+    x, dw_w, dw_b = dev(d["x"]), dev(d["dw_w"]), dev(d["dw_b"], np.float32)
+    pw_w, pw_b = dev(d["pw_w"]), dev(d["pw_b"], np.float32)
+    hw, hb = dev(head_w, np.float32), dev(head_b, np.float32)
+    skip_d = None if skip is None else dev(skip)
+    got = ds_tiled_cuda(
+        x, dw_w, dw_b, cp.ascontiguousarray(pw_w.T), pw_b, stride, dil, skip_d, bool(residual),
+        hw, hb, out=poisoned(ref.shape, np.float32),
+    )  # fmt: skip
+    assert_close(got, ref, seed, "ds_tiled head")
+    fused = ds_block_cuda(x, dw_w, dw_b, pw_w, pw_b, stride, dil, skip_d, bool(residual), hw, hb)
+    np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(fused), f"seed={seed}")
 
 
 @pytest.mark.gpu
@@ -191,7 +246,7 @@ def test_the_shipped_forward_gives_the_same_bits_split_or_fused(
     rng, seed = fresh_rng()
     images = rng.integers(0, 256, (3, 72, 104), dtype=np.uint8)
     outs, split = {}, {}
-    for mode in ("none", "auto", "all", "auto-limited"):
+    for mode in ("none", "auto", "all", "tiled", "auto-limited"):
         monkeypatch.setenv(SPLIT_ENV, mode.removesuffix("-limited"))
         if mode == "auto-limited":  # dec0.0's scratch: 3 x 40 x 56 x 144 = 967680 halves
             monkeypatch.setattr(cu, "INT32_LIMIT", 900_000)
@@ -200,8 +255,10 @@ def test_the_shipped_forward_gives_the_same_bits_split_or_fused(
         buf = net.graph(3, 72, 104).buf
         outs[mode]["logits"] = cupy().asnumpy(buf.logits)[:3]
         split[mode] = len(buf.split)
-    assert split == {"none": 0, "auto": 6, "all": len(block_plan(SHIPPED)) - 1, "auto-limited": 5}
-    for mode in ("auto", "all", "auto-limited"):
+    blocks = len(block_plan(SHIPPED))
+    assert split == {"none": 0, "auto": 6, "all": blocks - 1, "tiled": 0, "auto-limited": 5}
+    assert set(net.fwd.path.values()) == {"fused", "split"}
+    for mode in ("auto", "all", "tiled", "auto-limited"):
         for key in ("logits", "prob", "score"):
             np.testing.assert_array_equal(
                 outs[mode][key], outs["none"][key], f"{mode} {key} {seed}"
