@@ -338,9 +338,10 @@ __global__ void __launch_bounds__(sd::GEMM_THREADS, 2) ds_tiled(
         if (kt + 1 < KT) make_a(kt + 1);  // the other A buffer: its last reader was step kt - 1
     }
 
-    // Epilogue, as pw_gemm's: half(acc + bias) staged in the A buffers, then whole rows.
+    // Epilogue, as pw_gemm's: half(acc + bias) staged over the A and B buffers (contiguous),
+    // then whole rows.
     constexpr int CS = BN + 8;
-    static_assert(BM * CS <= 2 * BM * KS, "the staged tile fits in the A buffers");
+    static_assert(BM * CS <= (2 * BM + STAGES * BN) * KS, "the staged tile fits in the buffers");
     sd::cp_async_wait<0>();
     __syncthreads();
     __half* sC = sA;

@@ -42,6 +42,7 @@ DEFAULT_GEMM = "64:3"  # measured best on the H200 (docs/bench/ds-split.json)
 # The rule: split where the pointwise GEMM is at least this many MACs per pixel (the
 # shipped model's enc3.* blocks and dec2.0; see docs/benchmarks.md for the measurements).
 SPLIT_MIN_MACS = 192 * 384
+TILED_MAX_CIN = 64  # ... and run the narrow stride-1 blocks tiled (see block_path)
 GEMM_BM = 128  # rows of A per block (ds_split.cu: GEMM_BM)
 
 
@@ -83,21 +84,29 @@ def block_path(
     """How the forward runs a DS block: ``fused`` (ds_block.cu), ``split`` (dw_stage +
     pw_gemm) or ``tiled`` (ds_tiled).
 
-    ``auto``: split the wide blocks (≥ ``SPLIT_MIN_MACS`` pointwise MACs a pixel) and the
-    decoder joins, where the split ran faster on the H200 (docs/bench/ds-split.json, from
-    ``scripts/bench_ds_split.py``: 1.1-4.5x); the other blocks, narrow and at high
-    resolution, ran 0.74-0.85x split (the scratch tensor's bytes cost more there)."""
-    del stride  # the measured rule does not need it
+    ``auto``, from the H200 measurements (docs/bench/ds-split.json, ``scripts/
+    bench_ds_split.py``, fused/path time): **split** the wide blocks (≥ ``SPLIT_MIN_MACS``
+    pointwise MACs a pixel: 1.3-4.3x) and the decoder joins (1.1-3.0x); **tiled** the narrow
+    stride-1 blocks of ≤ ``TILED_MAX_CIN`` channels, the head block included (enc0.0 and
+    dec0.1: 1.45-1.48x; 96 channels and up ran 0.6-0.7x tiled); **fused** the rest (the
+    split ran them 0.74-0.91x: the scratch tensor's bytes cost more there)."""
     mode = os.environ.get(SPLIT_ENV, "auto")
     if mode not in ("auto", "none", "all", "tiled"):
         raise ValueError(f"{SPLIT_ENV} must be auto, none, all or tiled, got {mode!r}")
     cin = ca + cb
     can_split = not head and split_shape_ok(cin, cout)
-    if mode == "tiled":
-        return "tiled" if tiled_shape_ok(ca, cb, cout, head) else "fused"
-    if mode == "none" or not can_split:
+    can_tile = tiled_shape_ok(ca, cb, cout, head)
+    if mode == "none":
         return "fused"
-    return "split" if mode == "all" or cb > 0 or cin * cout >= SPLIT_MIN_MACS else "fused"
+    if mode == "tiled":
+        return "tiled" if can_tile else "fused"
+    if mode == "all":
+        return "split" if can_split else "fused"
+    if can_split and (cb > 0 or cin * cout >= SPLIT_MIN_MACS):
+        return "split"
+    if can_tile and cb == 0 and stride == 1 and cin <= TILED_MAX_CIN:
+        return "tiled"
+    return "fused"
 
 
 def gemm_tiles(k: int, cout: int) -> tuple[int, int, int]:
@@ -251,6 +260,8 @@ def ds_tiled_cuda(
         out = cu.output(op, out, (n, ho, wo, cout), np.float16)
     want_bk, stages = gemm_config()
     bn, bk = tiled_bn(cout), k_step(cin, want_bk)
+    if GEMM_BM * (bn + 8) > (2 * GEMM_BM + stages * bn) * (bk + 8):
+        raise ValueError(f"{op}: {GEMM_ENV}={bk}:{stages} leaves no room to stage {bn} columns")
     sweep = tiled_sweep(stride, wo, bn)
     hoist = dw_schedule(cin, stride, wo)[1]
     smem = 9 * cin * 4 + 2 * GEMM_BM * (bk + 8) * 2 + stages * bn * (bk + 8) * 2

@@ -33,7 +33,7 @@ def test_the_shipped_plan_splits_exactly_its_wide_blocks(monkeypatch: pytest.Mon
     assert list(paths) == [b.name for b in plan]
     split = [name for name, path in paths.items() if path == "split"]
     assert split == ["enc3.0", "enc3.d0", "enc3.d1", "dec2.0", "dec1.0", "dec0.0"]
-    assert {path for name, path in paths.items() if name not in split} == {"fused"}
+    assert [name for name, path in paths.items() if path == "tiled"] == ["enc0.0", "dec0.1"]
     monkeypatch.setenv(SPLIT_ENV, "all")
     every = [name for name, path in plan_paths(SHIPPED).items() if path == "split"]
     assert every == [b.name for b in plan[:-1]]  # never the head block
@@ -257,7 +257,7 @@ def test_the_shipped_forward_gives_the_same_bits_split_or_fused(
         split[mode] = len(buf.split)
     blocks = len(block_plan(SHIPPED))
     assert split == {"none": 0, "auto": 6, "all": blocks - 1, "tiled": 0, "auto-limited": 5}
-    assert set(net.fwd.path.values()) == {"fused", "split"}
+    assert set(net.fwd.path.values()) == {"fused", "split", "tiled"}
     for mode in ("auto", "all", "tiled", "auto-limited"):
         for key in ("logits", "prob", "score"):
             np.testing.assert_array_equal(
