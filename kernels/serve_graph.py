@@ -35,10 +35,10 @@ counted in ``host_fallbacks`` and flagged in its result, never silently truncate
 histogram of each frame is the one of its first view frame (views only permute pixels).
 
 Measured on the H200 (docs/bench/serve-graph.json, 1024x1024 mosaics of real tiles, ~6000
-runs a frame): the graph takes 1.9-2.1 ms a frame with the shipped 4 views (30.8 ms for
-bucket 16), 0.49-0.67 ms with the identity view alone; ``collect`` 0.03-0.1 ms a frame; the
-host finish about 60 us + 0.1-0.3 us a run. Device footprint ≈ 950 MB a frame with 4 views
-(the recorded 646 MB predates counting the split blocks' depthwise scratch).
+runs a frame): the graph takes 1.7-1.9 ms a frame with the shipped 4 views (28.3 ms for
+bucket 16), 0.45-0.6 ms with the identity view alone; ``collect`` 0.03-0.1 ms a frame; the
+host finish about 60 us + 0.1-0.3 us a run. Device footprint ≈ 935 MB a frame with 4 views
+(the split blocks' depthwise scratch included).
 """
 
 from __future__ import annotations
