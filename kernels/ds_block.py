@@ -17,6 +17,7 @@ Per ScratchNet block that removes one write and one read of the widest tensor in
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -85,6 +86,59 @@ def check_dw_inputs(
     return n, ca, cb, height, width
 
 
+@dataclass(frozen=True)
+class BlockCall:
+    """A checked DS-block launch: the sizes a launcher needs and its output array."""
+
+    n: int
+    ca: int
+    cb: int
+    height: int  # the depthwise input's size (the joined size with a skip)
+    width: int
+    ho: int
+    wo: int
+    cout: int
+    out: Any  # [N, Ho, Wo, Cout] float16, or [N, Ho, Wo, 1] float32 with the head
+
+    @property
+    def cin(self) -> int:
+        return self.ca + self.cb
+
+
+def check_block(
+    op: str, x: Any, skip: Any | None, dw_w: Any, dw_b: Any, pw: Any, pw_b: Any, *,
+    stride: int, dilation: int, residual: bool, head_w: Any | None, head_b: Any | None,
+    out: Any | None, transposed: bool,
+) -> BlockCall:  # fmt: skip
+    """Every argument check a DS-block launcher makes (``pw``: ``[Cin, Cout]``, or
+    ``[Cout, Cin]`` when ``transposed``), and its output array (``out`` checked, or new)."""
+    from scratchd.kernels import _cuda as cu
+
+    check_fusable(op, stride, skip is not None, residual, head_w, head_b)
+    n, ca, cb, height, width = check_dw_inputs(op, x, skip, dw_w, dw_b)
+    cin = ca + cb
+    name = "pw_wt" if transposed else "pw_w"
+    cu.check_device_array(op, name, pw, ndim=2, dtype=np.float16)
+    cout = pw.shape[0 if transposed else 1]
+    cu.check_shape(op, name, pw, (cout, cin) if transposed else (cin, cout))
+    cu.check_device_array(op, "pw_b", pw_b, ndim=1, dtype=np.float32)
+    cu.check_shape(op, "pw_b", pw_b, (cout,))
+    if residual and cin != cout:
+        raise ValueError(f"{op}: a residual needs Cin == Cout, got {cin} -> {cout}")
+    if dilation < 1:
+        raise ValueError(f"{op}: dilation must be >= 1, got {dilation}")
+    ho, wo = (height - 1) // stride + 1, (width - 1) // stride + 1
+    if head_w is not None:
+        cu.check_device_array(op, "head_w", head_w, ndim=2, dtype=np.float32)
+        cu.check_shape(op, "head_w", head_w, (cout, 1))
+        cu.check_device_array(op, "head_b", head_b, ndim=1, dtype=np.float32)
+        cu.check_shape(op, "head_b", head_b, (1,))
+        out = cu.output(op, out, (n, ho, wo, 1), np.float32)
+    else:
+        out = cu.output(op, out, (n, ho, wo, cout), np.float16)
+    return BlockCall(n, ca, cb, height, width, ho, wo, cout, out)
+
+
 # Schedule knobs of the depthwise stage (read at each call, so a benchmark can compare
 # schedules in one process; the defaults are the measured best, see docs/benchmarks.md).
 SWEEP_ENV = "SCRATCHD_DS_SWEEP"  # "auto", or the largest P to use: "1", "2", "4"
@@ -130,28 +184,13 @@ def ds_block_cuda(
     from scratchd.kernels import _cuda as cu
 
     op = "ds_block"
-    check_fusable(op, stride, skip is not None, residual, head_w, head_b)
-    n, ca, cb, height, width = check_dw_inputs(op, x, skip, dw_w, dw_b)
-    cin = ca + cb
-    cu.check_device_array(op, "pw_w", pw_w, ndim=2, dtype=np.float16)
-    cout = pw_w.shape[1]
-    cu.check_shape(op, "pw_w", pw_w, (cin, cout))
-    cu.check_device_array(op, "pw_b", pw_b, ndim=1, dtype=np.float32)
-    cu.check_shape(op, "pw_b", pw_b, (cout,))
-    if residual and cin != cout:
-        raise ValueError(f"{op}: a residual needs Cin == Cout, got {cin} -> {cout}")
-    if dilation < 1:
-        raise ValueError(f"{op}: dilation must be >= 1, got {dilation}")
-    ho, wo = (height - 1) // stride + 1, (width - 1) // stride + 1
-    head = head_w is not None
-    if head:
-        cu.check_device_array(op, "head_w", head_w, ndim=2, dtype=np.float32)
-        cu.check_shape(op, "head_w", head_w, (cout, 1))
-        cu.check_device_array(op, "head_b", head_b, ndim=1, dtype=np.float32)
-        cu.check_shape(op, "head_b", head_b, (1,))
-        out = cu.output(op, out, (n, ho, wo, 1), np.float32)
-    else:
-        out = cu.output(op, out, (n, ho, wo, cout), np.float16)
+    c = check_block(
+        op, x, skip, dw_w, dw_b, pw_w, pw_b, stride=stride, dilation=dilation,
+        residual=residual, head_w=head_w, head_b=head_b, out=out, transposed=False,
+    )  # fmt: skip
+    n, ca, cb, cout, out = c.n, c.ca, c.cb, c.cout, c.out
+    height, width, ho, wo = c.height, c.width, c.ho, c.wo
+    cin, head = c.cin, head_w is not None
     sweep, hoist = dw_schedule(cin, stride, wo)
     dw_smem = 9 * (-(-cin // 16) * 16) * 4  # sDw: [9][KP] fp32
     slices = 1 if head else cu.pw_slices(cin, cout, dw_smem)

@@ -65,6 +65,96 @@ __device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const __half* p) {
 constexpr int GEMM_BM = 128;
 constexpr int GEMM_THREADS = 256;
 
+// One warp's share of a BK-deep step: acc (2 m16 tiles x NT n8 tiles, warp origin wm, wn)
+// += A[wm.., 0..BK) x B[wn.., 0..BK)ᵀ, fragments through ldmatrix, k16 steps ascending.
+template <int BN, int BK>
+__device__ __forceinline__ void warp_mma_step(
+    const __half* A, const __half* B, float (&acc)[2][BN / 16][4], int wm, int wn, int lane) {
+    constexpr int KS = BK + 8, NT = BN / 16;
+    // ldmatrix row addresses: A x4 = rows 0-15 at k +0 (lanes 0-15) and +8 (lanes 16-31);
+    // B x4 = n rows 0-7 at k +0, +8, then n rows 8-15 at k +0, +8 (two n8 tiles).
+    const int a_row = lane & 15, a_k = (lane >> 4) * 8;
+    const int b_row = (lane & 7) + ((lane >> 4) << 3), b_k = ((lane >> 3) & 1) * 8;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+        unsigned af[2][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) ldmatrix_x4(af[mi], A + (wm + mi * 16 + a_row) * KS + kk + a_k);
+#pragma unroll
+        for (int nt = 0; nt + 1 < NT; nt += 2) {
+            unsigned bf[4];
+            ldmatrix_x4(bf, B + (wn + nt * 8 + b_row) * KS + kk + b_k);
+            const unsigned b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                mma_16816(acc[mi][nt], af[mi], b0);
+                mma_16816(acc[mi][nt + 1], af[mi], b1);
+            }
+        }
+        if constexpr (NT % 2 == 1) {  // the last n8 tile alone: x2 (lanes 0-15 address)
+            unsigned bf[2];
+            ldmatrix_x2(bf, B + (wn + (NT - 1) * 8 + (lane & 7)) * KS + kk + b_k);
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) mma_16816(acc[mi][NT - 1], af[mi], bf);
+        }
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void zero_acc(float (&acc)[2][NT][4]) {
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[mi][nt][0] = acc[mi][nt][1] = acc[mi][nt][2] = acc[mi][nt][3] = 0.0f;
+}
+
+// sC[r][c] = half(acc + bias[c]) for the warp's rows and columns (sC rows BN + 8 halves:
+// 16-byte rows whose half2 writes spread over the banks). The caller syncs around it.
+template <int BN>
+__device__ __forceinline__ void stage_acc(
+    __half* sC, const float (&acc)[2][BN / 16][4], const float* __restrict__ bias, int wm, int wn,
+    int lane) {
+    constexpr int CS = BN + 8, NT = BN / 16;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int col = wn + nt * 8 + 2 * t;
+        const float b0 = __ldg(bias + col), b1 = __ldg(bias + col + 1);
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = wm + mi * 16 + g + 8 * h;
+                *reinterpret_cast<__half2*>(sC + r * CS + col) =
+                    __floats2half2_rn(acc[mi][nt][2 * h] + b0, acc[mi][nt][2 * h + 1] + b1);
+            }
+    }
+}
+
+// out[m0 + r, n0 + c] = relu(sC[r][c] (+ res)) for the tile's rows below M: each thread takes
+// 8 channels of a row, 16-byte residual loads and stores, so a warp writes whole rows.
+template <int BN, int COUT, bool RES>
+__device__ __forceinline__ void store_rows(
+    const __half* sC, const __half* __restrict__ res, __half* __restrict__ out, int m0, int n0,
+    int M) {
+    constexpr int CS = BN + 8, GROUPS = BN / 8;
+    for (int i = threadIdx.x; i < GEMM_BM * GROUPS; i += GEMM_THREADS) {
+        const int r = i / GROUPS, c = (i - r * GROUPS) * 8, row = m0 + r;
+        if (row >= M) continue;
+        float v[8];
+        load_h_smem<8>(sC + r * CS + c, v);
+        if constexpr (RES) {
+            float rv[8];
+            load_h<8>(res + row * COUT + n0 + c, rv);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) v[j] += rv[j];
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = fmaxf(v[j], 0.0f);
+        store_h<8>(out + row * COUT + n0 + c, v);
+    }
+}
+
 }  // namespace sd
 
 template <int CA, int CB, int STRIDE, int DIL, int P, bool HOIST>
@@ -138,88 +228,27 @@ __global__ void __launch_bounds__(sd::GEMM_THREADS) pw_gemm(
     };
 
     float acc[2][NT][4];
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) acc[mi][nt][0] = acc[mi][nt][1] = acc[mi][nt][2] = acc[mi][nt][3] = 0.0f;
-
-    // ldmatrix row addresses: A x4 = rows 0-15 at k +0 (lanes 0-15) and +8 (lanes 16-31);
-    // B x4 = n rows 0-7 at k +0, +8, then n rows 8-15 at k +0, +8 (two n8 tiles).
-    const int a_row = lane & 15, a_k = (lane >> 4) * 8;
-    const int b_row = (lane & 7) + ((lane >> 4) << 3), b_k = ((lane >> 3) & 1) * 8;
-
+    sd::zero_acc(acc);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) load(s);
     for (int kt = 0; kt < KT; ++kt) {
         sd::cp_async_wait<STAGES - 2>();  // step kt has landed (this thread's copies)
         __syncthreads();                  // ... everyone's; and step kt - 1 is consumed
         load(kt + STAGES - 1);            // refill the buffer step kt - 1 used
-        const __half* A = sA + (kt % STAGES) * BM * KS;
-        const __half* B = sB + (kt % STAGES) * BN * KS;
-#pragma unroll
-        for (int kk = 0; kk < BK; kk += 16) {
-            unsigned af[2][4];
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) sd::ldmatrix_x4(af[mi], A + (wm + mi * 16 + a_row) * KS + kk + a_k);
-#pragma unroll
-            for (int nt = 0; nt + 1 < NT; nt += 2) {
-                unsigned bf[4];
-                sd::ldmatrix_x4(bf, B + (wn + nt * 8 + b_row) * KS + kk + b_k);
-                const unsigned b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi) {
-                    sd::mma_16816(acc[mi][nt], af[mi], b0);
-                    sd::mma_16816(acc[mi][nt + 1], af[mi], b1);
-                }
-            }
-            if constexpr (NT % 2 == 1) {  // the last n8 tile alone: x2 (lanes 0-15 address)
-                unsigned bf[2];
-                sd::ldmatrix_x2(bf, B + (wn + (NT - 1) * 8 + (lane & 7)) * KS + kk + b_k);
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi) sd::mma_16816(acc[mi][NT - 1], af[mi], bf);
-            }
-        }
+        sd::warp_mma_step<BN, BK>(
+            sA + (kt % STAGES) * BM * KS, sB + (kt % STAGES) * BN * KS, acc, wm, wn, lane);
     }
 
     // Epilogue: half(acc + bias) is staged in shared memory (the ring is free once every warp
     // is past the k loop), then each thread finishes 8 channels of a row with 16-byte loads
     // of the residual and 16-byte stores, so a warp writes whole rows.
-    constexpr int CS = BN + 8;  // row stride of the staged tile: 16-byte rows, spread banks
+    constexpr int CS = BN + 8;  // row stride of the staged tile (stage_acc)
     static_assert(BM * CS <= STAGES * (BM + BN) * KS, "the staged tile fits in the ring");
     sd::cp_async_wait<0>();  // only empty groups are left, but keep the ring quiet
     __syncthreads();
-    __half* sC = sA;
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const int col = wn + nt * 8 + 2 * t;
-        const float b0 = __ldg(bias + n0 + col), b1 = __ldg(bias + n0 + col + 1);
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = wm + mi * 16 + g + 8 * h;
-                *reinterpret_cast<__half2*>(sC + r * CS + col) =
-                    __floats2half2_rn(acc[mi][nt][2 * h] + b0, acc[mi][nt][2 * h + 1] + b1);
-            }
-    }
+    sd::stage_acc<BN>(sA, acc, bias + n0, wm, wn, lane);
     __syncthreads();
-    constexpr int GROUPS = BN / 8;
-    for (int i = threadIdx.x; i < BM * GROUPS; i += sd::GEMM_THREADS) {
-        const int r = i / GROUPS, c = (i - r * GROUPS) * 8, row = m0 + r;
-        if (row >= M) continue;
-        float v[8];
-        sd::load_h_smem<8>(sC + r * CS + c, v);
-        if constexpr (RES) {
-            float rv[8];
-            sd::load_h<8>(res + row * COUT + n0 + c, rv);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) v[j] += rv[j];
-        }
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = fmaxf(v[j], 0.0f);
-        sd::store_h<8>(out + row * COUT + n0 + c, v);
-    }
+    sd::store_rows<BN, COUT, RES>(sA, res, out, m0, n0, M);
 }
 
 // ds_tiled: the whole block in one kernel on pw_gemm's tiling. The A operand of k step kt
@@ -299,42 +328,14 @@ __global__ void __launch_bounds__(sd::GEMM_THREADS, 2) ds_tiled(
     make_a(0);
 
     float acc[2][NT][4];
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) acc[mi][nt][0] = acc[mi][nt][1] = acc[mi][nt][2] = acc[mi][nt][3] = 0.0f;
-    const int a_row = lane & 15, a_k = (lane >> 4) * 8;
-    const int b_row = (lane & 7) + ((lane >> 4) << 3), b_k = ((lane >> 3) & 1) * 8;
+    sd::zero_acc(acc);
 
     for (int kt = 0; kt < KT; ++kt) {
         sd::cp_async_wait<STAGES - 2>();  // B of step kt has landed (this thread's copies)
         __syncthreads();                  // ... everyone's, A of step kt is made, kt - 1 is done
         load_b(kt + STAGES - 1);
-        const __half* A = sA + (kt & 1) * BM * KS;
-        const __half* B = sB + (kt % STAGES) * BN * KS;
-#pragma unroll
-        for (int kk = 0; kk < BK; kk += 16) {
-            unsigned af[2][4];
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) sd::ldmatrix_x4(af[mi], A + (wm + mi * 16 + a_row) * KS + kk + a_k);
-#pragma unroll
-            for (int nt = 0; nt + 1 < NT; nt += 2) {
-                unsigned bf[4];
-                sd::ldmatrix_x4(bf, B + (wn + nt * 8 + b_row) * KS + kk + b_k);
-                const unsigned b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi) {
-                    sd::mma_16816(acc[mi][nt], af[mi], b0);
-                    sd::mma_16816(acc[mi][nt + 1], af[mi], b1);
-                }
-            }
-            if constexpr (NT % 2 == 1) {
-                unsigned bf[2];
-                sd::ldmatrix_x2(bf, B + (wn + (NT - 1) * 8 + (lane & 7)) * KS + kk + b_k);
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi) sd::mma_16816(acc[mi][NT - 1], af[mi], bf);
-            }
-        }
+        sd::warp_mma_step<BN, BK>(
+            sA + (kt & 1) * BM * KS, sB + (kt % STAGES) * BN * KS, acc, wm, wn, lane);
         if (kt + 1 < KT) make_a(kt + 1);  // the other A buffer: its last reader was step kt - 1
     }
 
@@ -345,20 +346,7 @@ __global__ void __launch_bounds__(sd::GEMM_THREADS, 2) ds_tiled(
     sd::cp_async_wait<0>();
     __syncthreads();
     __half* sC = sA;
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const int col = wn + nt * 8 + 2 * t;
-        const float b0 = __ldg(bias + n0 + col), b1 = __ldg(bias + n0 + col + 1);
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = wm + mi * 16 + g + 8 * h;
-                *reinterpret_cast<__half2*>(sC + r * CS + col) =
-                    __floats2half2_rn(acc[mi][nt][2 * h] + b0, acc[mi][nt][2 * h + 1] + b1);
-            }
-    }
+    sd::stage_acc<BN>(sC, acc, bias + n0, wm, wn, lane);
     __syncthreads();
     if constexpr (HEAD) {
         // Two threads per row, each summing half the channels, joined with a shuffle (the
@@ -380,21 +368,6 @@ __global__ void __launch_bounds__(sd::GEMM_THREADS, 2) ds_tiled(
         s += __shfl_xor_sync(0xffffffffu, s, 1);
         if (valid && part == 0) static_cast<float*>(out)[p] = s + head_b[0];
     } else {
-        __half* o = static_cast<__half*>(out);
-        for (int i = threadIdx.x; i < BM * (BN / 8); i += sd::GEMM_THREADS) {
-            const int r = i / (BN / 8), c = (i - r * (BN / 8)) * 8, row = m0 + r;
-            if (row >= M) continue;
-            float v[8];
-            sd::load_h_smem<8>(sC + r * CS + c, v);
-            if constexpr (RES) {
-                float rv[8];
-                sd::load_h<8>(x + row * COUT + n0 + c, rv);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) v[j] += rv[j];
-            }
-#pragma unroll
-            for (int j = 0; j < 8; ++j) v[j] = fmaxf(v[j], 0.0f);
-            sd::store_h<8>(o + row * COUT + n0 + c, v);
-        }
+        sd::store_rows<BN, COUT, RES>(sC, x, static_cast<__half*>(out), m0, n0, M);
     }
 }

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from scratchd.kernels.ds_block import check_dw_inputs, check_fusable, dw_schedule
+from scratchd.kernels.ds_block import check_block, dw_schedule
 from scratchd.kernels.net import NetConfig, block_plan
 
 # The path of each block: "auto" (block_path's rule), "none" (all fused), "all" (all split)
@@ -159,26 +159,19 @@ def ds_split_cuda(
     from scratchd.kernels import _cuda as cu
 
     op = "ds_split"
-    check_fusable(op, stride, skip is not None, residual, None, None)
-    n, ca, cb, height, width = check_dw_inputs(op, x, skip, dw_w, dw_b)
-    cin = ca + cb
-    cu.check_device_array(op, "pw_wt", pw_wt, ndim=2, dtype=np.float16)
-    cout = pw_wt.shape[0]
-    cu.check_shape(op, "pw_wt", pw_wt, (cout, cin))
-    cu.check_device_array(op, "pw_b", pw_b, ndim=1, dtype=np.float32)
-    cu.check_shape(op, "pw_b", pw_b, (cout,))
+    c = check_block(
+        op, x, skip, dw_w, dw_b, pw_wt, pw_b, stride=stride, dilation=dilation,
+        residual=residual, head_w=None, head_b=None, out=out, transposed=True,
+    )  # fmt: skip
+    n, ca, cb, cout, out = c.n, c.ca, c.cb, c.cout, c.out
+    height, width, ho, wo = c.height, c.width, c.ho, c.wo
+    cin = c.cin
     if not split_shape_ok(cin, cout):
         raise ValueError(f"{op}: Cin and Cout must be multiples of 16, got {cin} -> {cout}")
-    if residual and cin != cout:
-        raise ValueError(f"{op}: a residual needs Cin == Cout, got {cin} -> {cout}")
-    if dilation < 1:
-        raise ValueError(f"{op}: dilation must be >= 1, got {dilation}")
-    ho, wo = (height - 1) // stride + 1, (width - 1) // stride + 1
     m = n * ho * wo
     cu.check_device_array(op, "scratch", scratch, ndim=1, dtype=np.float16)
     if scratch.size < m * cin:
         raise ValueError(f"{op}: scratch holds {scratch.size} halves, needs {m * cin}")
-    out = cu.output(op, out, (n, ho, wo, cout), np.float16)
     mid = scratch[: m * cin]
     bn, bk, stages = gemm_tiles(cin, cout)
     smem = gemm_smem_bytes(bn, bk, stages)
@@ -231,33 +224,18 @@ def ds_tiled_cuda(
     from scratchd.kernels import _cuda as cu
 
     op = "ds_tiled"
-    check_fusable(op, stride, skip is not None, residual, head_w, head_b)
-    n, ca, cb, height, width = check_dw_inputs(op, x, skip, dw_w, dw_b)
-    cin = ca + cb
-    cu.check_device_array(op, "pw_wt", pw_wt, ndim=2, dtype=np.float16)
-    cout = pw_wt.shape[0]
-    cu.check_shape(op, "pw_wt", pw_wt, (cout, cin))
-    cu.check_device_array(op, "pw_b", pw_b, ndim=1, dtype=np.float32)
-    cu.check_shape(op, "pw_b", pw_b, (cout,))
-    head = head_w is not None
+    c = check_block(
+        op, x, skip, dw_w, dw_b, pw_wt, pw_b, stride=stride, dilation=dilation,
+        residual=residual, head_w=head_w, head_b=head_b, out=out, transposed=True,
+    )  # fmt: skip
+    n, ca, cb, cout, out = c.n, c.ca, c.cb, c.cout, c.out
+    height, width, ho, wo = c.height, c.width, c.ho, c.wo
+    cin, head = c.cin, head_w is not None
     if not tiled_shape_ok(ca, cb, cout, head):
         raise ValueError(
             f"{op}: needs CA, CB multiples of 8, Cin and Cout of 16 (and Cout <= 96 with the"
             f" head), got {ca}+{cb} -> {cout}"
         )
-    if residual and cin != cout:
-        raise ValueError(f"{op}: a residual needs Cin == Cout, got {cin} -> {cout}")
-    if dilation < 1:
-        raise ValueError(f"{op}: dilation must be >= 1, got {dilation}")
-    ho, wo = (height - 1) // stride + 1, (width - 1) // stride + 1
-    if head:
-        cu.check_device_array(op, "head_w", head_w, ndim=2, dtype=np.float32)
-        cu.check_shape(op, "head_w", head_w, (cout, 1))
-        cu.check_device_array(op, "head_b", head_b, ndim=1, dtype=np.float32)
-        cu.check_shape(op, "head_b", head_b, (1,))
-        out = cu.output(op, out, (n, ho, wo, 1), np.float32)
-    else:
-        out = cu.output(op, out, (n, ho, wo, cout), np.float16)
     want_bk, stages = gemm_config()
     bn, bk = tiled_bn(cout), k_step(cin, want_bk)
     if GEMM_BM * (bn + 8) > (2 * GEMM_BM + stages * bn) * (bk + 8):
