@@ -63,6 +63,9 @@ class QueueConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     slot_bytes: Annotated[int, msgspec.Meta(ge=64)] = 4 * 1024 * 1024
     tick_ms: Positive = 1
     max_queue_delay_ms: NonNegative = 10
+    """How long a worker may hold a partial batch for more requests to fill it. A GPU worker
+    holds one only while its device is busy (the batch fills during the computation); an
+    idle device takes what is ready at once (workers/main.py, ``PipelinedLoop``)."""
     max_batch: Positive = 16
     worker_spin_us: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 50
     """How long a worker that runs out of work spins (watching the queue's ready counts) before

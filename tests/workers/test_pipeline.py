@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from scratchd.ipc.queue import Geometry, RequestQueue, Result, Status
+from scratchd.ipc.queue import Completion, Geometry, RequestQueue, Result, Status
 from scratchd.workers.main import PipelinedLoop, StopFlag
 
 
@@ -117,3 +117,43 @@ def test_every_request_completes_once_with_its_own_result_and_steps_overlap() ->
         if log.index(("start", n + 1)) < log.index(("finish", n))
     ]  # fmt: skip
     assert overlapped, f"no batch finished while the next one ran: {log}"
+
+
+def test_an_idle_device_takes_a_lone_request_without_waiting_for_the_fill_window() -> None:
+    """A 10-minute fill window and a batch limit of 3: a single request is still claimed,
+    computed and completed at once, because nothing is computing (continuous batching)."""
+    name = f"/scratchd-test-pipeline-idle-{os.getpid()}"
+    main = RequestQueue.create(name, Geometry(slots=8, slot_bytes=64, max_workers=2))
+    death_r, death_w = os.pipe()
+    worker = RequestQueue.attach(name, completion_fd=main.completion_fd, work_fd=main.work_fd(0))
+    worker.register_worker(0, os.getpid())
+    backend = FakeAsyncBackend()
+    stop = StopFlag(main.work_fd(0))
+    loop = PipelinedLoop(worker, 0, backend, stop, death_r, max_delay_ms=600_000, heartbeat_ms=50)
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    try:
+        assert loop.device_idle()
+        h = main.reserve()
+        assert h is not None
+        np.frombuffer(main.payload(h), np.uint8, count=16)[:] = 51
+        main.submit(
+            h, request_id=7, conn_id=1, priority=0, part_class=0,
+            deadline_ns=time.monotonic_ns() + 3600 * 10**9, height=4, width=4, want_mask=False,
+        )  # fmt: skip
+        done: list[Completion] = []
+        deadline = time.monotonic() + 30  # far below the window: only an early claim passes
+        while not done and time.monotonic() < deadline:
+            done = main.collect_completed()
+            time.sleep(0.001)
+        assert [(c.request_id, c.status) for c in done] == [(7, Status.OK)]
+        assert done[0].result is not None and done[0].result.batch_size == 1
+    finally:
+        stop.requested = True
+        os.eventfd_write(main.work_fd(0), 1)
+        thread.join(10)
+        os.close(death_w)
+        os.close(death_r)
+        worker.close()
+        main.close()
+    assert not thread.is_alive()
