@@ -26,7 +26,7 @@ among them (``SCRATCHD_DS_SPLIT`` overrides it for benchmarks); :func:`split_sha
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from scratchd.kernels.net import NetConfig, block_plan
 # The path of each block: "auto" (block_path's rule), "none" (all fused), "all" (all split)
 # or "tiled" (all tiled), wherever the path has tiles for the block's shape.
 SPLIT_ENV = "SCRATCHD_DS_SPLIT"
-PATHS = ("fused", "split", "tiled")
+BlockPath = Literal["fused", "split", "tiled"]
 GEMM_ENV = "SCRATCHD_DS_GEMM"  # "BK:STAGES" of pw_gemm, e.g. "32:3" (benchmarks compare them)
 DEFAULT_GEMM = "64:3"  # measured best on the H200 (docs/bench/ds-split.json)
 # The rule: split where the pointwise GEMM is at least this many MACs per pixel (the
@@ -51,11 +51,11 @@ def split_shape_ok(cin: int, cout: int) -> bool:
     return cin % 16 == 0 and cout % 16 == 0
 
 
-def plan_paths(cfg: NetConfig) -> dict[str, str]:
+def plan_paths(cfg: NetConfig) -> dict[str, BlockPath]:
     """:func:`block_path` of every block of ``cfg``'s plan (a join's CB is its skip's width)."""
     plan = block_plan(cfg)
     skip_width = {"skip0": cfg.widths[0]}
-    paths = {}
+    paths: dict[str, BlockPath] = {}
     for b in plan:
         cb = 0 if b.join is None else skip_width[b.join]
         paths[b.name] = block_path(b.cin - cb, cb, b.cout, b is plan[-1], b.stride)
@@ -78,9 +78,7 @@ def tiled_bn(cout: int) -> int:
     return next(b for b in (96, 64, 48, 32, 16) if cout % b == 0)
 
 
-def block_path(
-    ca: int, cb: int, cout: int, head: bool = False, stride: int = 1
-) -> str:  # one of PATHS
+def block_path(ca: int, cb: int, cout: int, head: bool = False, stride: int = 1) -> BlockPath:
     """How the forward runs a DS block: ``fused`` (ds_block.cu), ``split`` (dw_stage +
     pw_gemm) or ``tiled`` (ds_tiled).
 
