@@ -13,8 +13,9 @@ every launch a ``<op>_cuda`` of this package, fused where it pays::
       output_path              prob, raw mask, entropy, input histogram,      2 kernels
                                window score (+ 2 memsets of its accumulators)
 
-That is 11 + 3 launches and 2 memsets for the default ``NetConfig`` (14 blocks + 3 for the
-shipped 48..384-wide model with two blocks per decoder stage). The wide blocks (pointwise
+That is one launch per block (two for a split one, below), the stem's and the output path's
+2, and 2 memsets: 23 launches for the shipped 48..384-wide model (14 blocks, two per
+decoder stage, 6 of them split). The wide blocks (pointwise
 GEMM of ≥ 192x384 MACs a pixel) and the decoder joins (the shipped model's enc3.*, dec2.0,
 dec1.0 and dec0.0) run as two launches instead (``ds_split``: depthwise into
 ``Buffers.dw_scratch``, then a tiled GEMM), except at sizes where the block's depthwise
