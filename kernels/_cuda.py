@@ -100,6 +100,7 @@ def template_name(func: str, *args: int | bool | str) -> str:
 
 _sm_counts: dict[int, int] = {}
 _grids: dict[tuple[int, int, int, int], int] = {}
+_opted_in: dict[int, int] = {}  # kernel → the most dynamic shared memory it opted in to
 
 
 def sm_count() -> int:
@@ -127,16 +128,25 @@ def blocks_per_sm(func: Any, threads: int, smem: int) -> int:
     return max(1, min(32, 2048 // threads, by_regs, by_smem))
 
 
+def opt_in_smem(func: Any, smem: int) -> None:
+    """Let ``func`` launch with ``smem`` bytes of dynamic shared memory (beyond the 48 KB
+    default a kernel must opt in). Memoised per kernel: the driver is told only when a
+    launch needs more than before."""
+    ptr = int(func.kernel.ptr)
+    if smem > max(48 * 1024, _opted_in.get(ptr, 0)):
+        func.max_dynamic_shared_size_bytes = smem
+        _opted_in[ptr] = smem
+
+
 def persistent_grid(func: Any, threads: int, smem: int, tiles: int) -> int:
     """Blocks for a persistent kernel: as many as can be resident at once (≤ ``tiles``).
 
-    Also opts ``func`` in to ``smem`` bytes of dynamic shared memory when that exceeds the
-    48 KB default. Memoised, so a recorded forward asks the driver nothing at replay.
+    Also opts ``func`` in to ``smem`` bytes of dynamic shared memory (:func:`opt_in_smem`).
+    Memoised, so a recorded forward asks the driver nothing at replay.
     """
     key = (int(func.kernel.ptr), threads, smem, tiles)
     if key not in _grids:
-        if smem > 48 * 1024:
-            func.max_dynamic_shared_size_bytes = smem
+        opt_in_smem(func, smem)
         _grids[key] = max(1, min(tiles, blocks_per_sm(func, threads, smem) * sm_count()))
     return _grids[key]
 

@@ -58,7 +58,8 @@ class Buffers:
     logits: Any  # [B, Hp/2, Wp/2, 1] float32
     out: OutputPath  # prob, mask, score, entropy, hist
     scratch: Any  # [3B] uint32 accumulators of output_path
-    split: frozenset[str]  # blocks run as ds_split at this size (CudaForward.split that fit)
+    split: frozenset[str]  # blocks run as ds_split at this size (those of CudaForward.path
+    # that fit: the others run fused)
     dw_scratch: Any  # flat fp16: the depthwise output of the split blocks, one at a time
 
     def arrays(self) -> list[Any]:
@@ -93,7 +94,6 @@ class CudaForward:
         # Each block's path (ds_split.block_path): fused, split or tiled; the latter two take
         # the pointwise weight transposed (<block>.pw.wt).
         self.path = plan_paths(cfg)
-        self.split = frozenset(name for name, path in self.path.items() if path == "split")
         for name, path in self.path.items():
             if path != "fused":
                 self.w[f"{name}.pw.wt"] = cp.ascontiguousarray(self.w[f"{name}.pw.w"].T)
@@ -117,7 +117,7 @@ class CudaForward:
                 acts[b.name] = cp.empty((batch, h, w, b.cout), np.float16)
             # A split block whose depthwise output would pass the kernels' int32 indexing
             # (dec0.0 at 64 view frames of 1024²) stays fused at this size.
-            if b.name in self.split and batch * h * w * b.cin <= cu.INT32_LIMIT:
+            if self.path[b.name] == "split" and batch * h * w * b.cin <= cu.INT32_LIMIT:
                 split.add(b.name)
                 mid = max(mid, batch * h * w * b.cin)
         return Buffers(
@@ -159,10 +159,10 @@ class CudaForward:
                 residual=b.residual, scratch=buf.dw_scratch, out=buf.acts[p],
             )  # fmt: skip
         head = p == self.head_block
-        launcher = ds_tiled_cuda if self.path[p] == "tiled" else ds_block_cuda
-        pw = w[f"{p}.pw.wt"] if self.path[p] == "tiled" else w[f"{p}.pw.w"]
-        return launcher(
-            h, w[f"{p}.dw.w"], w[f"{p}.dw.b"], pw, w[f"{p}.pw.b"],
+        tiled = self.path[p] == "tiled"
+        return (ds_tiled_cuda if tiled else ds_block_cuda)(
+            h, w[f"{p}.dw.w"], w[f"{p}.dw.b"], w[f"{p}.pw.wt" if tiled else f"{p}.pw.w"],
+            w[f"{p}.pw.b"],
             stride=b.stride, dilation=b.dilation,
             skip=None if b.join is None else skips[b.join],
             residual=b.residual,

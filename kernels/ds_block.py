@@ -63,29 +63,6 @@ def check_fusable(
         raise ValueError(f"{op}: head_w and head_b come together")
 
 
-def check_dw_inputs(
-    op: str, x: Any, skip: Any | None, dw_w: Any, dw_b: Any
-) -> tuple[int, int, int, int, int]:
-    """Check a DS block's input and depthwise arguments (fp16 NHWC ``x``, the join's ``skip``
-    at twice x's size, ``dw_w [3, 3, Cin]`` fp16, ``dw_b [Cin]`` fp32) and return
-    ``(N, CA, CB, H, W)``: CB = 0 without a join; H x W is the depthwise input's size."""
-    from scratchd.kernels import _cuda as cu
-
-    cu.check_device_array(op, "x", x, ndim=4, dtype=np.float16)
-    n, hx, wx, ca = x.shape
-    cb, height, width = 0, hx, wx
-    if skip is not None:
-        cu.check_device_array(op, "skip", skip, ndim=4, dtype=np.float16)
-        cb, height, width = skip.shape[3], 2 * hx, 2 * wx
-        cu.check_shape(op, "skip", skip, (n, height, width, cb))
-    cin = ca + cb
-    cu.check_device_array(op, "dw_w", dw_w, ndim=3, dtype=np.float16)
-    cu.check_shape(op, "dw_w", dw_w, (3, 3, cin))
-    cu.check_device_array(op, "dw_b", dw_b, ndim=1, dtype=np.float32)
-    cu.check_shape(op, "dw_b", dw_b, (cin,))
-    return n, ca, cb, height, width
-
-
 @dataclass(frozen=True)
 class BlockCall:
     """A checked DS-block launch: the sizes a launcher needs and its output array."""
@@ -115,8 +92,18 @@ def check_block(
     from scratchd.kernels import _cuda as cu
 
     check_fusable(op, stride, skip is not None, residual, head_w, head_b)
-    n, ca, cb, height, width = check_dw_inputs(op, x, skip, dw_w, dw_b)
+    cu.check_device_array(op, "x", x, ndim=4, dtype=np.float16)
+    n, hx, wx, ca = x.shape
+    cb, height, width = 0, hx, wx
+    if skip is not None:  # the decoder join: skip is twice x's size
+        cu.check_device_array(op, "skip", skip, ndim=4, dtype=np.float16)
+        cb, height, width = skip.shape[3], 2 * hx, 2 * wx
+        cu.check_shape(op, "skip", skip, (n, height, width, cb))
     cin = ca + cb
+    cu.check_device_array(op, "dw_w", dw_w, ndim=3, dtype=np.float16)
+    cu.check_shape(op, "dw_w", dw_w, (3, 3, cin))
+    cu.check_device_array(op, "dw_b", dw_b, ndim=1, dtype=np.float32)
+    cu.check_shape(op, "dw_b", dw_b, (cin,))
     name = "pw_wt" if transposed else "pw_w"
     cu.check_device_array(op, name, pw, ndim=2, dtype=np.float16)
     cout = pw.shape[0 if transposed else 1]
@@ -137,6 +124,12 @@ def check_block(
     else:
         out = cu.output(op, out, (n, ho, wo, cout), np.float16)
     return BlockCall(n, ca, cb, height, width, ho, wo, cout, out)
+
+
+def dw_smem_bytes(cin: int) -> int:
+    """Shared memory of the depthwise weight in fp32, ``sDw [9][KP]`` (KP: Cin rounded up to
+    16), which every kernel with a dw_group.cuh stage stages first."""
+    return 9 * (-(-cin // 16) * 16) * 4
 
 
 # Schedule knobs of the depthwise stage (read at each call, so a benchmark can compare
@@ -192,7 +185,7 @@ def ds_block_cuda(
     height, width, ho, wo = c.height, c.width, c.ho, c.wo
     cin, head = c.cin, head_w is not None
     sweep, hoist = dw_schedule(cin, stride, wo)
-    dw_smem = 9 * (-(-cin // 16) * 16) * 4  # sDw: [9][KP] fp32
+    dw_smem = dw_smem_bytes(cin)
     slices = 1 if head else cu.pw_slices(cin, cout, dw_smem)
     name = cu.template_name(
         op, ca, cb, cout, slices, stride, dilation, sweep, hoist, residual, head

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from scratchd.kernels.ds_block import check_block, dw_schedule
+from scratchd.kernels.ds_block import check_block, dw_schedule, dw_smem_bytes
 from scratchd.kernels.net import NetConfig, block_plan
 
 # The path of each block: "auto" (block_path's rule), "none" (all fused), "all" (all split)
@@ -174,13 +174,12 @@ def ds_split_cuda(
     bn, bk, stages = gemm_tiles(cin, cout)
     smem = gemm_smem_bytes(bn, bk, stages)
     sweep, hoist = dw_schedule(cin, stride, wo)
-    dw_smem = 9 * (-(-cin // 16) * 16) * 4  # sDw: [9][KP] fp32
+    dw_smem = dw_smem_bytes(cin)
     dw_name = cu.template_name("dw_stage", ca, cb, stride, dilation, sweep, hoist)
     gemm_name = cu.template_name("pw_gemm", cin, cout, bn, bk, stages, residual)
     dw = cu.kernel("ds_split.cu", dw_name, [gemm_name])
     gemm = cu.kernel("ds_split.cu", gemm_name, [dw_name])
-    if smem > 48 * 1024 and gemm.max_dynamic_shared_size_bytes < smem:
-        gemm.max_dynamic_shared_size_bytes = smem
+    cu.opt_in_smem(gemm, smem)
     groups = cin // 8 if ca % 8 == 0 and cb % 8 == 0 else cin
     items = m // sweep * groups
     cu.launch(
@@ -240,13 +239,12 @@ def ds_tiled_cuda(
         raise ValueError(f"{op}: {GEMM_ENV}={bk}:{stages} leaves no room to stage {bn} columns")
     sweep = tiled_sweep(stride, wo, bn)
     hoist = dw_schedule(cin, stride, wo)[1]
-    smem = 9 * cin * 4 + 2 * GEMM_BM * (bk + 8) * 2 + stages * bn * (bk + 8) * 2
+    smem = dw_smem_bytes(cin) + 2 * GEMM_BM * (bk + 8) * 2 + stages * bn * (bk + 8) * 2
     name = cu.template_name(
         "ds_tiled", ca, cb, cout, bn, bk, stages, stride, dilation, sweep, hoist, residual, head
     )
     func = cu.kernel("ds_split.cu", name)
-    if smem > 48 * 1024 and func.max_dynamic_shared_size_bytes < smem:
-        func.max_dynamic_shared_size_bytes = smem
+    cu.opt_in_smem(func, smem)
     m = n * ho * wo
     args = (
         x, x if skip is None else skip, dw_w, dw_b, pw_wt, pw_b,

@@ -93,7 +93,7 @@ def per_block(
         if tiled.path[b.name] == "tiled":
             run_tiled = partial(tiled._block, b, h, skips, unsplit)
             row["tiled_us"] = round(timed(cp, run_tiled, reps, rounds), 2)
-        if b.name in split.split:
+        if split.path[b.name] == "split":
             run = partial(split._block, b, h, skips, buf)
             for spec in gemms:
                 os.environ[GEMM_ENV] = spec

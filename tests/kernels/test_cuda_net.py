@@ -153,3 +153,29 @@ def test_every_block_gets_a_launch_that_fits_shared_memory(cfg: NetConfig) -> No
         assert pw_smem_bytes(b.cin, b.cout // slices) + dw_smem <= SMEM_LIMIT, b.name
         if b is plan[-1]:
             assert slices == 1, "the head block must keep every channel in one block"
+
+
+def test_a_kernel_opts_in_to_shared_memory_once_and_only_upward() -> None:
+    """``_cuda.opt_in_smem`` (used by every launcher past 48 KB): the driver attribute is set
+    when a launch needs more than the kernel has, never lowered, and not asked again."""
+    from types import SimpleNamespace
+
+    from scratchd.kernels._cuda import opt_in_smem
+
+    sets: list[int] = []
+
+    class Func:
+        kernel = SimpleNamespace(ptr=0x5C7A7C4D)
+
+        @property
+        def max_dynamic_shared_size_bytes(self) -> int:
+            raise AssertionError("the attribute is never read back")
+
+        @max_dynamic_shared_size_bytes.setter
+        def max_dynamic_shared_size_bytes(self, value: int) -> None:
+            sets.append(value)
+
+    f = Func()
+    for smem in (40 * 1024, 100 * 1024, 100 * 1024, 60 * 1024, 120 * 1024):
+        opt_in_smem(f, smem)
+    assert sets == [100 * 1024, 120 * 1024]
