@@ -215,14 +215,14 @@ class WorkerLoop:
             self.queue.heartbeat(self.slot, now)
             self.report_memory(now)
             ready = self.queue.ready_count()
-            plan = self.policy.plan(now, ready, self.queue.oldest_ready() if ready else None)
-            want = plan.claim or (min(ready, self.policy.max_batch) if self.device_idle() else 0)
-            if want:
-                claims = self.queue.claim_batch(self.slot, min(want, self.limit()), now)
+            oldest = self.queue.oldest_ready() if ready else None
+            plan = self.policy.plan(now, ready, oldest, idle=self.device_idle())
+            if plan.claim:
+                claims = self.queue.claim_batch(self.slot, min(plan.claim, self.limit()), now)
                 if claims:
                     self.take(claims)
                     continue
-            if self.settle() or want:
+            if self.settle() or plan.claim:
                 continue
             if plan.wake_ns is None:
                 self.queue.wait_for_work(self.slot, self.heartbeat_s)
@@ -255,7 +255,7 @@ class WorkerLoop:
         return False
 
     def device_idle(self) -> bool:
-        """Whether whatever is ready should be claimed now, fill window or not. A synchronous
+        """Whether a partial batch goes at once (BatchPolicy.plan's ``idle``). A synchronous
         backend batches by its window (``--max-delay-ms``; the CPU's is 0 by default)."""
         return False
 
@@ -344,12 +344,8 @@ class PipelinedLoop(WorkerLoop):
         self._finish()
 
     def device_idle(self) -> bool:
-        """Nothing is computing: claim what is ready now instead of holding it for the fill
-        window. While a batch computes the next one fills by itself (``settle`` waits for the
-        device, then the loop claims what arrived), so waiting on an idle device only adds
-        latency: the shipped model costs 1.92 ms a 1024² frame alone and 1.78 ms in a batch
-        of 4 on the H200 (docs/bench/serve-graph.json), against up to ``--max-delay-ms``
-        (10 by default) of waiting."""
+        """Nothing is computing: a partial batch goes at once (workers/batching.py says why);
+        while a batch computes the next one fills, ``settle`` waiting for the device."""
         return self.inflight is None
 
     def settle(self) -> bool:

@@ -33,6 +33,14 @@ def test_a_partial_batch_never_waits_past_its_deadline_slack() -> None:
     assert policy.plan(4 * MS, 1, (0, 20 * MS)) == Plan(1, None)
 
 
+def test_an_idle_device_takes_a_partial_batch_at_once() -> None:
+    policy = BatchPolicy(4, 10 * MS)
+    assert policy.plan(1 * MS, 3, (0, 10**12)) == Plan(0, 10 * MS)  # busy: it may fill
+    assert policy.plan(1 * MS, 3, (0, 10**12), idle=True) == Plan(3, None)
+    assert policy.plan(1 * MS, 9, (0, 10**12), idle=True) == Plan(4, None)
+    assert policy.plan(1 * MS, 0, None, idle=True) == Plan(0, None)
+
+
 def test_zero_delay_never_waits() -> None:
     assert BatchPolicy(8, 0).plan(7, 1, (7, 10**12)) == Plan(1, None)
 
@@ -56,6 +64,7 @@ def test_the_estimate_follows_observed_batches() -> None:
     enqueue_age=st.integers(0, 10**9),
     deadline_in=st.integers(-(10**9), 10**10),
     per_image=st.integers(0, 10**8),
+    idle=st.booleans(),
 )
 def test_plan_invariants(
     max_batch: int,
@@ -65,16 +74,18 @@ def test_plan_invariants(
     enqueue_age: int,
     deadline_in: int,
     per_image: int,
+    idle: bool,
 ) -> None:
     policy = BatchPolicy(max_batch, delay, float(per_image))
     enqueue = now - enqueue_age
-    plan = policy.plan(now, ready, (enqueue, now + deadline_in))
+    plan = policy.plan(now, ready, (enqueue, now + deadline_in), idle)
     assert 0 <= plan.claim <= min(ready, max_batch)
     if ready == 0:
         assert plan == Plan(0, None)
     elif plan.claim == 0:
-        # waiting: only for a partial batch, never past the delay bound or the slack
-        assert ready < max_batch and plan.wake_ns is not None
+        # waiting: only for a partial batch on a busy device, never past the delay bound or
+        # the slack
+        assert ready < max_batch and not idle and plan.wake_ns is not None
         assert now < plan.wake_ns <= enqueue + delay
         assert plan.wake_ns <= now + deadline_in - per_image * max_batch
     else:

@@ -4,10 +4,11 @@ steps overlaps batch k's host finish with batch k+1's launch."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,7 +64,10 @@ class FakeAsyncBackend:
                 for m in batch.means]  # fmt: skip
 
 
-def test_every_request_completes_once_with_its_own_result_and_steps_overlap() -> None:
+@contextlib.contextmanager
+def running_loop(max_delay_ms: int) -> Iterator[tuple[RequestQueue, FakeAsyncBackend]]:
+    """A queue (the daemon's side) and a PipelinedLoop on a thread serving it with a fake
+    backend; the loop is stopped, and everything closed, on exit."""
     name = f"/scratchd-test-pipeline-{os.getpid()}"
     main = RequestQueue.create(name, Geometry(slots=64, slot_bytes=64, max_workers=2))
     death_r, death_w = os.pipe()
@@ -71,20 +75,41 @@ def test_every_request_completes_once_with_its_own_result_and_steps_overlap() ->
     worker.register_worker(0, os.getpid())
     backend = FakeAsyncBackend()
     stop = StopFlag(main.work_fd(0))
-    loop = PipelinedLoop(worker, 0, backend, stop, death_r, max_delay_ms=0, heartbeat_ms=50)
+    loop = PipelinedLoop(
+        worker, 0, backend, stop, death_r, max_delay_ms=max_delay_ms, heartbeat_ms=50
+    )
     thread = threading.Thread(target=loop.run)
     thread.start()
     try:
+        yield main, backend
+    finally:
+        stop.requested = True
+        os.eventfd_write(main.work_fd(0), 1)
+        thread.join(10)
+        os.close(death_w)
+        os.close(death_r)
+        worker.close()
+        main.close()
+    assert not thread.is_alive()
+
+
+def submit(main: RequestQueue, rid: int, value: int) -> None:
+    """A 4x4 frame of ``value`` as request ``rid``, due in an hour."""
+    h = main.reserve()
+    assert h is not None
+    np.frombuffer(main.payload(h), np.uint8, count=16)[:] = value
+    main.submit(
+        h, request_id=rid, conn_id=1, priority=0, part_class=0,
+        deadline_ns=time.monotonic_ns() + 3600 * 10**9, height=4, width=4, want_mask=False,
+    )  # fmt: skip
+
+
+def test_every_request_completes_once_with_its_own_result_and_steps_overlap() -> None:
+    with running_loop(max_delay_ms=0) as (main, backend):
         want: dict[int, float] = {}
         for rid in range(40):
             value = (rid * 37) % 251
-            h = main.reserve()
-            assert h is not None
-            np.frombuffer(main.payload(h), np.uint8, count=16)[:] = value
-            main.submit(
-                h, request_id=rid, conn_id=1, priority=0, part_class=0,
-                deadline_ns=time.monotonic_ns() + 60 * 10**9, height=4, width=4, want_mask=False,
-            )  # fmt: skip
+            submit(main, rid, value)
             want[rid] = float(np.float32(value / 255.0))
         done: dict[int, float] = {}
         deadline = time.monotonic() + 30
@@ -95,15 +120,6 @@ def test_every_request_completes_once_with_its_own_result_and_steps_overlap() ->
                 done[c.request_id] = c.result.score
             time.sleep(0.001)
         assert done == want
-    finally:
-        stop.requested = True
-        os.eventfd_write(main.work_fd(0), 1)
-        thread.join(10)
-        os.close(death_w)
-        os.close(death_r)
-        worker.close()
-        main.close()
-    assert not thread.is_alive()
     log = backend.log
     for number in range(1, backend.count + 1):
         steps = [step for step, n in log if n == number]
@@ -122,24 +138,8 @@ def test_every_request_completes_once_with_its_own_result_and_steps_overlap() ->
 def test_an_idle_device_takes_a_lone_request_without_waiting_for_the_fill_window() -> None:
     """A 10-minute fill window and a batch limit of 3: a single request is still claimed,
     computed and completed at once, because nothing is computing (continuous batching)."""
-    name = f"/scratchd-test-pipeline-idle-{os.getpid()}"
-    main = RequestQueue.create(name, Geometry(slots=8, slot_bytes=64, max_workers=2))
-    death_r, death_w = os.pipe()
-    worker = RequestQueue.attach(name, completion_fd=main.completion_fd, work_fd=main.work_fd(0))
-    worker.register_worker(0, os.getpid())
-    backend = FakeAsyncBackend()
-    stop = StopFlag(main.work_fd(0))
-    loop = PipelinedLoop(worker, 0, backend, stop, death_r, max_delay_ms=600_000, heartbeat_ms=50)
-    thread = threading.Thread(target=loop.run)
-    thread.start()
-    try:
-        h = main.reserve()
-        assert h is not None
-        np.frombuffer(main.payload(h), np.uint8, count=16)[:] = 51
-        main.submit(
-            h, request_id=7, conn_id=1, priority=0, part_class=0,
-            deadline_ns=time.monotonic_ns() + 3600 * 10**9, height=4, width=4, want_mask=False,
-        )  # fmt: skip
+    with running_loop(max_delay_ms=600_000) as (main, _):
+        submit(main, 7, 51)
         done: list[Completion] = []
         deadline = time.monotonic() + 30  # far below the window: only an early claim passes
         while not done and time.monotonic() < deadline:
@@ -147,12 +147,3 @@ def test_an_idle_device_takes_a_lone_request_without_waiting_for_the_fill_window
             time.sleep(0.001)
         assert [(c.request_id, c.status) for c in done] == [(7, Status.OK)]
         assert done[0].result is not None and done[0].result.batch_size == 1
-    finally:
-        stop.requested = True
-        os.eventfd_write(main.work_fd(0), 1)
-        thread.join(10)
-        os.close(death_w)
-        os.close(death_r)
-        worker.close()
-        main.close()
-    assert not thread.is_alive()
