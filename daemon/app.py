@@ -255,8 +255,9 @@ class Daemon:
         self.obs.apply_config(config)
 
     def _on_reclaimed(self, report: ReclaimReport) -> None:
-        """A dead worker's claims were reclaimed: answer the ones that timed out or failed."""
-        self.dispatcher.collect()
+        """A dead worker's claims were reclaimed: answer the ones that timed out or failed,
+        and arm the expiry timer for the requeued ones."""
+        self.dispatcher.requeued()
 
     def _worker_name(self, slot: int) -> str | None:
         return self.supervisor.worker_name(slot)

@@ -10,8 +10,9 @@ Every request the acceptor enqueues is recorded here under its queue handle
   tick from now, so a deadline inside the current wheel tick cannot spin the loop) calls
   ``expire_due``; the wheel answers expired requests ``timeout`` within a tick. A descriptor
   becomes QUEUED only by ``submit`` (then ``enqueued`` arms at its own deadline, without asking
-  the queue) or by a reclaim (then ``collect`` re-arms from ``next_deadline_ns()``), so the
-  timer is always due by the earliest deadline.
+  the queue) or by a reclaim (then ``requeued`` re-arms from ``next_deadline_ns()``), so the
+  timer is always due by the earliest deadline; a worker's completion can only make the
+  earliest deadline later, so the doorbell's ``collect`` never takes the queue lock to ask.
 
 Exactly once: a reply is sent only by :meth:`Dispatcher.answer`, and a queued request only
 after its entry is *popped* from the table, so a completion that shows up twice (say, from
@@ -126,18 +127,23 @@ class Dispatcher:
         return dropped
 
     def collect(self) -> None:
-        """Answer everything the queue has finished (it drains the doorbell first); re-arm
-        the expiry timer."""
+        """Answer everything the queue has finished (it drains the doorbell first)."""
         for completion in self.queue.collect_completed():
             self._finish(completion)
-        self.arm_expiry()
         self._note_idle()
+
+    def requeued(self) -> None:
+        """A dead worker's claims went back to the queue: answer what the reclaim finished
+        (timeouts, quarantined failures) and re-arm the timer for the requeued deadlines."""
+        self.collect()
+        self.arm_expiry()
 
     def _on_timer(self) -> None:
         self._timer = None
         for completion in self.queue.expire_due(time.monotonic_ns()):
             self._finish(completion)
         self.collect()
+        self.arm_expiry()
 
     def arm_expiry(self) -> None:
         """Make sure a timer fires by the earliest queued deadline (at least a tick out)."""
