@@ -55,7 +55,10 @@ def test_another_process_taking_memory_shrinks_the_limit_but_held_graphs_still_s
 
 def test_nothing_fits_and_nothing_held_still_allows_one() -> None:
     s = BatchSizer((1, 2, 4), 4, GIB, Card(0))
-    assert s.limit() == 1
+    assert s.limit() == 1  # nothing measured yet
+    s.measured((32, 32), {1: GIB})  # another size is held; for SIZE no bucket fits or is held
+    assert not s.usable(SIZE, 1)
+    assert s.limit(SIZE) == 1
 
 
 def test_an_out_of_memory_capture_is_refused_for_a_while() -> None:
