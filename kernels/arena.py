@@ -263,14 +263,6 @@ class DeviceArena:
         self._unowned, self._pointer = cp.cuda.memory.UnownedMemory, cp.cuda.MemoryPointer
         self.state = ArenaState.OPEN
 
-    @classmethod
-    def from_free_memory(cls, fraction: float, **slabs: int) -> DeviceArena:
-        """An arena of ``fraction`` of the device's free memory now (``cudaMemGetInfo``)."""
-        from scratchd.kernels._cuda import cupy
-
-        free, _ = cupy().cuda.runtime.memGetInfo()
-        return cls(int(free * fraction), **slabs)
-
     def malloc(self, size: int) -> Any:
         """A ``cupy.cuda.MemoryPointer`` to ``size`` bytes; the CuPy allocator interface."""
         if self.state is not ArenaState.OPEN:
@@ -282,8 +274,6 @@ class DeviceArena:
         offset = self._allocate(size, stream, reserved)
         block = _Block(self.arena, offset, reserved, self._current_stream)
         return self._pointer(self._unowned(self.base + offset, size, block, self.device_id), 0)
-
-    __call__ = malloc
 
     def using(self) -> Any:
         """Context manager: CuPy allocates from this arena inside it (this thread)."""

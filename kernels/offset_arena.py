@@ -124,7 +124,7 @@ class BuddyAllocator:
     def __init__(self, total: int) -> None:
         if total <= 0 or total % ALIGN:
             raise ValueError(f"arena size must be a positive multiple of {ALIGN}, got {total}")
-        self.total, self.free_bytes, self.high_water = total, total, 0
+        self.total, self.high_water = total, 0
         self.max_order = order_of(total) + 1
         self._free: list[set[int]] = [set() for _ in range(self.max_order + 1)]
         self._heap: list[list[int]] = [[] for _ in range(self.max_order + 1)]
@@ -164,12 +164,10 @@ class BuddyAllocator:
         while k > order:
             k -= 1
             self._push(offset + (ALIGN << k), k)
-        self.free_bytes -= ALIGN << order
         return offset
 
     def release(self, offset: int, order: int) -> None:
         """Give a block back, merging it with its free buddies."""
-        self.free_bytes += ALIGN << order
         while order < self.max_order:
             buddy = offset ^ (ALIGN << order)
             if buddy not in self._free[order]:
