@@ -106,8 +106,6 @@ class QueueCore:
         self._done_head = seg.header_cell("done_head")
         self._w_pid = seg.workers["pid"].data
         self._w_state = seg.workers["state"].data
-        self._w_batches = seg.workers["batches"].data
-        self._w_requests = seg.workers["requests"].data
         self._free_list: deque[int] = deque()  # creator only: FREE descriptors
 
     def _initialize(self, worker_spin_us: int) -> None:
