@@ -260,7 +260,7 @@ class OffsetArena:
     def reserved(self, size: int) -> int:
         """Bytes a request of ``size`` takes (its slab class, or its trimmed buddy blocks)."""
         if size <= self.small_max:
-            return ALIGN << ((size - 1) >> ALIGN_SHIFT).bit_length() if size > ALIGN else ALIGN
+            return ALIGN << order_of(size)
         return ALIGN * large_units(size)
 
     def allocate(self, size: int, reserved: int = 0) -> int:

@@ -178,6 +178,14 @@ def test_reserved_sizes_waste_little(sizes: list[int]) -> None:
             assert reserved <= max(size * 1.125, size + ALIGN)
 
 
+def test_every_small_size_takes_the_smallest_power_of_two_slab_class() -> None:
+    arena = OffsetArena(1 << 27)
+    for size in range(arena.small_max + 1):  # exhaustive: the random sizes above rarely land here
+        reserved = arena.reserved(size)
+        assert reserved & (reserved - 1) == 0 and reserved >= max(size, 1)
+        assert reserved == ALIGN or reserved // 2 < size
+
+
 def test_a_large_block_gives_its_tail_back() -> None:
     arena = OffsetArena(1 << 20, small_max=0)
     offset = arena.allocate(5 * ALIGN)  # a block of 8 units; 3 go back at once
