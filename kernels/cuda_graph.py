@@ -14,11 +14,12 @@ Batches are served from the smallest bucket (1, 2, 4, 8, 16) that holds them; th
 slots of a bucket compute on stale frames and their results are ignored. Copies in and out
 run on the graph's stream, ordered around the replay.
 
-``predict`` (the model API, with ``prob``) and the CUDA worker go through the serving graphs
-(``serve_graph.py``, cached per (bucket, size) in ``serve_graphs``): the test-time views,
-their mean, score, entropy, histogram and the runs of the thresholded mean are computed on
-the device; only the components are joined on the host. ``run`` replays the plain forward
-graph of one view (``ForwardGraph``) and returns every per-pixel output.
+``predict`` (the model API, with ``prob``) goes through the serving graphs (``serve_graph.py``,
+cached per (bucket, size) in ``serve_graphs``): the test-time views, their mean, score,
+entropy, histogram and the runs of the thresholded mean are computed on the device; only the
+components are joined on the host. The CUDA worker uses the same ``ServeGraph`` but captures
+and caches its own (``workers/cuda.py``: the buckets its arena has room for). ``run`` replays
+the plain forward graph of one view (``ForwardGraph``) and returns every per-pixel output.
 """
 
 from __future__ import annotations
@@ -120,12 +121,6 @@ class CudaScratchNet:
             g.warm_up()
             self.graphs[key] = g
         return g
-
-    def warm_up(self, sizes: Sequence[tuple[int, int]], buckets: Sequence[int] = BUCKETS) -> None:
-        """Capture every (bucket, size) graph ahead of serving (the worker does this first)."""
-        for height, width in sizes:
-            for b in buckets:
-                self.graph(b, height, width)
 
     def run(self, images: np.ndarray) -> dict[str, np.ndarray]:
         """uint8 ``[n, H, W]`` (n ≤ 16) → host arrays ``prob, mask, score, entropy, hist``."""
