@@ -1,7 +1,7 @@
 // Test-time views on the device: view_stack (frames → the view frames the forward runs) and
 // view_mean (the views' probability maps mapped back, averaged, and their entropy summed).
 //
-// A view slot word (views.py: view_slots) says where view j of frame i lives:
+// A view slot word (views.py: view_layout, ViewLayout.words) says where view j of frame i lives:
 //   code = word & 3        0 identity, 1 flip_h (columns reversed), 2 flip_v (rows reversed),
 //                          3 transpose
 //   buf  = (word >> 2) & 1 0: buffer A [VA * N, H, W], 1: buffer B [N, W, H] (the transpose
