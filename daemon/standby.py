@@ -105,7 +105,9 @@ class StandbyMixin(ABC):
         del self.standbys[group]
         slot = self._free_slot()
         if not hand_over(standby, slot, self.queue.work_fd(slot)):
-            standby.retiring = True  # dying anyway; its exit is a non-event
+            # It is gone (or going: its control socket is closed). Out of ``standbys``, its
+            # exit is a non-event, so the group's next spare is started here.
+            self._loop.call_soon(self.spawn_standby, group)
             return False
         standby.id, standby.slot, standby.ready_ns = wid, slot, time.monotonic_ns()
         self.workers[slot] = standby

@@ -355,8 +355,7 @@ class Supervisor(StandbyMixin):
             self.terminate(old)
             await old.exited.wait()
         for group, old_standby in list(self.standbys.items()):  # spares: new config and model
-            del self.standbys[group]
-            old_standby.retiring = True
+            del self.standbys[group]  # out of standbys: its exit is a non-event
             self.terminate(old_standby)
             self.spawn_standby(group)
 

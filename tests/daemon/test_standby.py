@@ -6,6 +6,9 @@ tests/workers/test_cuda.py (GPU)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -14,22 +17,24 @@ import pytest
 from scratchd.daemon.config import load_config
 from scratchd.daemon.standby import MAX_CONSECUTIVE_BOOT_FAILURES, StandbyMixin
 from scratchd.daemon.worker_process import Lineage, Worker, WorkerState
-from scratchd.workers.protocol import STANDBY_SLOT, ExitCode
+from scratchd.workers.protocol import STANDBY_SLOT, ExitCode, parse_take
 
 
 class Pool(StandbyMixin):
     """The supervisor's side of the contract, recorded instead of spawning processes."""
 
-    def __init__(self, device: str, count: int) -> None:
+    def __init__(self, device: str, count: int, work_fd: int = -1) -> None:
         self.config = load_config()
         self.device, self.count = device, count
         self.workers, self.names_by_slot = {}, {}
         self.lineage = [Lineage() for _ in range(count)]
         self.standbys = {}
         self.standby_lines = {g: Lineage() for g in self.groups()}
+        self.queue = cast(Any, SimpleNamespace(work_fd=lambda slot: work_fd))
+        self.soon: list[tuple[Any, tuple[Any, ...]]] = []  # call_soon's calls, not run
         self._loop = cast(asyncio.AbstractEventLoop, SimpleNamespace(
             call_later=lambda delay, fn, *args: ("later", delay, fn, args),
-            call_soon=lambda fn, *args: None,
+            call_soon=lambda fn, *args: self.soon.append((fn, args)),
         ))  # fmt: skip
         self.launched: list[int] = []
         self.halted = ""
@@ -92,3 +97,52 @@ def test_a_retired_standby_leaving_is_not_a_failure() -> None:
     old.state = WorkerState.EXITED
     pool._on_standby_exit(old, -9, was_ready=True)
     assert pool.standbys[0] is not old and not pool.halted
+
+
+@pytest.fixture
+def work_fd() -> Iterator[int]:
+    """Stands in for a slot's work eventfd: any descriptor can travel with the message."""
+    fd = os.open(os.devnull, os.O_RDONLY)
+    yield fd
+    os.close(fd)
+
+
+def _ready_spare(pool: Pool, group: int) -> tuple[Worker, socket.socket]:
+    """A READY standby for ``group`` whose control socket's other end is returned."""
+    pool.spawn_standby(group)
+    spare = pool.standbys[group]
+    spare.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    spare.state, spare.ready_ns = WorkerState.READY, 1
+    return spare, theirs
+
+
+def test_a_ready_standby_is_handed_the_dead_workers_slot_and_serves_in_it(work_fd: int) -> None:
+    cuda = Pool("cuda", 2, work_fd)
+    cuda.workers[0] = Worker(id=0, device="cuda", slot=0, proc=cast(Any, None), pidfd=-1,
+                             ready_fd=-1)  # fmt: skip  # card 0's worker, alive in slot 0
+    spare, theirs = _ready_spare(cuda, 1)
+    with theirs:
+        assert cuda._promote_standby(1)
+        message, fds, _, _ = socket.recv_fds(theirs, 64, 1)
+    for fd in fds:
+        os.close(fd)
+    assert parse_take(message) == 1 and len(fds) == 1  # TAKE <slot> and its work eventfd
+    assert cuda.workers[1] is spare and (spare.id, spare.slot) == (1, 1)
+    assert cuda.names_by_slot[1] == "cuda1"
+    assert (cuda.lineage[1].restarts, cuda.lineage[1].spawned) == (1, 1)
+    assert cuda.lineage[0].restarts == 0
+    assert 1 not in cuda.standbys and cuda.soon == [(cuda.spawn_standby, (1,))]  # next spare
+
+
+def test_a_standby_gone_before_its_hand_over_is_replaced_by_a_new_spare(work_fd: int) -> None:
+    pool = Pool("cpu", 2, work_fd)
+    spare, theirs = _ready_spare(pool, 0)
+    theirs.close()  # the standby died (its exit not seen yet): the hand-over fails
+    assert not pool._promote_standby(1)
+    assert pool.workers == {} and pool.lineage[1].restarts == 0
+    assert pool.standbys == {} and pool.soon == [(pool.spawn_standby, (0,))]
+    for fn, args in pool.soon:
+        fn(*args)
+    assert pool.standbys[0] is not spare and pool.launched == [0, 0]
+    pool._on_standby_exit(spare, -9, was_ready=True)  # the old one's exit is a non-event
+    assert pool.standbys[0] is not spare and not pool.halted
