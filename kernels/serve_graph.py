@@ -244,9 +244,9 @@ class ServeGraph:
         are free: the next ``launch`` may run while the host :meth:`finish` es these.
         ``want_prob`` also copies the mean maps (4 B a pixel; ``CudaScratchNet.predict``)."""
         if self.state is not ServeState.LAUNCHED:
-            raise RuntimeError("ServeGraph.fetch: no batch launched")
+            raise RuntimeError("ServeGraph.collect: no batch launched")
         if not 1 <= n <= self.bucket:
-            raise ValueError(f"ServeGraph.fetch: n={n} outside 1..{self.bucket}")
+            raise ValueError(f"ServeGraph.collect: n={n} outside 1..{self.bucket}")
         import cupyx
 
         st = self._staging
