@@ -76,15 +76,6 @@ class StandbyMixin(ABC):
     def group_of(self, wid: int) -> int:
         return wid if self.device == "cuda" else 0
 
-    @property
-    def standby(self) -> Worker | None:
-        """The first group's standby (``status`` shows it)."""
-        return self.standbys.get(0)
-
-    @property
-    def standby_line(self) -> Lineage:
-        return self.standby_lines[0]
-
     def spawn_standby(self, group: int = 0) -> None:
         """Start a warm spare (``workers.standby``) for ``group`` unless it has one or we are
         stopping."""
