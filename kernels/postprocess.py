@@ -69,9 +69,14 @@ def _touching_pairs(row: np.ndarray, start: np.ndarray, end: np.ndarray, width: 
     hi = np.searchsorted(start_key, (row + 1) * stride + end, side="right")
     counts = np.maximum(hi - lo, 0)
     a = np.repeat(np.arange(len(row)), counts)
-    offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    b = np.repeat(lo, counts) + offsets
+    b = np.repeat(lo, counts) + _ragged_arange(counts)
     return np.stack([a, b], axis=1)
+
+
+def _ragged_arange(counts: np.ndarray) -> np.ndarray:
+    """``0..c-1`` for each ``c`` in ``counts``, concatenated (one piece's offsets after the
+    other, without a Python loop)."""
+    return np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def label_runs(mask: np.ndarray) -> Runs:
@@ -173,10 +178,7 @@ def _paint(runs: Runs, kept: np.ndarray, h: int, w: int) -> np.ndarray:
     mask = np.zeros(h * w, dtype=np.uint8)
     first = runs.row[kept] * w + runs.start[kept]
     length = runs.end[kept] - runs.start[kept]
-    total = int(length.sum())
-    if total:
-        offsets = np.arange(total) - np.repeat(np.cumsum(length) - length, length)
-        mask[np.repeat(first, length) + offsets] = 255
+    mask[np.repeat(first, length) + _ragged_arange(length)] = 255
     return mask.reshape(h, w)
 
 
