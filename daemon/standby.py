@@ -83,7 +83,6 @@ class StandbyMixin(ABC):
         line.pending = None
         if self.config.workers.standby and group not in self.standbys and self._running():
             worker = self._launch(STANDBY_SLOT, STANDBY_SLOT, group)
-            worker.group = group
             self.standbys[group] = worker
             line.spawned += 1
 

@@ -43,7 +43,9 @@ class Pool(StandbyMixin):
     def _launch(self, wid: int, slot: int, group: int | None = None) -> Worker:
         self.launched.append(-1 if group is None else group)
         proc: Any = SimpleNamespace(pid=next(self.pids))
-        return Worker(id=wid, device=self.device, slot=slot, proc=proc, pidfd=-1, ready_fd=-1)
+        worker = Worker(id=wid, device=self.device, slot=slot, proc=proc, pidfd=-1, ready_fd=-1)
+        worker.group = self.group_of(wid) if group is None else group  # as Supervisor's does
+        return worker
 
     def _free_slot(self) -> int:
         return len(self.workers)
