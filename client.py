@@ -120,7 +120,7 @@ class AsyncClient:
             deadline_ms=deadline_ms,
             want_mask=want_mask,
         )
-        reply = await self._call(request.id, wire.frame_buffer(request))
+        reply = await self._call(request.id, wire.encode_frame(request))
         if not isinstance(reply, Reply):
             raise ConnectionError(f"daemon answered request {request.id} with {type(reply)}")
         return reply
@@ -208,7 +208,7 @@ class Client:
             deadline_ms=deadline_ms,
             want_mask=want_mask,
         )
-        self._sock.sendall(wire.frame_buffer(request))
+        self._sock.sendall(wire.encode_frame(request))
         reply = self._receive_for(request.id)
         assert isinstance(reply, Reply)
         return reply
@@ -221,7 +221,7 @@ class Client:
         in_flight: dict[int, int] = {}
         for index, image in enumerate(images):
             request = build_request(next(self._ids), image, **options)  # type: ignore[arg-type]
-            self._sock.sendall(wire.frame_buffer(request))
+            self._sock.sendall(wire.encode_frame(request))
             in_flight[request.id] = index
             while len(in_flight) >= concurrency:
                 yield self._collect_one(in_flight)

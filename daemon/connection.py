@@ -125,7 +125,7 @@ class Connection(asyncio.BufferedProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._refused: asyncio.StreamReader | None = None
         self._fed = 0
-        self._out: list[bytes] = []  # replies not yet written (see send)
+        self._out: list[bytearray] = []  # replies not yet written (see send)
 
     # ---- bookkeeping the acceptor uses ------------------------------------------------
 

@@ -248,14 +248,9 @@ DecodeError = msgspec.DecodeError
 """Raised for a body that is not valid msgpack or does not match the schema."""
 
 
-def encode_frame(message: ClientMessage | DaemonMessage) -> bytes:
-    """The length-prefixed frame for ``message``."""
-    return bytes(frame_buffer(message))
-
-
-def frame_buffer(message: ClientMessage | DaemonMessage) -> bytearray:
-    """:func:`encode_frame`'s frame in a fresh ``bytearray``, for a sender that writes it
-    at once (no copy to ``bytes``). The buffer is sized for the image up front
+def encode_frame(message: ClientMessage | DaemonMessage) -> bytearray:
+    """The length-prefixed frame for ``message``, in a fresh ``bytearray`` that the sender
+    writes as it is (no copy to ``bytes``). The buffer is sized for the image up front
     (``encode_into`` truncates it to the message), so a 1 MiB frame is encoded in one pass.
     """
     image = message.pixels or message.encoded if isinstance(message, InferRequest) else None
@@ -275,7 +270,7 @@ def frame_length(prefix: bytes | bytearray | memoryview) -> int:
     return int(length)
 
 
-def decode_client_message(body: bytes | memoryview) -> ClientMessage:
+def decode_client_message(body: bytes | bytearray | memoryview) -> ClientMessage:
     """Decode a request body; raises :data:`DecodeError` with a readable reason."""
     return _client_decoder.decode(body)
 

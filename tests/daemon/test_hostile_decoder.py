@@ -43,7 +43,7 @@ request_keys = st.sampled_from(
 )
 
 
-def _decode(body: bytes) -> wire.ClientMessage | None:
+def _decode(body: bytes | bytearray) -> wire.ClientMessage | None:
     try:
         return wire.decode_client_message(body)
     except wire.DecodeError:
