@@ -293,8 +293,8 @@ class Daemon:
                     **self.obs.worker_fields(name),
                 )
             )
-        standbys = [
-            wire.WorkerStatus(
+        spares = {  # by group, in group order: group 0 (a CUDA pool's first card) is `standby`
+            group: wire.WorkerStatus(
                 id=-1,
                 name=spare.name if self.backend == "cpu" else f"{spare.name}{group}",
                 pid=spare.proc.pid,
@@ -304,8 +304,7 @@ class Daemon:
                 model_version=spare.version,
             )
             for group, spare in sorted(self.supervisor.standbys.items())
-        ]
-        standby = standbys[0] if standbys and 0 in self.supervisor.standbys else None
+        }
         counts = self.queue.counts_by_state()
         queue = wire.QueueStatus(
             depth=self.queue.depth_by_priority(),
@@ -326,8 +325,8 @@ class Daemon:
             reloads=self.service.reloader.count,
             reload_error=self.service.reloader.last_error,
             refused_connections=self.acceptor.gate.refused,
-            standby=standby,
-            standbys=standbys,
+            standby=spares.get(0),
+            standbys=list(spares.values()),
             **self.obs.status_fields(),
         )
 
