@@ -114,6 +114,20 @@ def link_runs(row: np.ndarray, start: np.ndarray, end: np.ndarray, width: int) -
     return Runs(row, start, end, rank[labels].astype(np.int64), int(is_root.sum()))
 
 
+def threshold_runs(
+    prob: np.ndarray,  # [H, W] float32
+    threshold: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(row, start, end, run_sum)`` of the runs of ``prob >= threshold`` (compared in
+    float32, as on the device), row-major: ``finish_runs``' input. ``run_sum`` (float64) is
+    prob summed over each run, from per-row float64 prefix sums."""
+    h, w = prob.shape
+    row, start, end = find_runs(prob >= np.float32(threshold))
+    prefix = np.zeros((h, w + 1), dtype=np.float64)
+    np.cumsum(prob, axis=1, out=prefix[:, 1:])
+    return row, start, end, prefix[row, end] - prefix[row, start]
+
+
 @dataclass(frozen=True)
 class PostResult:
     mask: np.ndarray  # [H, W] uint8, 0/255, kept components only
@@ -132,12 +146,7 @@ def postprocess(
     if prob.ndim != 2 or prob.dtype != np.float32:
         raise ValueError(f"postprocess: prob must be 2-D float32, got {prob.dtype} {prob.shape}")
     h, w = prob.shape
-    row, start, end = find_runs(prob >= threshold)
-    # Sum of prob over each run from per-row prefix sums (float64).
-    prefix = np.zeros((h, w + 1), dtype=np.float64)
-    np.cumsum(prob, axis=1, out=prefix[:, 1:])
-    run_sum = prefix[row, end] - prefix[row, start]
-    comp = finish_runs(row, start, end, run_sum, h, w, min_area)
+    comp = finish_runs(*threshold_runs(prob, threshold), h, w, min_area)
     assert comp.mask is not None
     score = peak_local_mean(prob, score_window)
     return PostResult(comp.mask, comp.boxes, score, "defect" if comp.boxes else "clean")

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from scratchd.kernels._checks import check_array
-from scratchd.kernels.postprocess import find_runs
+from scratchd.kernels.postprocess import threshold_runs
 
 RECORD = 4  # int32 words per run
 WARPS = 8  # rows per 256-thread block (row_runs.cu)
@@ -45,14 +45,12 @@ def row_runs_ref(prob: np.ndarray, threshold: float, capacity: int) -> RowRuns:
     stored (row-major), unused records zero."""
     check_array("row_runs", "prob", prob, ndim=3)
     _check_capacity(capacity)
-    n, h, w = prob.shape
+    n = len(prob)
     runs = np.zeros((n, capacity, RECORD), dtype=np.int32)
     count = np.zeros(n, dtype=np.int32)
     for i, p in enumerate(prob):
-        row, start, end = find_runs(p >= np.float32(threshold))
-        prefix = np.zeros((h, w + 1), dtype=np.float64)
-        np.cumsum(p, axis=1, out=prefix[:, 1:])
-        sums = (prefix[row, end] - prefix[row, start]).astype(np.float32)
+        row, start, end, run_sum = threshold_runs(p, threshold)
+        sums = run_sum.astype(np.float32)
         k = min(len(row), capacity)
         count[i] = len(row)
         runs[i, :k, 0], runs[i, :k, 1], runs[i, :k, 2] = row[:k], start[:k], end[:k]

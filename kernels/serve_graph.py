@@ -30,7 +30,7 @@ then, in one strided copy, as many run records of each of the ``n`` frames as th
 one has (16 B a run), and returns owned copies. ``finish`` (:class:`HostFinish`) joins each
 frame's runs into components on the host (``postprocess.finish_runs``: the CPU path's own
 code; a frame without runs skips it). A frame whose runs overflowed the capacity is
-finished from its mean map (copied in ``collect``, 4 B a pixel, then ``postprocess``); it is
+finished from its mean map (copied in ``collect``, 4 B a pixel, then ``threshold_runs``); it is
 counted in ``host_fallbacks`` and flagged in its result, never silently truncated. The
 histogram of each frame is the one of its first view frame (views only permute pixels).
 
@@ -53,7 +53,7 @@ import numpy as np
 
 from scratchd.kernels.cuda_graph import CudaScratchNet, capture
 from scratchd.kernels.cuda_net import Buffers
-from scratchd.kernels.postprocess import HIST_BINS, Box, Verdict, finish_runs, postprocess
+from scratchd.kernels.postprocess import HIST_BINS, Box, Verdict, finish_runs, threshold_runs
 from scratchd.kernels.row_runs import RECORD, RowRuns, row_runs_cuda, unpack_runs
 from scratchd.kernels.views import ViewMean, view_layout, view_mean_cuda, view_stack_cuda
 
@@ -109,8 +109,11 @@ class HostFinish:
         count = int(batch.count[j])
         overflow = j in batch.maps
         if overflow:
-            post = postprocess(batch.maps[j], self.threshold, self.min_area, self.score_window)
-            mask, boxes = (post.mask if want_mask else None), post.boxes
+            # Not every run was stored: take them from the map. Only the components: the
+            # score came from the device (no peak_local_mean), the mask only when wanted.
+            runs = threshold_runs(batch.maps[j], self.threshold)
+            comp = finish_runs(*runs, self.height, self.width, self.min_area, paint=want_mask)
+            mask, boxes = comp.mask, comp.boxes
         elif count == 0:  # the common clean frame: nothing to join (saves ~60 us)
             mask = np.zeros((self.height, self.width), np.uint8) if want_mask else None
             boxes = []

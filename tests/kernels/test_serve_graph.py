@@ -211,6 +211,8 @@ def test_host_finish_matches_postprocess_on_real_maps(data_dir: Path) -> None:
         assert got.verdict == want.verdict and got.score == float(batch.score[j])
         plain = host.frame(batch, j, False)
         assert plain.mask is None and plain.boxes == got.boxes
+    # An overflowed frame with components, so the host path's boxes and mask were checked.
+    assert any(host.frame(batch, j, False).boxes for j in np.flatnonzero(over).tolist())
 
 
 @pytest.mark.gpu
