@@ -1,10 +1,11 @@
 """Fuzzing the frame decoder and the request checks: whatever arrives, only typed outcomes.
 
 The daemon's first line against a hostile peer is pure code: the typed msgpack decode
-(``wire.decode_client_message``) and the acceptor's checks before any byte is copied into a
-payload slot (``check_image``). Whatever the bytes, the decoder either returns a message or
-raises ``DecodeError``, and a request that passes the checks can be written into a slot
-without overflowing it. The live-socket half of the fuzzing is in ``test_hostile.py``.
+(``wire.decode_client_frame``, as the acceptor calls it: raw pixels stay a view of the
+received body) and the acceptor's checks before any byte is copied into a payload slot
+(``check_image``). Whatever the bytes, the decoder either returns a message or raises
+``DecodeError``, and a request that passes the checks can be written into a slot without
+overflowing it. The live-socket half of the fuzzing is in ``test_hostile.py``.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ request_keys = st.sampled_from(
 )
 
 
-def _decode(body: bytes | bytearray) -> wire.ClientMessage | None:
+def _decode(body: bytes | bytearray) -> wire.ClientFrame | None:
     try:
-        return wire.decode_client_message(body)
+        return wire.decode_client_frame(body)
     except wire.DecodeError:
         return None
 
@@ -53,7 +54,7 @@ def _decode(body: bytes | bytearray) -> wire.ClientMessage | None:
 @given(st.binary(max_size=512))
 def test_arbitrary_bytes_decode_or_raise_decode_error(body: bytes) -> None:
     message = _decode(body)
-    assert message is None or isinstance(message, wire.InferRequest | wire.StatusRequest)
+    assert message is None or isinstance(message, wire.InferFrame | wire.StatusRequest)
     rid = wire.salvage_request_id(body)
     assert 0 <= rid < 2**63
 
@@ -67,7 +68,7 @@ def test_msgpack_maps_with_wrong_fields_and_types(fields: dict[str, Any], tag: A
         fields["type"] = tag
     body = msgspec.msgpack.encode(fields)
     message = _decode(body)
-    if isinstance(message, wire.InferRequest):
+    if isinstance(message, wire.InferFrame):
         _check_never_overflows(message)
 
 
@@ -93,11 +94,11 @@ def test_declared_shapes_never_overflow_a_slot(
     )
     # Round trip through the wire, as the daemon sees it.
     message = _decode(wire.encode_frame(request)[wire.PREFIX_BYTES :])
-    assert isinstance(message, wire.InferRequest)
+    assert isinstance(message, wire.InferFrame)
     _check_never_overflows(message)
 
 
-def _check_never_overflows(request: wire.InferRequest) -> None:
+def _check_never_overflows(request: wire.InferFrame) -> None:
     try:
         check_image(request, SLOT_BYTES)
     except Invalid as exc:
