@@ -7,6 +7,10 @@ only (the main process never creates a CUDA context; workers are exec'd and do).
 - ``cuda``: one worker per card of ``workers.gpus`` (``"all"``: every card NVML lists, in
   NVML's order). No card, no NVML library, or no CuPy is a configuration error that says which.
 - ``auto``: ``cuda`` when all of that is present, else ``cpu`` — and the start log says why.
+
+Cards are named by NVML index. NVML counts them in PCI bus id order, CUDA by default fastest
+first, so the supervisor starts each worker with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` beside
+``CUDA_VISIBLE_DEVICES=<NVML index>``: only then does CUDA open the card NVML means.
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from scratchd.daemon.config import Config, ConfigError
+from scratchd.workers.gpu_memory import nvml
 
 
 @dataclass(frozen=True)
 class Placement:
     backend: Literal["cpu", "cuda"]
-    gpus: list[int]  # NVML indices (CUDA_VISIBLE_DEVICES of each worker); empty for cpu
+    gpus: list[int]  # NVML indices (see the module docstring); empty for cpu
     workers: int
     why: str  # one line for the start log
 
@@ -32,10 +37,7 @@ def visible_gpu_count() -> tuple[int, str]:
     if importlib.util.find_spec("cupy") is None:
         return 0, "CuPy is not installed (pip install 'scratchd[cuda]')"
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        count = int(pynvml.nvmlDeviceGetCount())
+        count = int(nvml().nvmlDeviceGetCount())
     except Exception as exc:  # no library, no driver: NVML raises its own error types
         return 0, f"NVML unavailable: {exc}"
     return count, "" if count else "NVML lists no GPU"

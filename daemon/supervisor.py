@@ -23,7 +23,8 @@ worker whose shared-memory heartbeat is older than ``hang_timeout``, SIGKILLs on
 exited ``kill_grace`` after its SIGTERM, and kills a worker stuck in boot.
 
 CUDA pools (``device == "cuda"``): one worker per card in ``gpus``, each started with
-``CUDA_VISIBLE_DEVICES`` naming its card, and one warm standby *per card* (a standby has its
+``CUDA_VISIBLE_DEVICES`` naming its card (by NVML index, with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
+so that CUDA numbers cards as NVML does), and one warm standby *per card* (a standby has its
 CUDA context, modules and graphs on that card, so it can only replace that card's worker).
 A CPU pool shares one standby (group 0).
 
@@ -188,7 +189,8 @@ class Supervisor(StandbyMixin):
     def _worker_env(self, wid: int, group: int) -> dict[str, str]:
         first = wid >= 0 and self.lineage[wid].spawned == 0
         env = worker_env(f"{self.device}{wid}", self.count, arm_fault=first)
-        if self.device == "cuda":
+        if self.device == "cuda":  # an NVML index; CUDA must count cards as NVML does (gpus.py)
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpus[group])
         return env
 

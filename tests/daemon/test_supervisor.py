@@ -309,3 +309,15 @@ def test_gpu_worker_flags_from_the_config_are_what_the_worker_parses() -> None:
         else:  # a CPU worker keeps its own, smaller limits and no GPU flags
             assert (args.max_batch, args.max_delay_ms) == (2, 0)
             assert args.gpu_warm_size == []
+
+
+def test_a_cuda_worker_opens_the_card_nvml_names() -> None:
+    from types import SimpleNamespace
+
+    from scratchd.daemon.worker_process import Lineage
+
+    pool = SimpleNamespace(device="cuda", count=2, gpus=[3, 1], lineage=[Lineage(), Lineage()])
+    for wid, card in ((0, "3"), (1, "1")):
+        env = Supervisor._worker_env(pool, wid, group=wid)  # type: ignore[arg-type]
+        # CUDA's default order is fastest first; NVML's, whose indices gpus holds, is by bus id
+        assert (env["CUDA_DEVICE_ORDER"], env["CUDA_VISIBLE_DEVICES"]) == ("PCI_BUS_ID", card)
