@@ -53,7 +53,6 @@ from scratchd.daemon.images import (
     Invalid,
     check_image,
     convert_into,
-    shape_cost_error,
     write_raw_grey,
 )
 from scratchd.daemon.log import log_event
@@ -68,7 +67,6 @@ __all__ = [
     "Invalid",
     "check_image",
     "convert_into",
-    "shape_cost_error",
 ]
 
 MS: Final = 1_000_000
