@@ -59,20 +59,18 @@ def row_runs_ref(prob: np.ndarray, threshold: float, capacity: int) -> RowRuns:
 
 
 def unpack_runs(
-    records: np.ndarray,  # [cap, 4] int32 of one frame
+    records: np.ndarray,  # [cap, 4] int32 of one frame, row-major (as both producers write)
     count: int,
-    width: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(row, start, end, run_sum)`` of one frame's stored runs, row-major (int64,
     float64): what ``postprocess.finish_runs`` takes. The caller checks overflow first.
-    Sorted here as well (a few microseconds on sorted input), so any record order works."""
+    Not sorted here: the reference and the kernels store the records in ``find_runs`` order
+    (test_row_runs checks both), which ``finish_runs`` relies on."""
     if count > len(records):
         raise ValueError(f"row_runs: {count} runs overflowed the capacity {len(records)}")
     rec = records[:count]
     row, start, end = (rec[:, j].astype(np.int64) for j in range(3))
-    order = np.argsort(row * (width + 1) + start, kind="stable")
-    sums = rec[:, 3].view(np.float32).astype(np.float64)
-    return row[order], start[order], end[order], sums[order]
+    return row, start, end, rec[:, 3].view(np.float32).astype(np.float64)
 
 
 def row_runs_buffers(n: int, capacity: int) -> RowRuns:

@@ -118,7 +118,7 @@ class HostFinish:
             mask = np.zeros((self.height, self.width), np.uint8) if want_mask else None
             boxes = []
         else:
-            row, start, end, sums = unpack_runs(batch.runs[j], count, self.width)
+            row, start, end, sums = unpack_runs(batch.runs[j], count)
             comp = finish_runs(
                 row, start, end, sums, self.height, self.width, self.min_area, paint=want_mask
             )

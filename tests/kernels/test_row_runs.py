@@ -33,7 +33,9 @@ THRESHOLD = 0.5
 def test_ref_runs_finish_exactly_like_postprocess(prob: np.ndarray, min_area: int) -> None:
     h, w = prob.shape
     got = row_runs_ref(prob[None], THRESHOLD, h * w)
-    row, start, end, sums = unpack_runs(got.runs[0], int(got.count[0]), w)
+    row, start, end, sums = unpack_runs(got.runs[0], int(got.count[0]))
+    # Stored row-major (unpack_runs does not sort; the kernels are checked against this order).
+    assert np.all(np.diff(row * (w + 1) + start) > 0) and np.all(start < end)
     comp = finish_runs(row, start, end, sums, h, w, min_area)
     want = postprocess(prob, THRESHOLD, min_area, 1)
     assert comp.mask is not None and np.array_equal(comp.mask, want.mask)
@@ -55,8 +57,8 @@ def test_ref_overflow_keeps_the_true_count_and_the_first_runs() -> None:
                                            [0, 8, 9], [1, 0, 1], [1, 2, 3]]  # fmt: skip
     assert np.allclose(got.runs[0, :, 3].view(np.float32), 0.9)
     with pytest.raises(ValueError, match="overflowed"):
-        unpack_runs(got.runs[0], 20, 9)
-    assert finish_runs(*unpack_runs(got.runs[0], 7, 9), 4, 9, 1, paint=False).mask is None
+        unpack_runs(got.runs[0], 20)
+    assert finish_runs(*unpack_runs(got.runs[0], 7), 4, 9, 1, paint=False).mask is None
 
 
 def _compare(prob: np.ndarray, capacity: int, seed: int) -> None:
