@@ -99,7 +99,7 @@ class RobustMutex:
         if rc == errno.EBUSY and self._on_stuck is not None:  # trylock lost: wait, watching
             self._acquire_watching()
         elif rc == errno.EOWNERDEAD:
-            self._recover()
+            self.recover()
         else:
             _check(rc, "pthread_mutex_lock")
 
@@ -111,7 +111,7 @@ class RobustMutex:
         if rc == errno.EBUSY:
             return False
         if rc == errno.EOWNERDEAD:
-            self._recover()
+            self.recover()
             return True
         _check(rc, "pthread_mutex_trylock")
         return False
@@ -128,7 +128,7 @@ class RobustMutex:
             self._on_stuck(self.holder_tid())
             rc = self._lock()
         if rc == errno.EOWNERDEAD:
-            self._recover()
+            self.recover()
         elif rc:
             _check(rc, "pthread_mutex_clocklock")
 
@@ -156,12 +156,10 @@ class RobustMutex:
         self._native.close()
 
     def recover(self) -> None:
-        """The caller got the lock with EOWNERDEAD some other way (the C fast path of a queue
-        operation): repair and mark consistent, as :meth:`acquire` would have. If the
-        repair raises, the mutex is released and the exception propagates."""
-        self._recover()
-
-    def _recover(self) -> None:
+        """Repair and mark consistent after taking the lock with EOWNERDEAD: from
+        :meth:`acquire` and :meth:`try_acquire`, or from a caller that got the lock some other
+        way (the C fast path of a queue operation). If the repair raises, the mutex is
+        released and the exception propagates."""
         # Order: repair while we hold the lock, then consistent, so no other process can
         # observe the half-repaired state; consistent even if repair raised, so the mutex
         # never becomes ENOTRECOVERABLE because of a bug in repair.
