@@ -95,8 +95,9 @@ class WorkersConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """Frame sizes ``[height, width]`` whose graphs a CUDA worker captures before READY
     (other sizes are captured on first use)."""
     standby: bool = True
-    """Keep one warm spare worker (model loaded, warmed up) that takes over a dead worker's
-    slot in milliseconds; its replacement spare then boots in the background."""
+    """Keep warm spare workers (model loaded, warmed up): one for a CPU pool, one per card for
+    a CUDA pool. A spare takes over a dead worker's slot (on its card) in milliseconds; its
+    replacement spare then boots in the background."""
     heartbeat_ms: Positive = 250
     hang_timeout_ms: Positive = 30_000
     """A worker whose heartbeat is older than this is SIGTERMed (a batch on CPU can be slow)."""
