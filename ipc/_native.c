@@ -877,8 +877,9 @@ static PyObject *Core_spin_ready(Core *c, PyObject *args) {
     long min_ready;
     long long spin_ns;
     if (!PyArg_ParseTuple(args, "lL", &min_ready, &spin_ns)) return NULL;
-    if (ready_total(c) >= min_ready) Py_RETURN_TRUE;
-    return PyBool_FromLong(spin_ns > 0 && spin(c, min_ready < 1 ? 1 : min_ready, spin_ns));
+    /* min_ready < 1 is met at once; it must not reach spin(), where 0 means the done stack */
+    if (min_ready < 1 || ready_total(c) >= min_ready) Py_RETURN_TRUE;
+    return PyBool_FromLong(spin_ns > 0 && spin(c, min_ready, spin_ns));
 }
 
 /* Main process: spin up to spin_ns for the done stack with completion_armed = 0 (workers
