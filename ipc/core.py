@@ -10,9 +10,10 @@ The four round-trip sections (submit, claim, complete, collect) are C
 :meth:`QueueCore._contended` is their slow path when the lock is busy or its holder died.
 Everything else is Python over the same bytes, using the C index steps below.
 
-Hot paths read and write descriptor fields through per-field column views (``self._d.state``
-etc.) and compare with plain ``int`` state codes: numpy compares a scalar with an ``IntEnum``
-member ~50× slower than with an int.
+The Python sections (reserve, the handle checks, expiry, reclaim, abandon) read and write
+single descriptor fields through per-field column views (``self._d.state`` etc.) and
+compare with plain ``int`` state codes: numpy compares a scalar with an ``IntEnum`` member
+~50× slower than with an int.
 
 The index over the descriptor table, derived from it (repair rebuilds it from the states)
 and implemented once, in C (``_native.Core``: the hot sections use it directly, the Python
