@@ -153,14 +153,15 @@ class WorkerOps(QueueCore):
 
         Raises ValueError (nothing written, still CLAIMED) for a malformed result.
         """
-        i = c.handle.index
-        if not self._owns(slot, c):
+        h, pid = c.handle, os.getpid()  # a syscall (~0.2 µs): once per call
+        if not self._native.owns(h.index, h.generation, c.attempt, slot, pid):
             return False
+        i = h.index
         write_result(
             self._seg.result_block, self._r, self._seg.masks, i, result, c.height, c.width,
             between=self._die_mid_result if self._faulty else None,
         )  # fmt: skip
-        args = (i, c.handle.generation, c.attempt, slot, os.getpid(), time_ns())
+        args = (i, h.generation, c.attempt, slot, pid, time_ns())
         # [lock] re-check ownership, push on the done stack, state = DONE [unlock]
         done = self._native.complete(False, *args)
         if isinstance(done, Contended):
@@ -210,10 +211,6 @@ class WorkerOps(QueueCore):
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.geometry.max_workers:
             raise QueueError(f"worker slot {slot} outside 0..{self.geometry.max_workers - 1}")
-
-    def _owns(self, slot: int, c: Claim) -> bool:
-        h = c.handle
-        return self._native.owns(h.index, h.generation, c.attempt, slot, os.getpid())
 
     def _row_of(self, s: int, claimed: int) -> WorkerRow:
         w = self._seg.workers[s]
