@@ -116,6 +116,11 @@ class ClassConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     path: str = ""
+    views: list[str] = []
+    """Test-time views each frame is run through and averaged (``kernels.model.VIEWS``:
+    identity, flip_h, flip_v, transpose), each one forward pass; empty: the model file's own.
+    ``["identity"]`` serves about 4x the frames of the shipped four for a little accuracy
+    (README.md, "Choosing the test-time views")."""
 
 
 class DriftConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -176,7 +181,21 @@ def _convert(raw: Mapping[str, Any]) -> Config:
         config = msgspec.convert(raw, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(_explain(exc)) from None
+    check_views(config.model.views)
     return msgspec.structs.replace(config, classes=classes)
+
+
+def check_views(views: list[str]) -> None:
+    """``model.views``: names the kernels know, each at most once (the model averages its
+    views in the listed order; a view twice would weigh it twice and the GPU layout refuses
+    it)."""
+    from scratchd.kernels.model import VIEWS  # numpy and the net: only when a config is read
+
+    for i, view in enumerate(views):
+        if view not in VIEWS:
+            raise ConfigError(f"model.views: unknown view {view!r} (known: {', '.join(VIEWS)})")
+        if view in views[:i]:
+            raise ConfigError(f"model.views: view {view!r} is listed twice")
 
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:

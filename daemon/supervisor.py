@@ -167,12 +167,16 @@ class Supervisor(StandbyMixin):
     def _backend_args(self) -> tuple[int, int, tuple[str, ...]]:
         """``(max_batch, max_delay_ms, extra flags)`` for this pool's workers, from the
         current config (a reload changes it): a GPU worker takes the queue's batch limits
-        and its memory settings; a CPU worker its own, smaller limits."""
+        and its memory settings; a CPU worker its own, smaller limits. Both take
+        ``model.views`` (no flag when empty: the model file's own views)."""
         q, w = self.config.queue, self.config.workers
+        views = self.config.model.views
+        model = (f"--views={','.join(views)}",) if views else ()
         if self.device != "cuda":
             return (min(q.max_batch, w.cpu_max_batch),
-                    min(q.max_queue_delay_ms, w.cpu_max_queue_delay_ms), ())  # fmt: skip
+                    min(q.max_queue_delay_ms, w.cpu_max_queue_delay_ms), model)  # fmt: skip
         extra = (
+            *model,
             f"--gpu-reserve-mb={w.gpu_reserve_mb}",
             f"--gpu-arena-mb={w.gpu_arena_mb}",
             *(f"--gpu-warm-size={h}x{wd}" for h, wd in w.gpu_warm_sizes),

@@ -26,12 +26,15 @@ WARM_UP_SHAPE: Final = (64, 64)
 
 
 class CpuBackend:
-    """ScratchNet on numpy. ``max_batch`` is fixed (config ``workers.cpu_max_batch``)."""
+    """ScratchNet on numpy. ``max_batch`` is fixed (config ``workers.cpu_max_batch``);
+    ``views`` (config ``model.views``) replaces the model file's test-time views."""
 
     device: str = "cpu"
 
-    def __init__(self, model_path: str | None, max_batch: int) -> None:
-        self.model: ScratchNet = load_model(model_path or None)
+    def __init__(
+        self, model_path: str | None, max_batch: int, views: Sequence[str] | None = None
+    ) -> None:
+        self.model: ScratchNet = load_model(model_path or None, views=views or None)
         self.max_batch = max_batch
         self.version: str = self.model.version
 

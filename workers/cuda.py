@@ -86,6 +86,7 @@ class CudaBackend:
         reserve_mb: int = 1024,
         warm_sizes: Sequence[tuple[int, int]] = WARM_SIZES,
         arena_mb: int = 16384,
+        views: Sequence[str] | None = None,  # config model.views; None: the model file's
     ) -> None:
         from scratchd.kernels import _cuda as cu
         from scratchd.kernels.cuda_graph import CudaScratchNet
@@ -108,7 +109,7 @@ class CudaBackend:
         self.arena = self._open_arena(arena_mb * MIB, reserve_mb * MIB)
         self.boot_ms["arena"] = _ms(t0)
         t0 = time.perf_counter()
-        model = load_model(model_path or None)
+        model = load_model(model_path or None, views=views or None)
         self.net = CudaScratchNet(model)
         self.boot_ms["weights"] = _ms(t0)
         self.version: str = model.version

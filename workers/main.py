@@ -97,6 +97,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="a frame size whose graphs are captured before READY (repeatable)",
     )  # fmt: skip
     p.add_argument("--model", default="")
+    p.add_argument(
+        "--views", type=_parse_views, default=(), metavar="V[,V...]",
+        help="test-time views, comma-separated (default: the model file's)",
+    )  # fmt: skip
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-delay-ms", type=int, default=10)
     p.add_argument("--heartbeat-ms", type=int, default=250)
@@ -121,11 +125,17 @@ def make_backend(args: argparse.Namespace) -> Backend:
 
         sizes = [_parse_size(s) for s in args.gpu_warm_size] or list(WARM_SIZES)
         return CudaBackend(
-            args.model or None, args.max_batch, args.gpu_reserve_mb, sizes, args.gpu_arena_mb
-        )
+            args.model or None, args.max_batch, args.gpu_reserve_mb, sizes, args.gpu_arena_mb,
+            views=args.views or None,
+        )  # fmt: skip
     from scratchd.workers.cpu import CpuBackend  # the model's imports, only in workers
 
-    return CpuBackend(args.model or None, args.max_batch)
+    return CpuBackend(args.model or None, args.max_batch, views=args.views or None)
+
+
+def _parse_views(text: str) -> tuple[str, ...]:
+    """``--views identity,flip_h`` → the names (the model checks them when it loads)."""
+    return tuple(v for v in text.split(",") if v)
 
 
 def _parse_size(text: str) -> tuple[int, int]:

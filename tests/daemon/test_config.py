@@ -69,6 +69,12 @@ def test_the_design_skeleton_decodes(tmp_path: Path) -> None:
         ("[workers]\nbackend = 'gpu'\n", "'workers.backend'"),
         ("queue = 3\n", "'queue'"),
         ("[server\n", "not valid TOML"),
+        ("[model]\nviews = 'identity'\n", "'model.views'"),
+        (
+            "[model]\nviews = ['identity', 'flipx']\n",
+            "model.views: unknown view 'flipx' (known: identity, flip_h, flip_v, transpose)",
+        ),
+        ("[model]\nviews = ['flip_h', 'flip_h']\n", "model.views: view 'flip_h' is listed twice"),
     ],
 )
 def test_bad_keys_and_values_are_named(tmp_path: Path, text: str, named: str) -> None:
@@ -77,6 +83,12 @@ def test_bad_keys_and_values_are_named(tmp_path: Path, text: str, named: str) ->
         load_config(path, environ={})
     assert named in str(info.value)
     assert str(path) in str(info.value)
+
+
+def test_model_views_in_order_or_empty_for_the_model_files_own(tmp_path: Path) -> None:
+    assert load_config(environ={}).model.views == []  # the model file's views
+    text = '[model]\nviews = ["transpose", "identity"]\n'
+    assert load_config(_write(tmp_path, text), environ={}).model.views == ["transpose", "identity"]
 
 
 def test_a_missing_file_is_named(tmp_path: Path) -> None:

@@ -295,7 +295,8 @@ def test_gpu_worker_flags_from_the_config_are_what_the_worker_parses() -> None:
     from scratchd.workers.protocol import WorkerSpec
 
     cfg = load_config(overrides={"queue.max_batch": 8, "workers.gpu_arena_mb": 2048,
-                                 "workers.gpu_warm_sizes": [[512, 640], [1024, 1024]]})  # fmt: skip
+                                 "workers.gpu_warm_sizes": [[512, 640], [1024, 1024]],
+                                 "model.views": ["identity", "flip_v"]})  # fmt: skip
     for device in ("cuda", "cpu"):
         max_batch, delay, extra = Supervisor._backend_args(
             SimpleNamespace(config=cfg, device=device)  # type: ignore[arg-type]
@@ -303,12 +304,29 @@ def test_gpu_worker_flags_from_the_config_are_what_the_worker_parses() -> None:
         spec = WorkerSpec("/q", 0, device, "", max_batch, delay, 100, 1, extra)
         args = parse_args(spec.argv(ready_fd=3, death_fd=4, work_fd=5, done_fd=6)[3:])
         assert args.backend == device
+        assert args.views == ("identity", "flip_v")  # model.views, in order, for both pools
         if device == "cuda":
             assert (args.max_batch, args.gpu_arena_mb, args.gpu_reserve_mb) == (8, 2048, 1024)
             assert args.gpu_warm_size == ["512x640", "1024x1024"]
         else:  # a CPU worker keeps its own, smaller limits and no GPU flags
             assert (args.max_batch, args.max_delay_ms) == (2, 0)
             assert args.gpu_warm_size == []
+
+
+def test_without_model_views_a_worker_gets_no_views_flag() -> None:
+    """Empty ``model.views``: no flag, so the worker keeps the model file's own views."""
+    from types import SimpleNamespace
+
+    from scratchd.workers.main import parse_args
+    from scratchd.workers.protocol import WorkerSpec
+
+    cfg = load_config(environ={})
+    for device in ("cuda", "cpu"):
+        pool = SimpleNamespace(config=cfg, device=device)
+        max_batch, delay, extra = Supervisor._backend_args(pool)  # type: ignore[arg-type]
+        assert not any(flag.startswith("--views") for flag in extra)
+        spec = WorkerSpec("/q", 0, device, "", max_batch, delay, 100, 1, extra)
+        assert parse_args(spec.argv(ready_fd=3, death_fd=4, work_fd=5, done_fd=6)[3:]).views == ()
 
 
 def test_a_cuda_worker_opens_the_card_nvml_names() -> None:

@@ -61,7 +61,13 @@ class WorkerProc:
                 os.close(fd)
 
 
-def spawn(queue: RequestQueue, *, model: str = MODEL, parent_pid: int | None = None) -> WorkerProc:
+def spawn(
+    queue: RequestQueue,
+    *,
+    model: str = MODEL,
+    parent_pid: int | None = None,
+    extra: tuple[str, ...] = (),
+) -> WorkerProc:
     spec = WorkerSpec(
         queue=queue.name,
         slot=1,
@@ -71,6 +77,7 @@ def spawn(queue: RequestQueue, *, model: str = MODEL, parent_pid: int | None = N
         max_delay_ms=1,
         heartbeat_ms=100,
         parent_pid=os.getpid() if parent_pid is None else parent_pid,
+        extra=extra,
     )
     ready_r, ready_w = os.pipe()
     death_r, death_w = os.pipe()
@@ -128,6 +135,29 @@ def test_ready_after_warm_up_then_serves_the_queue(queue: RequestQueue, data_dir
             np.testing.assert_array_equal(completion.result.mask, pred.mask)
         worker.proc.send_signal(signal.SIGTERM)
         assert worker.proc.wait(30) == ExitCode.OK
+    finally:
+        worker.close()
+
+
+def test_a_worker_started_with_views_serves_those_views(
+    queue: RequestQueue, data_dir: Path
+) -> None:
+    """``--views identity`` (config ``model.views``): the worker's answers are the one-view
+    model's, which differ from the shipped model's four-view ones on this tile."""
+    image = decode_image((data_dir / "mtile" / "crack" / "exp1_num_249594.jpg").read_bytes())
+    one = load_model(MODEL or None, views=("identity",)).predict([image])[0]
+    shipped = load_model(MODEL or None).predict([image])[0]
+    assert len(load_model(MODEL or None).views) > 1
+    assert not np.array_equal(one.mask, shipped.mask)  # else this test could not fail
+    worker = spawn(queue, extra=("--views=identity",))
+    try:
+        assert parse_ready(worker.read_ready()) is not None
+        submit(queue, image, 7)
+        (done,) = wait_completions(queue, 1)
+        assert done.status is Status.OK and done.result is not None
+        assert done.result.score == pytest.approx(one.score, abs=1e-6)
+        assert done.result.mask is not None
+        np.testing.assert_array_equal(done.result.mask, one.mask)
     finally:
         worker.close()
 
