@@ -1,8 +1,15 @@
 """``scratchd eval`` and ``scratchd model``: the model in-process, without a daemon.
 
-``scratchd eval DIR [--json] [--mask-out OUT] [--model PATH] [--views V ...]`` runs the model
-over every input image under DIR (found by :func:`scratchd.dataset.folders.scan_dataset`):
+``scratchd eval DIR [--json] [--mask-out OUT] [--model PATH] [--views V ...] [--split S]``
+runs the model over every input image under DIR (found by
+:func:`scratchd.dataset.folders.scan_dataset`):
 
+- ``--views V`` (repeatable) replaces the test-time views of the model's metadata, as the
+  daemon's ``model.views`` does; the summary's ``views`` says which ones ran;
+- ``--split val`` (or ``train``) keeps only the images :func:`scratchd.dataset.folders.split_of`
+  puts on that side with ``--val-fraction`` (default 0.2, as ``scratchd shard build``): run on
+  the folder the training shards were built from, ``--split val`` is the split the model's
+  ``val_metrics`` were measured on (scripts/finalize_model.py);
 - one row per image on stdout: text ``<rel> <verdict> <score> <boxes>``, or with ``--json``
   ``{"image": rel, "score": float, "verdict": "defect"|"clean", "boxes": [[x0, y0, x1, y1,
   score], ...]}``; an unreadable image gives ``{"image": rel, "error": reason}`` and the run
@@ -26,7 +33,7 @@ from typing import Any
 
 import click
 
-from scratchd.dataset.folders import Sample, scan_dataset
+from scratchd.dataset.folders import Sample, scan_dataset, split_of
 from scratchd.dataset.masks import MaskRejected, validate_mask
 from scratchd.ipc.image import ImageError, decode_image, encode_png
 from scratchd.kernels.evaluate import Evaluation
@@ -47,18 +54,31 @@ def _load(path: Path | None, views: tuple[str, ...] = ()) -> ScratchNet:
     "--mask-out", type=click.Path(file_okay=False, path_type=Path), help="Write masks here."
 )
 @click.option("--model", "model_path", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--views", multiple=True, type=click.Choice(VIEWS), help="Override test views.")
+@click.option(
+    "--views", multiple=True, type=click.Choice(VIEWS), help="Test-time views (repeatable)."
+)
+@click.option("--split", type=click.Choice(["train", "val"]), help="Only this split's images.")
+@click.option("--val-fraction", default=0.2, show_default=True, type=click.FloatRange(0.0, 1.0))
 def eval_cmd(
     directory: Path,
     as_json: bool,
     mask_out: Path | None,
     model_path: Path | None,
     views: tuple[str, ...],
+    split: str | None,
+    val_fraction: float,
 ) -> None:
     """Run the model over every image under DIRECTORY and report accuracy."""
+    if len(set(views)) != len(views):
+        raise click.BadParameter(
+            f"each view at most once, got {' '.join(views)}", param_hint="--views"
+        )
     samples = scan_dataset(directory)
+    if split is not None:
+        samples = [s for s in samples if split_of(s.rel, val_fraction) == split]
     if not samples:
-        raise click.ClickException(f"no PNG, BMP or JPEG images under {directory}")
+        where = f" in the {split} split" if split else ""
+        raise click.ClickException(f"no PNG, BMP or JPEG images under {directory}{where}")
     model = _load(model_path, views)
     ev = Evaluation()
     errors = 0
@@ -66,7 +86,7 @@ def eval_cmd(
         row = _eval_one(model, sample, ev, mask_out)
         errors += "error" in row
         click.echo(json.dumps(row) if as_json else _text_row(row))
-    summary = ev.summary() | {"errors": errors, "model": model.version}
+    summary = ev.summary() | {"errors": errors, "model": model.version, "views": model.views}
     if as_json:
         click.echo(json.dumps({"summary": summary}))
     else:

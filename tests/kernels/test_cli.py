@@ -7,11 +7,14 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 from PIL import Image
 
 from scratchd.daemon.cli import main
+from scratchd.dataset.folders import split_of
 from scratchd.ipc.image import decode_image
+from scratchd.kernels.model import load_model
 
 
 def small_dataset(data_dir: Path, root: Path) -> Path:
@@ -53,6 +56,32 @@ def test_eval_json_rows_masks_and_summary(data_dir: Path, tmp_path: Path) -> Non
     assert set(summary["iou"]) >= {"sd900", "sd900/Sc", "sd900/Pa", "mtile", "mtile/crack"}
     assert summary["iou"]["sd900"] > 0.5
     assert summary["images"] == 4 and summary["errors"] == 0 and "mtile" in summary["auroc"]
+
+
+def test_eval_views_and_split(data_dir: Path, tmp_path: Path) -> None:
+    """``--views identity --split val``: only the images split_of puts in val, scored by the
+    one-view model (as the daemon's ``model.views = ["identity"]`` serves them)."""
+    root = small_dataset(data_dir, tmp_path / "data")
+    rels = sorted(str(p.relative_to(root)) for p in root.rglob("*.*") if "masks" not in p.parts)
+    rels = [r for r in rels if not (r.endswith(".png") and r.startswith("mtile"))]  # masks
+    val = [r for r in rels if split_of(r, 0.2) == "val"]
+    assert val and len(val) < len(rels)  # both sides non-empty, or the filter is untested
+    args = ["eval", str(root), "--json", "--views", "identity", "--split", "val"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    *rows, last = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["image"] for r in rows] == val and last["summary"]["views"] == ["identity"]
+    one, shipped = load_model(views=("identity",)), load_model()
+    assert len(shipped.views) > 1
+    for row in rows:
+        image = decode_image((root / row["image"]).read_bytes())
+        assert row["score"] == pytest.approx(one.predict([image])[0].score, abs=1e-6)
+    train = CliRunner().invoke(main, ["eval", str(root), "--json", "--split", "train"])
+    *rows, last = [json.loads(line) for line in train.stdout.splitlines()]
+    assert sorted(r["image"] for r in rows) == sorted(set(rels) - set(val))
+    assert last["summary"]["views"] == list(shipped.views)  # no --views: the model's own
+    twice = CliRunner().invoke(main, ["eval", str(root), "--views", "flip_h", "--views", "flip_h"])
+    assert twice.exit_code == 2 and "--views" in twice.output
 
 
 def test_eval_reports_unreadable_image_and_goes_on(tmp_path: Path) -> None:
