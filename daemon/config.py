@@ -119,8 +119,8 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     views: list[str] = []
     """Test-time views each frame is run through and averaged (``kernels.model.VIEWS``:
     identity, flip_h, flip_v, transpose), each one forward pass; empty: the model file's own.
-    ``["identity"]`` serves about 4x the frames of the shipped four for a little accuracy
-    (README.md, "Choosing the test-time views")."""
+    ``["identity"]`` serves about 4x the frames of the shipped four and gives up accuracy
+    (README.md, "Choosing the test-time views": more clean tiles flagged)."""
 
 
 class DriftConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

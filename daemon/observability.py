@@ -51,11 +51,13 @@ DISABLE_ENV = "SCRATCHD_NO_METRICS"
 
 @dataclass(frozen=True, eq=False)
 class ModelReference:
-    """What the main process needs from the model file: its version and the drift reference."""
+    """What the main process needs from the model file: its version, its own test-time views
+    and the drift reference."""
 
     version: str
     histogram: np.ndarray | None
     problem: str = ""  # why there is no histogram
+    views: tuple[str, ...] = ()  # the file's metadata views; config model.views overrides
 
 
 def read_model_reference(path: str) -> ModelReference:
@@ -69,7 +71,8 @@ def read_model_reference(path: str) -> ModelReference:
         with np.load(file, allow_pickle=False) as data:
             meta = json.loads(data[META_KEY].tobytes().decode())
         histogram = np.asarray(meta["histogram"], dtype=np.float64)
-        return ModelReference(str(meta.get("version", "")), histogram)
+        views = tuple(str(v) for v in meta.get("views", ["identity"]))  # ModelMeta's default
+        return ModelReference(str(meta.get("version", "")), histogram, views=views)
     except Exception as exc:  # the workers report a broken model; here drift is just off
         return ModelReference("", None, f"{file}: {type(exc).__name__}: {exc}")
 
@@ -218,6 +221,7 @@ class Observability:
         bound = self.server.bound if self.server else {}
         return {
             "model_version": self.model.version,
+            "model_views": list(self.config.model.views or self.model.views),
             "latency": latency,
             "throughput": wire.Throughput(throughput.rps, throughput.by_status),
             "drift": msgspec.convert(self.drift.snapshot(), wire.DriftStatus)

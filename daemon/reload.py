@@ -113,10 +113,11 @@ def effective_config(old: Config, new: Config) -> Config:
 
 
 def model_version(config: Config) -> str:
-    """Load the configured model (a broken file raises, naming it) and return its version."""
+    """Load the configured model with the configured views, as the workers will (a broken
+    file raises, naming it), and return its version."""
     from scratchd.kernels.model import load_model
 
-    return load_model(config.model.path or None).version
+    return load_model(config.model.path or None, views=config.model.views or None).version
 
 
 class ReloadState(enum.Enum):

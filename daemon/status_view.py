@@ -7,7 +7,7 @@ present):
 
     {
       "state": "serving", "pid": 7335, "backend": "cpu", "uptime_s": 12.5,
-      "model_version": "...",
+      "model_version": "...", "model_views": ["identity", ...],   test-time views in use
       "workers"*:  [{"id", "name", "pid", "state", "device", "restarts", "requests",
                      "batches", "batch_size_mean", "compute_ms_p50", "model_version"}, ...],
       "queue"*:    {"depth": [n0, ..., n7], "slots", "in_use", "in_flight"},
@@ -80,7 +80,9 @@ def render_header(doc: StatusDoc) -> Text:
     line.append("scratchd ", style="bold")
     state = str(doc.get("state", "?"))
     line.append(state, style="green" if state == "serving" else "bold red")
-    line.append(f"  pid {doc.get('pid', '?')}  model {doc.get('model_version') or '?'}  ")
+    line.append(f"  pid {doc.get('pid', '?')}  model {doc.get('model_version') or '?'}")
+    views = doc.get("model_views")
+    line.append(f"  views {','.join(views)}  " if views else "  ")
     line.append(f"backend {doc.get('backend', '?')}  up {_uptime(doc.get('uptime_s'))}  ")
     line.append(f"{_fmt(tp.get('rps'), ' req/s')}", style="bold")
     by_status = tp.get("by_status", {})

@@ -232,6 +232,8 @@ class StatusReply(msgspec.Struct, frozen=True, tag="status_reply", tag_field="ty
     pool's first card's; ``standbys`` has every card's)."""
     standbys: list[WorkerStatus] = []
     """Every warm spare: one for a CPU pool, one per card for a CUDA pool."""
+    model_views: list[str] = []
+    """The test-time views the workers average (config ``model.views``, else the model's)."""
 
 
 ClientMessage = InferRequest | StatusRequest

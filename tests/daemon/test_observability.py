@@ -12,7 +12,6 @@ daemon/drift.py).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import os
 import shutil
@@ -33,14 +32,18 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from scratchd.client import AsyncClient
-from scratchd.daemon.config import Config
+from scratchd.daemon.config import Config, ModelConfig
 from scratchd.daemon.dispatch import InFlight
-from scratchd.daemon.observability import ModelReference, Observability
+from scratchd.daemon.observability import (
+    ModelReference,
+    Observability,
+    read_model_reference,
+)
 from scratchd.dataset.folders import scan_dataset, split_of
 from scratchd.ipc.image import decode_image, encode_png
 from scratchd.ipc.queue import Completion, Handle, Result, Status
 from scratchd.ipc.wire import Reply, Timings
-from scratchd.kernels.model import load_model, save_model
+from scratchd.kernels.model import load_model
 from tests.daemon.harness import DaemonProcess
 
 WINDOW = 150
@@ -97,18 +100,12 @@ def val_images(data_dir: Path) -> list[bytes]:
 
 
 @pytest.fixture(scope="module")
-def one_view_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The shipped weights and metadata (so its training histogram), one test-time view:
-    the same network 4x cheaper on CI's two cores; drift and counts do not depend on it."""
-    shipped = load_model(os.environ.get("SCRATCHD_TEST_MODEL") or None)
-    path = tmp_path_factory.mktemp("model") / "one-view.npz"
-    save_model(path, shipped.weights, dataclasses.replace(shipped.meta, views=["identity"]))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def daemon(one_view_model: str) -> Iterator[DaemonProcess]:
-    with DaemonProcess(workers=2, max_batch=4, extra=CONFIG, model=one_view_model) as d:
+def daemon() -> Iterator[DaemonProcess]:
+    """The shipped model with one test-time view (``model.views``, the harness's ``extra``
+    continues its ``[model]`` table): 4x cheaper on CI's two cores; drift and counts do not
+    depend on it, and the status must say it."""
+    extra = 'views = ["identity"]\n' + CONFIG
+    with DaemonProcess(workers=2, max_batch=4, extra=extra) as d:
         yield d
 
 
@@ -176,6 +173,19 @@ def test_account_feeds_drift_and_entropy_from_ok_results_only(
     assert obs.metrics.workers["cpu0"].batches == 2  # claim_ns 1000 (ok, ok) and 1001 (error)
     fields = obs.status_fields()
     assert fields["drift"].samples == 2 and fields["entropy"].bits == 0.25
+
+
+def test_status_names_the_views_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``model.views`` when configured, else the model file's own (read from its metadata)."""
+    monkeypatch.setenv("SCRATCHD_NO_METRICS", "")
+    shipped = read_model_reference(os.environ.get("SCRATCHD_TEST_MODEL", ""))
+    file_views = list(load_model(os.environ.get("SCRATCHD_TEST_MODEL") or None).views)
+    assert list(shipped.views) == file_views and len(file_views) > 1
+    obs = Observability(Config(), shipped, devices=["cpu"], worker_states=["ready"])
+    assert obs.status_fields()["model_views"] == file_views
+    chosen = Config(model=ModelConfig(views=["identity", "transpose"]))
+    obs.apply_config(chosen)  # a reload to a configured choice
+    assert obs.status_fields()["model_views"] == ["identity", "transpose"]
 
 
 def test_accounting_never_raises_and_can_be_switched_off(
@@ -262,6 +272,7 @@ def test_status_json_and_table(run: Run, daemon: DaemonProcess) -> None:
     out = subprocess.run([*cli, "--json"], capture_output=True, text=True, env=env, check=True)
     doc = json.loads(out.stdout)
     assert {"workers", "queue", "latency", "drift", "entropy"} <= set(doc)
+    assert doc["model_views"] == ["identity"]  # model.views, not the shipped file's four
     assert {w["state"] for w in doc["workers"]} == {"ready"}
     assert all(w["batch_size_mean"] and w["compute_ms_p50"] for w in doc["workers"])
     assert len(doc["queue"]["depth"]) == 8
@@ -276,6 +287,7 @@ def test_status_json_and_table(run: Run, daemon: DaemonProcess) -> None:
         assert row["deadline_ms"] == doc["classes"][part_class][1]
     table = subprocess.run(cli, capture_output=True, text=True, env=env, check=True).stdout
     assert "latency by part class" in table and "data drift" in table
+    assert "views identity " in table
 
 
 def test_readyz_is_503_without_ready_workers_and_200_after_recovery(

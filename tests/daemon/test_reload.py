@@ -23,7 +23,7 @@ from scratchd.client import Client
 from scratchd.daemon.cli import main
 from scratchd.daemon.config import Config, ConfigError, load_config
 from scratchd.daemon.notify import Notifier
-from scratchd.daemon.reload import Reloader, config_changes, effective_config
+from scratchd.daemon.reload import Reloader, config_changes, effective_config, model_version
 from scratchd.kernels.model import load_model, save_model
 
 from .live_daemon import (
@@ -101,6 +101,24 @@ def test_a_reload_applies_then_replaces_workers() -> None:
     assert outcome.ok and "v2" in outcome.message and "model" in outcome.message
     assert pool.restarts == 1 and pool.configs[-1].model.path == "/srv/m2.npz"
     assert (reloader.count, reloader.last_error) == (1, "")
+
+
+def test_a_reload_keeps_the_configured_views() -> None:
+    """A reload reading ``model.views``: the model is checked with those views and the
+    workers are replaced with them (the file's own four are not what gets served)."""
+    pool = _Pool()
+    new = _config(**{"model.path": "", "model.views": ["identity"]})
+    checked: list[Config] = []
+
+    def check(config: Config) -> str:
+        checked.append(config)
+        return model_version(config)
+
+    reloader = _reloader(pool, lambda: new, check)
+    outcome = asyncio.run(reloader.reload_once())
+    assert outcome.ok and pool.restarts == 1
+    assert checked[0].model.views == pool.configs[-1].model.views == ["identity"]
+    assert config_changes(_config(), new) == (["model"], [])  # views change live
 
 
 def test_a_bad_config_keeps_everything_running() -> None:

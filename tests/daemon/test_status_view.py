@@ -23,6 +23,7 @@ DOC: dict[str, Any] = {
     "state": "serving",
     "pid": 4100,
     "model_version": "scratchnet-7",
+    "model_views": ["identity", "flip_h"],
     "backend": "cpu",
     "uptime_s": 3725.2,
     "workers": [
@@ -52,7 +53,7 @@ def _text(doc: dict[str, Any]) -> str:
 
 def test_table_shows_what_an_operator_needs() -> None:
     text = _text(DOC)
-    assert "serving  pid 4100  model scratchnet-7" in text
+    assert "serving  pid 4100  model scratchnet-7  views identity,flip_h  backend cpu" in text
     assert "0d 01:02:05" in text and "12.5 req/s" in text
     # workers: device, state, pid, restarts, batch size, compute time
     row = next(line for line in text.splitlines() if "4242" in line)
