@@ -204,6 +204,7 @@ def run_load(args: argparse.Namespace, sock: str, pattern: str, rate: float) -> 
     row["main_cpu_share"] = round(main_cpu_s / max(row["elapsed_s"], 1e-9), 3)
     row["main_cpu_us_per_request"] = round(main_cpu_s / max(row["sent"], 1) * 1e6, 1)
     print(f"  {load}: p50 {row['p50_ms']} p99 {row['p99_ms']} ms, {row['statuses']}", flush=True)
+    print(f"    daemon's timings: {row['parts']}", flush=True)
     return row
 
 

@@ -155,6 +155,8 @@ async def run_client(args: argparse.Namespace) -> dict[str, Any]:
     offsets = schedule(args.pattern, args.duration, args.rate, args.seed, args.burst)
     latency = [float("nan")] * len(offsets)
     lateness = [float("nan")] * len(offsets)
+    # the daemon's own account of each ok reply (wire.Timings): queue, compute, total
+    parts: dict[str, list[float]] = {"queue_ms": [], "compute_ms": [], "daemon_ms": []}
     statuses: Counter[str] = Counter()
     async with await AsyncClient.connect(args.socket) as client:
         loop = asyncio.get_running_loop()
@@ -171,6 +173,9 @@ async def run_client(args: argparse.Namespace) -> dict[str, Any]:
             statuses[reply.status] += 1
             if reply.status == "ok":
                 latency[i] = (time.perf_counter() - due) * 1000.0
+                parts["queue_ms"].append(reply.timings.queue_ms)
+                parts["compute_ms"].append(reply.timings.compute_ms)
+                parts["daemon_ms"].append(reply.timings.total_ms)
 
         def begin(i: int, due: float) -> None:
             tasks.append(loop.create_task(one(i, due)))
@@ -189,6 +194,7 @@ async def run_client(args: argparse.Namespace) -> dict[str, Any]:
         "statuses": dict(statuses),
         "latencies_ms": [x for x in latency if x == x],
         "lateness_ms": [x for x in lateness if x == x],
+        **parts,
         "elapsed_s": time.perf_counter() - start,
     }
 
@@ -207,6 +213,9 @@ def summarize(results: list[dict[str, Any]], duration: float) -> dict[str, Any]:
     ``lost``: sent and never answered (no reply by the end of the grace period, or the
     connection dropped). Percentiles are over ``ok`` replies; ``ok_share`` says how many
     of the sent those are. ``late_*``: the generator's lateness (send start − schedule).
+    ``parts``: p50/p99 of the daemon's own timings of the ok replies (``queue_ms``: enqueue
+    to claim; ``compute_ms``: the batch's device time; ``daemon_ms``: frame received to
+    reply written); the client's latency less ``daemon_ms`` is the socket both ways.
     """
     latencies = np.array([x for r in results for x in r["latencies_ms"]], np.float64)
     late = np.array([x for r in results for x in r["lateness_ms"]], np.float64)
@@ -229,6 +238,13 @@ def summarize(results: list[dict[str, Any]], duration: float) -> dict[str, Any]:
         "late_p99_ms": percentile(late, 99),
         "late_max_ms": round(float(late.max()), 2) if late.size else None,
         "elapsed_s": round(max((r["elapsed_s"] for r in results), default=0.0), 2),
+        "parts": {
+            f"{key}_{q}": percentile(
+                np.array([x for r in results for x in r.get(key, [])], np.float64), pct
+            )
+            for key in ("queue_ms", "compute_ms", "daemon_ms")
+            for q, pct in (("p50", 50), ("p99", 99))
+        },
     }
 
 

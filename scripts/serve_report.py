@@ -36,6 +36,15 @@ def _main_cpu(row: dict[str, Any]) -> str:
     return f"{100 * row['main_cpu_share']:.0f} % · {row['main_cpu_us_per_request']:g} µs"
 
 
+def _parts(row: dict[str, Any]) -> str:
+    """The daemon's p50 queue / device / in-daemon times of the ok replies (ms)."""
+    parts = row.get("parts") or {}
+    if parts.get("daemon_ms_p50") is None:
+        return "—"
+    keys = ("queue_ms_p50", "compute_ms_p50", "daemon_ms_p50")
+    return " / ".join(_ms(parts[k]) for k in keys)
+
+
 def print_table(doc: dict[str, Any]) -> None:
     if "open_loop" in doc:
         print_raw_table(doc)
@@ -60,7 +69,7 @@ def print_table(doc: dict[str, Any]) -> None:
 def print_raw_table(doc: dict[str, Any]) -> None:
     print(f"{doc['device']}, {doc['date']}")
     head = f"{'load':<28}{'sent':>7}{'ok/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'p99.9 ms':>10}"
-    print(head + f"{'lost':>6}{'late p99':>10}{'main CPU':>18}  busy / statuses")
+    print(head + f"{'lost':>6}{'late p99':>10}{'main CPU':>18}{'q/gpu/daemon p50':>22}  busy")
     rows = [*doc["open_loop"], doc["burst"]]
     if doc["kill_run"].get("sent"):
         rows.append(doc["kill_run"])
@@ -68,7 +77,8 @@ def print_raw_table(doc: dict[str, Any]) -> None:
         print(
             f"{r['load']:<28}{r['sent']:>7}{r['throughput']:>9}{_ms(r['p50_ms']):>9}"
             f"{_ms(r['p99_ms']):>9}{_ms(r['p999_ms']):>10}{r['lost']:>6}"
-            f"{_ms(r['late_p99_ms']):>10}{_main_cpu(r):>18}  {_busy(r)} {r['statuses']}"
+            f"{_ms(r['late_p99_ms']):>10}{_main_cpu(r):>18}{_parts(r):>22}  {_busy(r)} "
+            f"{r['statuses']}"
         )
     for k in doc["kill_run"].get("kills", []):
         took = f"{k['restart_s'] * 1000:.0f} ms"
@@ -93,11 +103,14 @@ def record_markdown(doc: dict[str, Any], json_path: str, section: str = SECTION)
         f"core and its CPU time (background work included) per request sent. Busy: "
         f"{doc['gpu_busy_source']}. Load average before/after: "
         f"{machine['loadavg_1m_before']}/{machine['loadavg_1m_after']} on "
-        f"{machine['cpus']} cores. JSON: `{json_path}`.",
+        f"{machine['cpus']} cores. Daemon p50: the daemon's own timings of the ok replies, "
+        f"queue (enqueue → claim) / gpu (the batch's device time, CUDA events) / daemon "
+        f"(frame received → reply written); the rest of the latency is the socket. "
+        f"JSON: `{json_path}`.",
         "",
         "| load | sent | ok/s | p50 ms | p99 ms | p99.9 ms | lost | late p99 ms | main CPU "
-        "| busy | statuses |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "| daemon p50 ms (queue / gpu / daemon) | busy | statuses |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     rows = [*doc["open_loop"], doc["burst"]]
     if doc["kill_run"].get("sent"):
@@ -107,7 +120,7 @@ def record_markdown(doc: dict[str, Any], json_path: str, section: str = SECTION)
         lines.append(
             f"| {r['load']} | {r['sent']} | {r['throughput']:g} | {_ms(r['p50_ms'])} | "
             f"{_ms(r['p99_ms'])} | {_ms(r['p999_ms'])} | {r['lost']} | "
-            f"{_ms(r['late_p99_ms'])} | {_main_cpu(r)} | {_busy(r)} | {statuses} |"
+            f"{_ms(r['late_p99_ms'])} | {_main_cpu(r)} | {_parts(r)} | {_busy(r)} | {statuses} |"
         )
     kills = doc["kill_run"].get("kills", [])
     if kills:
