@@ -26,7 +26,10 @@ Frames that are not in the registered region (a standby that has not attached ye
 go through one pinned staging buffer instead — same streams, one extra host copy.
 
 GPU compute time per batch is the start → end event interval, carried in every reply's
-``compute_ns``.
+``compute_ns``. The same time, per graph (an EWMA in ``graph_ms``, each graph timed once at
+warm-up), decides how ``submit`` splits a batch over the buckets: a chunk of m frames runs
+padded in the smallest bucket ≥ m, so 5 frames go as 4 + 1 rather than a padded 8 when that
+costs less device time (``gpu_memory.split_batch``).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ BUCKETS: Final = (1, 2, 4, 8, 16)
 H2D: Final = 1  # cudaMemcpyHostToDevice
 WARM_SIZES: Final = ((1024, 1024),)
 MIN_ARENA: Final = 256 * MIB
+GRAPH_MS_WEIGHT: Final = 0.1
+"""Weight of the newest batch in a graph's device-time estimate."""
 
 
 @dataclass
@@ -124,6 +129,9 @@ class CudaBackend:
         self._registered: list[tuple[int, int]] = []  # (ptr, nbytes) registered with CUDA
         self._staging: Any = None  # pinned host buffer for frames outside registered memory
         self._next_k: dict[tuple[int, int, int], int] = {}
+        # (bucket, height, width) → the graph's device ms (CUDA events; EWMA of batches):
+        # what submit's split weighs (gpu_memory.split_batch)
+        self.graph_ms: dict[tuple[int, int, int], float] = {}
 
     # ---- boot -------------------------------------------------------------------------
 
@@ -141,6 +149,7 @@ class CudaBackend:
                 g = self._capture(b, size)
                 if g is None:
                     break
+                self._time(g)
                 footprints[b] = int(g.footprint_bytes)
                 if len(footprints) == 1:
                     self.sizer.measured(size, footprints)
@@ -220,7 +229,8 @@ class CudaBackend:
         seen: set[int] = set()
         for size, positions in by_size.items():
             lo = 0
-            for n in split_batch(len(positions), self.sizer.limit(size), BUCKETS):
+            limit = self.sizer.limit(size)
+            for n in split_batch(len(positions), limit, BUCKETS, self._bucket_cost(size)):
                 part = positions[lo : lo + n]
                 lo += n
                 g = self._graph_for(n, size)
@@ -269,6 +279,7 @@ class CudaBackend:
         results: list[Result | None] = [None] * batch.size
         for c in batch.chunks:
             frames = c.graph.finish(c.collected, c.want_mask)
+            self._observe(c.graph, c.collected.compute_ms)
             compute_ns = int(c.collected.compute_ms * 1e6)
             for pos, frame, want in zip(c.positions, frames, c.want_mask, strict=True):
                 results[pos] = ok_result(frame, want, compute_ns, len(c.positions))
@@ -298,6 +309,33 @@ class CudaBackend:
         if g is not None and size not in self.sizer.per_frame:
             self.sizer.measured(size, {bucket: int(g.footprint_bytes)})
         return g
+
+    def _time(self, g: Any) -> None:
+        """One replay of a new graph (its zeroed inputs) for its device time (boot only: the
+        device synchronise orders the inputs' zeroing before the replay)."""
+        self.cp.cuda.Device().synchronize()
+        g.launch(0)
+        self._observe(g, g.collect(1).compute_ms)
+
+    def _observe(self, g: Any, ms: float) -> None:
+        key = _key(g)
+        seen = self.graph_ms.get(key)
+        self.graph_ms[key] = ms if seen is None else seen + GRAPH_MS_WEIGHT * (ms - seen)
+
+    def _bucket_cost(self, size: tuple[int, int]) -> Any:
+        """``bucket → device ms`` of this size's graphs for split_batch: measured, else the
+        nearest measured bucket's ms a frame times the bucket, else the bucket itself."""
+        known = {b: ms for (b, h, w), ms in self.graph_ms.items() if (h, w) == size}
+
+        def cost(bucket: int) -> float:
+            if bucket in known:
+                return known[bucket]
+            if not known:
+                return float(bucket)
+            near = min(known, key=lambda b: abs(b - bucket))
+            return known[near] / near * bucket
+
+        return cost
 
     def _capture(self, bucket: int, size: tuple[int, int]) -> Any:
         from scratchd.kernels.serve_graph import ServeGraph

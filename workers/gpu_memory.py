@@ -167,13 +167,34 @@ class BatchSizer:
         self.held.setdefault(size, set()).add(bucket)
 
 
-def split_batch(n: int, limit: int, buckets: Sequence[int]) -> list[int]:
-    """Chunk sizes for ``n`` frames when at most ``limit`` fit one graph: largest first, each
-    chunk ≤ limit (a chunk is padded up to its bucket by the graph)."""
+CHUNK_COST_MS: Final = 0.05
+"""What one more chunk costs beyond its graph's device time (a launch and a collect on the
+host), in the split's cost units: it breaks ties towards fewer chunks."""
+
+
+def split_batch(
+    n: int, limit: int, buckets: Sequence[int], cost: Callable[[int], float] | None = None
+) -> list[int]:
+    """Chunk sizes for ``n`` frames, each ≤ the largest bucket within ``limit``, largest
+    first. A chunk of m frames runs in the smallest bucket ≥ m (padded up to it), so the
+    split minimises the summed ``cost(bucket)`` of the graphs run plus ``CHUNK_COST_MS`` a
+    chunk. ``cost``: a bucket's device time (the worker's measured milliseconds);
+    default: the bucket's size, i.e. no padded frame where a split avoids it (13 frames →
+    8 + 4 + 1 rather than one padded 16)."""
     if n < 0 or limit < 1:
         raise ValueError(f"split_batch: n={n}, limit={limit}")
-    cap = max((b for b in buckets if b <= limit), default=1)
-    chunks = [cap] * (n // cap)
-    if n % cap:
-        chunks.append(n % cap)
-    return chunks
+    usable = [b for b in buckets if b <= limit] or [1]
+    price = cost if cost is not None else float
+    # best[r]: (cost, chunks) of the cheapest split of r frames. A chunk is either a full
+    # bucket b ≤ r or the whole rest r padded into the smallest bucket above it.
+    best: list[tuple[float, list[int]]] = [(0.0, [])]
+    for r in range(1, n + 1):
+        options = []
+        for b in usable:
+            m = min(b, r)
+            if m < b and any(c >= m for c in usable if c < b):
+                continue  # a smaller bucket holds the rest
+            sub_cost, sub = best[r - m]
+            options.append((sub_cost + price(b) + CHUNK_COST_MS, [*sub, m]))
+        best.append(min(options, key=lambda o: (o[0], len(o[1]))))
+    return sorted(best[n][1], reverse=True)

@@ -76,6 +76,23 @@ def test_results_equal_the_cpu_backend_on_real_images(gpu, data_dir: Path) -> No
     assert 0.0 <= gpu.fragmentation_ratio() < 1.0  # the arena's, for the metrics
 
 
+def test_a_batch_runs_in_the_cheapest_buckets_measured_at_warm_up(gpu, data_dir: Path) -> None:
+    # warm-up timed every captured bucket; 3 frames run as 2 + 1 (no padded frame) when
+    # that costs less than one bucket of 4, and the answers do not depend on the split
+    assert {b for b, h, w in gpu.graph_ms if (h, w) == SIZE} == {1, 2, 4}
+    assert all(ms > 0 for ms in gpu.graph_ms.values())
+    frames = real_frames(data_dir, 3)
+    ms = {b: gpu.graph_ms[(b, *SIZE)] for b in (1, 2, 4)}
+    batch = gpu.submit(frames, [False] * 3)
+    sizes = sorted((len(c.positions) for c in batch.chunks), reverse=True)
+    assert sizes == ([2, 1] if ms[2] + ms[1] + 0.05 < ms[4] else [3])
+    gpu.start(batch)
+    gpu.collect(batch)
+    alone = [gpu.infer([f], [False])[0] for f in frames]
+    for got, want in zip(gpu.finish(batch), alone, strict=True):
+        same(got, want)
+
+
 def test_masks_only_where_asked_and_bad_frames_answered_alone(gpu, data_dir: Path) -> None:
     frames = real_frames(data_dir, 2)
     bad = np.zeros((0, 5), np.uint8)
