@@ -99,6 +99,8 @@ def start_daemon(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen[
     log = (tmp / "serve.log").open("wb")
     config = tmp / "bench.toml"
     text = f'[server]\nhealth_port = 0\nmetrics_port = 0\n[model]\npath = "{args.model}"\n'
+    if args.views:  # model.views: the test-time views the workers run (default: the model's)
+        text += f"views = {json.dumps(args.views.split(','))}\n"
     if args.size:
         slot_bytes = max(64, args.size * args.size)
         text += f"[queue]\nslots = {args.slots}\nslot_bytes = {slot_bytes}\n"
@@ -320,6 +322,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--frame-count", type=int, default=64, help="distinct frames (raw mode)")
     p.add_argument("--slots", type=int, default=512, help="queue slots (raw mode)")
     p.add_argument("--max-batch", type=int, default=16, help="queue.max_batch (raw mode)")
+    p.add_argument(
+        "--views", default="", help="model.views, comma-separated (default: the model's own)"
+    )
     p.add_argument("--rates", default=None, help="Poisson rates, requests/s")
     p.add_argument("--until-p99-ms", type=float, default=None)
     p.add_argument("--rate-step", type=float, default=2.0)
@@ -389,7 +394,8 @@ def main() -> None:
         images = f"{args.size}x{args.size} raw grey mosaics of the real images in {args.data}"
     workers = {"workers": args.workers} if args.backend == "cpu" else {}
     daemon = {"backend": args.backend, **workers, "duration_s": args.duration}
-    daemon |= {"clients": args.clients, "images": images}
+    daemon |= {"clients": args.clients, "images": images, "views": args.views or "model's"}
+    daemon["max_batch"] = args.max_batch
     doc = {"machine": machine, "daemon": daemon, **doc}
     if not args.size:  # the CPU record's layout, as before
         doc = {k: doc[k] for k in ("machine", "daemon", "loads", "restarts")}

@@ -90,12 +90,14 @@ def print_raw_table(doc: dict[str, Any]) -> None:
 def record_markdown(doc: dict[str, Any], json_path: str, section: str = SECTION) -> str:
     """The section for ``docs/benchmarks.md``: one table row per load, then the kills."""
     daemon, machine = doc["daemon"], doc["machine"]
+    views = daemon.get("views", "the model's")
     start, end = markers(section)
     lines = [
         start,
         f"## Serving end to end (`scripts/bench_serve.py`, {doc['device']}, {doc['date']})",
         "",
-        f"Daemon backend `{daemon['backend']}`; {daemon['images']}; open-loop load from "
+        f"Daemon backend `{daemon['backend']}`, model views: {views}, `queue.max_batch` "
+        f"{daemon.get('max_batch', '?')}; {daemon['images']}; open-loop load from "
         f"{daemon['clients']} client processes over the Unix socket, {daemon['duration_s']:g} s "
         f"per load; latency from each request's scheduled send to its reply (ok replies). "
         f"`late p99`: the generator's own lateness (send start − schedule). Main CPU: the "
