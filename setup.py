@@ -18,6 +18,7 @@ EXTENSIONS: list[Extension] = [
         depends=["kernels/_cpu_kernels.h"],
         extra_compile_args=[*CFLAGS, "-Wno-psabi"],
     ),
+    Extension("scratchd.kernels._runs", ["kernels/_runs.c"], extra_compile_args=CFLAGS),
 ]
 
 setup(ext_modules=EXTENSIONS)
