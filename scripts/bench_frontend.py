@@ -1,26 +1,44 @@
 """What the daemon's front end sustains: client → Unix socket → acceptor → shared memory → reply,
-with a worker that computes nothing, so the acceptor's own cost is what is measured.
+with a worker that computes nothing, so the main process's own cost is what is measured.
 
     python scripts/bench_frontend.py                         # 1024x1024 and 16x16 raw frames
     python scripts/bench_frontend.py --sizes 1024 --duration 5 --clients 2 --window 16 \\
         --json docs/bench/frontend.json
+    python scripts/bench_frontend.py --sizes 1024 --accounting            # + the daemon's metrics
+    python scripts/bench_frontend.py --sizes 1024 --accounting --rate 1000 # open loop, 1000 req/s
+    python scripts/bench_frontend.py --sizes 1024 --accounting --profile /tmp/fe.pstats
 
 This process runs the front end exactly as the daemon wires it (``Acceptor`` +
-``Dispatcher`` + ``RequestQueue`` on uvloop; no metrics accounting) and nothing else, so its
-CPU time (``getrusage(RUSAGE_SELF)``) over a load divided by the replies is the acceptor's
-CPU per request. A stub worker process (``--stub-worker``) claims batches of up to 16 and
-completes each claim at once with an ``ok`` result and no mask. Client processes
-(``--clients``) each keep ``--window`` raw frames in flight on one connection (closed loop:
-this measures capacity, not latency), sending real-image mosaics built as ``bench_serve``
-builds them. Big frames against tiny ones separates the cost per byte from the cost per
-request. ``client_cpu_us_per_request`` (the client processes' CPU, from ``RUSAGE_CHILDREN``)
-says how many client processes a load generator needs for a rate.
+``Dispatcher`` + ``RequestQueue`` on uvloop) and nothing else, so its CPU time
+(``getrusage(RUSAGE_SELF)``, every thread) over a load divided by the replies is the main
+process's CPU per request. ``--accounting`` adds what the daemon does per reply on top
+(``Daemon.account``: its reply counter, then ``Observability.account``: counters, latency
+window, queue wait, batch de-duplication, drift and entropy, with the shipped model's drift
+reference); without it no reply is accounted. A stub worker process (``--stub-worker``)
+claims batches of up to 16 and completes each claim at once with an ``ok`` result and no
+mask (with ``--accounting``, a result as a real worker writes it: the batch's size and
+compute time, an entropy and the 64-bin input histogram).
+
+Client processes (``--clients``) each keep ``--window`` raw frames in flight on one
+connection (closed loop: this measures capacity, not latency) or, with ``--rate``, send
+Poisson arrivals at that total rate whatever the replies do (open loop, as ``bench_serve``
+loads the daemon: each frame then tends to arrive, and its completion to ring, on its own
+turn of the loop). Frames are real-image mosaics built as ``bench_serve`` builds them. Big
+frames against tiny ones separates the cost per byte from the cost per request.
+``client_cpu_us_per_request`` (the client processes' CPU, from ``RUSAGE_CHILDREN``) says how
+many client processes a load generator needs for a rate.
+
+``--profile PATH`` runs the first size under cProfile (the loop's Python side; the numbers
+it prints are inflated by the profiler) and writes the pstats there; the kernel's side
+(recv copies, skb frees) needs ``perf record -g -p <pid>`` on this process.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import cProfile
 import json
 import os
 import resource
@@ -28,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +56,10 @@ import serve_load as sl
 from scratchd.client import AsyncClient
 from scratchd.daemon.acceptor import Acceptor
 from scratchd.daemon.config import Config, QueueConfig, ServerConfig
-from scratchd.daemon.dispatch import Dispatcher
+from scratchd.daemon.dispatch import Accountant, Dispatcher, InFlight
+from scratchd.daemon.observability import Observability, read_model_reference
 from scratchd.ipc import wire
-from scratchd.ipc.queue import Geometry, RequestQueue, Result, Status
+from scratchd.ipc.queue import Completion, Geometry, RequestQueue, Result, Status
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,13 +70,23 @@ ROOT = Path(__file__).resolve().parent.parent
 def stub_worker(args: argparse.Namespace) -> None:
     queue = RequestQueue.attach(args.queue, completion_fd=args.done_fd, work_fd=args.work_fd)
     queue.register_worker(0, os.getpid())
-    ok = Result(Status.OK, score=0.0, batch_size=1)
+    histogram: np.ndarray | None = None
     while True:
         if not queue.wait_for_work(0, 0.5):
             if os.getppid() == 1:
                 return
             continue
-        for claim in queue.claim_batch(0, 16, time.monotonic_ns()):
+        claims = queue.claim_batch(0, 16, time.monotonic_ns())
+        ok = Result(Status.OK, score=0.0, batch_size=1)
+        if args.full_results and claims:
+            if histogram is None:  # the first frame's, once: the stub must stay cheap
+                pixels = queue.input_view(claims[0])
+                histogram = np.bincount(pixels.ravel() >> 2, minlength=64).astype(np.uint32)
+            ok = Result(
+                Status.OK, score=0.1, entropy=0.25, histogram=histogram,
+                compute_ns=1_000_000, batch_size=len(claims),
+            )  # fmt: skip
+        for claim in claims:
             queue.complete(0, claim, ok)
 
 
@@ -81,6 +111,29 @@ async def closed_loop(args: argparse.Namespace) -> dict[str, Any]:
     return {"statuses": statuses}
 
 
+async def open_loop(args: argparse.Namespace) -> dict[str, Any]:
+    """Poisson arrivals at ``--rate`` (this client's share), sent whatever the replies do."""
+    frames = np.load(args.frames, mmap_mode="r")
+    payloads = [np.asarray(frames[k]) for k in range(frames.shape[0])]
+    statuses: dict[str, int] = {}
+    due = sl.schedule("poisson", args.duration, args.rate, seed=os.getpid())
+    async with await AsyncClient.connect(args.socket) as client:
+
+        async def one(i: int) -> None:
+            reply = await client.infer(payloads[i % len(payloads)])
+            statuses[reply.status] = statuses.get(reply.status, 0) + 1
+
+        tasks = []
+        start = time.perf_counter()
+        for i, at in enumerate(due):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i)))
+        await asyncio.gather(*tasks)
+    return {"statuses": statuses}
+
+
 # ---- the front end ------------------------------------------------------------------------
 
 
@@ -89,21 +142,57 @@ def status_reply(request_id: int) -> wire.StatusReply:
     return wire.StatusReply(request_id, "serving", os.getpid(), 0.0, "stub", [], depth)
 
 
-async def measure(args: argparse.Namespace, size: int, tmp: Path) -> dict[str, Any]:
+def fault_in_slots(queue: RequestQueue, slots: int) -> None:
+    """Touch every payload slot once, as a daemon that has served a while has: a slot's
+    first use costs its page faults (~0.8 ms for 1 MiB here), which a short run would
+    otherwise charge to the requests that happen to use each slot first."""
+    handles = [queue.reserve() for _ in range(slots)]
+    for h in handles:
+        assert h is not None
+        np.frombuffer(queue.payload(h), np.uint8)[:] = 0
+    for h in handles:
+        assert h is not None
+        queue.release(h)
+
+
+def daemon_accounting(config: Config) -> Accountant:
+    """What ``Daemon.account`` does with every reply: count it, then hand it to
+    ``Observability.account`` (wired as ``daemon/app.py`` wires it, listeners aside)."""
+    obs = Observability(config, read_model_reference(config.model.path), ["cpu"], ["ready"])
+    replies: collections.Counter[str] = collections.Counter()
+
+    def account(flight: InFlight, reply: wire.Reply, completion: Completion | None) -> None:
+        replies[reply.status] += 1
+        obs.account(flight, reply, completion)
+
+    return account
+
+
+def no_accounting(flight: InFlight, reply: wire.Reply, completion: Completion | None) -> None:
+    return None
+
+
+async def measure(
+    args: argparse.Namespace, size: int, tmp: Path, profile: cProfile.Profile | None
+) -> dict[str, Any]:
     frames_path = tmp / f"frames-{size}.npy"
     np.save(frames_path, sl.build_frames(sl.image_paths(Path(args.data)), size, 16, 0))
-    slots = args.clients * args.window + 16
+    slots = max(args.clients * args.window + 16, 256)  # open loop: room for a backlog
     config = Config(
         server=ServerConfig(socket=str(tmp / "fe.sock")),
         queue=QueueConfig(slots=slots, slot_bytes=max(64, size * size)),
     )
     queue = RequestQueue.create(f"/sdbench-fe-{os.getpid()}-{size}", Geometry(slots, size * size))
-    dispatcher = Dispatcher(queue, 1_000_000, lambda *_: None, lambda _: "stub")
+    fault_in_slots(queue, slots)
+    account = daemon_accounting(config) if args.accounting else no_accounting
+    dispatcher = Dispatcher(queue, 1_000_000, account, lambda _: "stub")
     dispatcher.start()
     acceptor = Acceptor(config, queue, dispatcher, status_reply)
     await acceptor.listen(config.server.socket)
-    worker = spawn_stub(queue)
+    worker = spawn_stub(queue, args.accounting)
     try:
+        if profile is not None:
+            profile.enable()
         before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         kids_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         clients = [
@@ -116,6 +205,8 @@ async def measure(args: argparse.Namespace, size: int, tmp: Path) -> dict[str, A
         after = resource.getrusage(resource.RUSAGE_SELF)
         kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # the clients, reaped; not the stub
     finally:
+        if profile is not None:
+            profile.disable()
         worker.kill()
         worker.wait()
         acceptor.stop_listening()
@@ -131,6 +222,8 @@ async def measure(args: argparse.Namespace, size: int, tmp: Path) -> dict[str, A
     return {
         "size": size,
         "frame_bytes": size * size,
+        "accounting": args.accounting,
+        "rate": args.rate or None,
         "replies": replies,
         "statuses": statuses,
         "requests_per_s": round(replies / wall, 1),
@@ -149,22 +242,48 @@ async def measure(args: argparse.Namespace, size: int, tmp: Path) -> dict[str, A
     }
 
 
-def spawn_stub(queue: RequestQueue) -> subprocess.Popen[bytes]:
+def spawn_stub(queue: RequestQueue, full_results: bool) -> subprocess.Popen[bytes]:
     done, work = queue.completion_fd, queue.work_fd(0)
     cmd = [sys.executable, __file__, "--stub-worker", "--queue", queue.name]
     cmd += ["--done-fd", str(done), "--work-fd", str(work)]
+    cmd += ["--full-results"] if full_results else []
     return subprocess.Popen(cmd, pass_fds=(done, work))
 
 
 def spawn_client(args: argparse.Namespace, sock: str, frames: Path) -> subprocess.Popen[str]:
     cmd = [sys.executable, __file__, "--client", "--socket", sock, "--frames", str(frames)]
     cmd += ["--duration", str(args.duration), "--window", str(args.window)]
+    cmd += ["--rate", str(args.rate / args.clients)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
 
 async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
     with tempfile.TemporaryDirectory(prefix="sdfe-", dir="/tmp") as tmp:
-        return [await measure(args, int(s), Path(tmp)) for s in args.sizes.split(",")]
+        for k, size in enumerate(args.sizes.split(",")):
+            profile = (
+                cProfile.Profile(time.thread_time_ns, 1e-9) if args.profile and k == 0 else None
+            )
+            rows.append(await measure(args, int(size), Path(tmp), profile))
+            if profile is not None:
+                report_profile(profile, args.profile, rows[-1]["replies"])
+    return rows
+
+
+def report_profile(profile: cProfile.Profile, path: str, replies: int) -> None:
+    """Write the pstats to ``path`` and print the top functions by own time, per reply."""
+    import pstats
+
+    profile.dump_stats(path)
+    stats: dict[Any, Any] = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:25]
+    print(f"cProfile, per reply ({replies} replies; profiler overhead included):")
+    print(f"{'own us':>8}{'cum us':>8}{'calls':>8}  function")
+    for (file, line, name), (_, calls, own, cum, _) in rows:
+        where = f"{Path(file).name}:{line}({name})" if line else name
+        print(
+            f"{own / replies * 1e6:8.1f}{cum / replies * 1e6:8.1f}{calls / replies:8.2f}  {where}"
+        )
 
 
 def main() -> None:
@@ -173,6 +292,9 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=5.0)
     p.add_argument("--clients", type=int, default=2)
     p.add_argument("--window", type=int, default=16, help="requests in flight per client")
+    p.add_argument("--rate", type=float, default=0.0, help="open loop: total req/s (0: closed)")
+    p.add_argument("--accounting", action="store_true", help="the daemon's per-reply metrics")
+    p.add_argument("--profile", default="", help="cProfile the first size into this file")
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
     p.add_argument("--json", default=None)
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
@@ -182,12 +304,14 @@ def main() -> None:
     p.add_argument("--queue", default="", help=argparse.SUPPRESS)
     p.add_argument("--done-fd", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--work-fd", type=int, default=-1, help=argparse.SUPPRESS)
+    p.add_argument("--full-results", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.stub_worker:
         stub_worker(args)
         return
     if args.client:
-        print(json.dumps(asyncio.run(closed_loop(args))))
+        run: Callable[[argparse.Namespace], Any] = open_loop if args.rate > 0 else closed_loop
+        print(json.dumps(asyncio.run(run(args))))
         return
     import uvloop
 
@@ -205,7 +329,8 @@ def main() -> None:
     print(f"load average {load}")
     if args.json:
         doc = {"machine": {"cpus": os.cpu_count(), **load}, "clients": args.clients,
-               "window": args.window, "duration_s": args.duration, "rows": rows}  # fmt: skip
+               "window": args.window, "rate": args.rate or None, "accounting": args.accounting,
+               "duration_s": args.duration, "rows": rows}  # fmt: skip
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
 
