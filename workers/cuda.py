@@ -290,6 +290,11 @@ class CudaBackend:
             raise RuntimeError(f"CudaBackend.finish: no result for batch positions {missing}")
         return [r for r in results if r is not None]
 
+    def expected_ms(self, batch: Batch) -> float:
+        """The device time a submitted batch should take: its graphs' measured ms (0 for a
+        graph not timed yet). The pipelined loop claims the next batch this close to its end."""
+        return sum(self.graph_ms.get(_key(c.graph), 0.0) for c in batch.chunks)
+
     def _collect(self, c: Chunk) -> None:
         c.collected = c.graph.collect(len(c.positions))
         c.frames = []  # the shared-memory views are no longer needed

@@ -42,6 +42,10 @@ from scratchd.workers.protocol import STANDBY_SLOT, ExitCode, parse_take, ready_
 from scratchd.workers.results import error_result
 
 PR_SET_PDEATHSIG: Final = 1
+LEAD_FLOOR_NS: Final = 100_000
+"""The least time before a computing batch's expected end at which the next one is claimed."""
+LEAD_WEIGHT: Final = 0.1
+"""Weight of the newest claim + submit time in its running estimate."""
 
 
 class Backend(Protocol):
@@ -211,6 +215,7 @@ class WorkerLoop:
         self.policy = BatchPolicy(max(1, backend.max_batch), max_delay_ms * 1_000_000)
         self.heartbeat_s = heartbeat_ms / 1000.0
         self.memory_reported_ns = 0
+        self.claimed_ns = 0  # when the loop last decided to claim (PipelinedLoop's lead)
         # Optional backend capabilities, looked up once (a GPU backend has both).
         self.batch_limit: Callable[[], int] | None = getattr(backend, "batch_limit", None)
         self.fragmentation: Callable[[], float] | None = getattr(
@@ -228,6 +233,7 @@ class WorkerLoop:
             oldest = self.queue.oldest_ready() if ready else None
             plan = self.policy.plan(now, ready, oldest, idle=self.device_idle())
             if plan.claim:
+                self.claimed_ns = now
                 claims = self.queue.claim_batch(self.slot, min(plan.claim, self.limit()), now)
                 if claims:
                     self.take(claims)
@@ -330,11 +336,19 @@ class PipelinedLoop(WorkerLoop):
     """The loop of a backend that computes asynchronously (CUDA: ``submit`` uploads,
     ``start`` launches, ``collect`` waits for the device and copies the small outputs,
     ``finish`` works on the host). Batch k+1 is claimed and uploaded while batch k
-    computes, and k is finished on the host and completed while k+1 computes; an idle device
-    takes what is ready at once (``device_idle``), a busy one lets the next batch fill::
+    computes, and k is finished on the host and completed while k+1 computes::
 
         claim k+1 ─ submit k+1 ─ collect k ─ start k+1 ─ finish k ─ complete k ─ claim k+2 …
         GPU: ─────── compute k ───────────┘             └────── compute k+1 ──────────
+
+    When batch k+1 is claimed: at once when a full batch is ready, or when nothing computes
+    (an idle device takes what is ready: workers/batching.py says why); otherwise it fills
+    while k computes, until ``lead`` before k's expected end (its start plus the backend's
+    ``expected_ms``, the graphs' measured device time), so that the claim and the upload of
+    k+1 happen during k's last stretch and k+1 launches right behind k instead of after a
+    claim and an upload on an idle device. ``lead`` is twice the measured claim + submit
+    time plus ``LEAD_FLOOR_NS``. A backend without ``expected_ms`` (or without a measurement
+    yet) has k+1 claimed as soon as anything is ready.
 
     A failure of the asynchronous backend (a CUDA error) leaves the device in an unknown
     state: the worker exits (``ExitCode.CRASH``) without completing; the supervisor re-queues
@@ -343,25 +357,44 @@ class PipelinedLoop(WorkerLoop):
 
     inflight: tuple[list[Claim], object, int] | None = None  # launched, not collected
     collected: tuple[list[Claim], object, int] | None = None  # collected, not finished
+    busy_until_ns: int = 0  # the in-flight batch's expected end on the device
+    submit_ns: float = 0.0  # EWMA of claim + submit time
 
     def take(self, claims: list[Claim]) -> None:
         b = cast(AsyncBackend, self.backend)
         images = [self.queue.input_view(c) for c in claims]
         batch = b.submit(images, [c.want_mask for c in claims])
+        submitted = time.monotonic_ns()
         self._collect()
         b.start(batch)
-        self.inflight = (claims, batch, time.monotonic_ns())
+        now = time.monotonic_ns()
+        expected = getattr(b, "expected_ms", None)
+        self.busy_until_ns = now + int(expected(batch) * 1e6) if expected is not None else now
+        sample = submitted - self.claimed_ns
+        self.submit_ns += LEAD_WEIGHT * (sample - self.submit_ns) if self.submit_ns else sample
+        self.inflight = (claims, batch, now)
         self._finish()
 
     def device_idle(self) -> bool:
-        """Nothing is computing: a partial batch goes at once (workers/batching.py says why);
-        while a batch computes the next one fills, ``settle`` waiting for the device."""
-        return self.inflight is None
+        """Nothing is computing, or what is will end within ``lead``: a partial batch goes
+        now (see the class docstring)."""
+        return self.inflight is None or time.monotonic_ns() >= self.busy_until_ns - self.lead_ns
+
+    @property
+    def lead_ns(self) -> int:
+        return LEAD_FLOOR_NS + int(2 * self.submit_ns)
 
     def settle(self) -> bool:
-        """The device is busy: wait for it (the wait lets the next batch fill), then plan
-        again before finishing on the host, so the next launch is not delayed by it."""
+        """Nothing to claim now. While a batch computes, sleep until ``lead`` before its
+        expected end (a full batch or any new request wakes us earlier, to plan again), then
+        wait for the device; with nothing computing, finish the collected batch."""
         if self.inflight is not None:
+            wake = self.busy_until_ns - self.lead_ns
+            now = time.monotonic_ns()
+            if now < wake:
+                timeout = min(self.heartbeat_s, (wake - now) / 1e9)
+                self.queue.wait_for_work(self.slot, timeout, min_ready=self.policy.max_batch)
+                return True
             self._collect()
             return True
         self._finish()

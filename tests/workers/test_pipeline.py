@@ -64,8 +64,36 @@ class FakeAsyncBackend:
                 for m in batch.means]  # fmt: skip
 
 
+@dataclass
+class TimedBackend(FakeAsyncBackend):
+    """A device that takes ``device_s`` a batch, and says so (``expected_ms``): collect
+    waits until the batch's time on the device is over."""
+
+    device_s: float = 1.0
+    started_at: dict[int, float] = field(default_factory=dict)
+    sizes: dict[int, int] = field(default_factory=dict)
+
+    def submit(self, images: Sequence[np.ndarray], want_mask: Sequence[bool]) -> FakeBatch:
+        batch = super().submit(images, want_mask)
+        self.sizes[batch.number] = len(images)
+        return batch
+
+    def start(self, batch: FakeBatch) -> None:
+        super().start(batch)
+        self.started_at[batch.number] = time.monotonic()
+
+    def collect(self, batch: FakeBatch) -> None:
+        time.sleep(max(0.0, self.started_at[batch.number] + self.device_s - time.monotonic()))
+        super().collect(batch)
+
+    def expected_ms(self, batch: FakeBatch) -> float:
+        return self.device_s * 1000.0
+
+
 @contextlib.contextmanager
-def running_loop(max_delay_ms: int) -> Iterator[tuple[RequestQueue, FakeAsyncBackend]]:
+def running_loop(
+    max_delay_ms: int, backend: FakeAsyncBackend | None = None
+) -> Iterator[tuple[RequestQueue, FakeAsyncBackend]]:
     """A queue (the daemon's side) and a PipelinedLoop on a thread serving it with a fake
     backend; the loop is stopped, and everything closed, on exit."""
     name = f"/scratchd-test-pipeline-{os.getpid()}"
@@ -73,7 +101,7 @@ def running_loop(max_delay_ms: int) -> Iterator[tuple[RequestQueue, FakeAsyncBac
     death_r, death_w = os.pipe()
     worker = RequestQueue.attach(name, completion_fd=main.completion_fd, work_fd=main.work_fd(0))
     worker.register_worker(0, os.getpid())
-    backend = FakeAsyncBackend()
+    backend = backend if backend is not None else FakeAsyncBackend()
     stop = StopFlag(main.work_fd(0))
     loop = PipelinedLoop(
         worker, 0, backend, stop, death_r, max_delay_ms=max_delay_ms, heartbeat_ms=50
@@ -147,3 +175,32 @@ def test_an_idle_device_takes_a_lone_request_without_waiting_for_the_fill_window
             time.sleep(0.001)
         assert [(c.request_id, c.status) for c in done] == [(7, Status.OK)]
         assert done[0].result is not None and done[0].result.batch_size == 1
+
+
+def wait_done(main: RequestQueue, n: int) -> list[Completion]:
+    done: list[Completion] = []
+    deadline = time.monotonic() + 30
+    while len(done) < n and time.monotonic() < deadline:
+        done += main.collect_completed()
+        time.sleep(0.001)
+    return done
+
+
+def test_the_next_batch_fills_while_one_computes_and_is_uploaded_before_it_ends() -> None:
+    """A batch computing for 1 s: two requests that arrive during it (fewer than a full
+    batch of 3) are neither claimed at once nor left until the device is idle — they go
+    together as batch 2, submitted (claimed and uploaded) before batch 1 is collected, so
+    batch 2 launches right behind batch 1."""
+    backend = TimedBackend(device_s=1.0)
+    with running_loop(max_delay_ms=600_000, backend=backend) as (main, _):
+        submit(main, 1, 10)
+        while not backend.started_at:
+            time.sleep(0.001)
+        submit(main, 2, 20)  # right after batch 1 started
+        time.sleep(0.3)
+        submit(main, 3, 30)  # well before batch 1's expected end
+        done = wait_done(main, 3)
+        assert sorted(c.request_id for c in done) == [1, 2, 3]
+    log = backend.log
+    assert backend.sizes == {1: 1, 2: 2}, log
+    assert log.index(("submit", 2)) < log.index(("collect", 1)) < log.index(("start", 2)), log
