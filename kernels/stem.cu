@@ -1,9 +1,15 @@
 // stem: the input path fused with the first conv. uint8 frames are normalised
 // ((x/255 - mean)/std), edge-padded to [Hp, Wp] (clamped reads) and convolved (3x3, stride 2,
 // zero padding 1 around the padded frame, 1 → COUT channels, bias, ReLU) in one pass: the
-// normalised fp16 input never exists in memory. One thread per output pixel, all COUT
-// channels (COUT/8 16-byte stores, contiguous across the warp); the weight lives in shared
-// memory as fp32 and is read as a broadcast.
+// normalised fp16 input never exists in memory.
+//
+// One thread per (output pixel, group of V channels), groups fastest: a warp's 16-byte stores
+// are one contiguous stretch of the output, and the G = COUT / V threads of a pixel read its
+// 9 input bytes from L1. The block holds a whole number of pixels (THREADS = G * (256 / G))
+// and the grid-stride step is a multiple of G, so a thread keeps one channel group for its
+// whole loop, with that group's 9 x V weights (fp32) and V biases in registers: the inner
+// loop is 9 x V FMAs and no shared memory. Each output sums bias, then taps in (ky, kx)
+// order, in fp32 (as stem_ref's definition and the kernel before this one).
 #include "common.cuh"
 
 template <int COUT>
@@ -15,16 +21,23 @@ __global__ void __launch_bounds__(256) stem(
     int N, int H, int W, int Hp, int Wp, int Ho, int Wo,
     float scale,                               // 1 / (255 * std)
     float shift) {                             // -mean / std
-    constexpr int V = sd::VecWidth<COUT>::value;
-    __shared__ __align__(16) float sw[9 * COUT];  // [tap][COUT]
-    __shared__ float sb[COUT];
-    for (int i = threadIdx.x; i < 9 * COUT; i += blockDim.x) sw[i] = __half2float(w[i]);
-    for (int i = threadIdx.x; i < COUT; i += blockDim.x) sb[i] = b[i];
-    __syncthreads();
-    const int plane = Ho * Wo, items = N * plane;
-    for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < items; p += gridDim.x * blockDim.x) {
+    constexpr int V = sd::VecWidth<COUT>::value, G = COUT / V;
+    static_assert(COUT % V == 0 && G <= 256, "whole channel groups, a pixel per block at least");
+    const int stride = gridDim.x * blockDim.x;  // a multiple of G: blockDim.x is (host)
+    const int first = blockIdx.x * blockDim.x + threadIdx.x, c0 = (first % G) * V;
+    float wv[9][V], bv[V];
+#pragma unroll
+    for (int t = 0; t < 9; ++t)
+#pragma unroll
+        for (int j = 0; j < V; ++j) wv[t][j] = __half2float(w[t * COUT + c0 + j]);
+#pragma unroll
+    for (int j = 0; j < V; ++j) bv[j] = b[c0 + j];
+    const int plane = Ho * Wo;
+    const int items = N * plane * G;  // < 2^31: the host checks
+    for (int i = first; i < items; i += stride) {
+        const int p = i / G;
         const int n = p / plane, rem = p - n * plane, oy = rem / Wo, ox = rem - oy * Wo;
-        const unsigned char* img = images + n * H * W;
+        const unsigned char* img = images + (size_t)n * H * W;
         float v[9];
 #pragma unroll
         for (int ky = 0; ky < 3; ++ky) {
@@ -34,24 +47,18 @@ __global__ void __launch_bounds__(256) stem(
                 const int ix = 2 * ox + kx - 1;
                 const bool inside = iy >= 0 && iy < Hp && ix >= 0 && ix < Wp;
                 const int sy = min(max(iy, 0), H - 1), sx = min(max(ix, 0), W - 1);
-                v[ky * 3 + kx] = inside ? fmaf((float)img[sy * W + sx], scale, shift) : 0.0f;
+                v[ky * 3 + kx] = inside ? fmaf((float)__ldg(img + sy * W + sx), scale, shift) : 0.0f;
             }
         }
-#pragma unroll 1  // one channel group at a time: 8 accumulators, weights from shared memory
-        for (int c0 = 0; c0 < COUT; c0 += V) {
-            float acc[V];
+        float acc[V];
 #pragma unroll
-            for (int j = 0; j < V; ++j) acc[j] = sb[c0 + j];
+        for (int j = 0; j < V; ++j) acc[j] = bv[j];
 #pragma unroll
-            for (int t = 0; t < 9; ++t) {
-                float wv[V];
-                sd::load_f_smem<V>(sw + t * COUT + c0, wv);
+        for (int t = 0; t < 9; ++t)
 #pragma unroll
-                for (int j = 0; j < V; ++j) acc[j] = fmaf(v[t], wv[j], acc[j]);
-            }
+            for (int j = 0; j < V; ++j) acc[j] = fmaf(v[t], wv[t][j], acc[j]);
 #pragma unroll
-            for (int j = 0; j < V; ++j) acc[j] = fmaxf(acc[j], 0.0f);
-            sd::store_h<V>(out + p * COUT + c0, acc);
-        }
+        for (int j = 0; j < V; ++j) acc[j] = fmaxf(acc[j], 0.0f);
+        sd::store_h<V>(out + (size_t)p * COUT + c0, acc);
     }
 }

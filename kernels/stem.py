@@ -62,5 +62,9 @@ def stem_cuda(
     sizes = map(cu.i32, (n, h, wd, hp, wp, ho, wo))
     scale, shift = cu.f32(1.0 / (255.0 * std)), cu.f32(-mean / std)
     args = (images, w, b, out, *sizes, scale, shift)
-    cu.launch(func, (cu.grid_size(n * ho * wo, 256),), (256,), args)
+    groups = cout // (8 if cout % 8 == 0 else 1)  # stem.cu's channel groups (VecWidth)
+    if n * ho * wo * groups >= 2**31:
+        raise ValueError(f"stem: {n}x{ho}x{wo} outputs in {groups} groups pass int32 indexing")
+    threads = groups * (256 // groups)  # whole pixels a block: a thread keeps its group
+    cu.launch(func, (cu.grid_size(n * ho * wo * groups, threads),), (threads,), args)
     return out

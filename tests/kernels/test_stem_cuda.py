@@ -13,7 +13,9 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize(
-    "case", [(1, 1, 1, 24), (2, 17, 33, 24), (1, 200, 200, 24), (3, 31, 16, 5), (1, 64, 48, 8)],
+    "case",
+    [(1, 1, 1, 24), (2, 17, 33, 24), (1, 200, 200, 24), (3, 31, 16, 5), (1, 64, 48, 8),
+     (2, 70, 90, 48), (1, 37, 53, 64)],
     ids=lambda s: "x".join(map(str, s)),
 )  # fmt: skip
 def test_stem_cuda_matches_ref(case: tuple[int, int, int, int]) -> None:
