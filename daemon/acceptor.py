@@ -20,11 +20,21 @@ Per frame (see ``scratchd.ipc.wire`` for the format), in this order:
    straight into the slot, never on the loop;
 6. ``submit()`` and record the request in the dispatcher's in-flight table.
 
+Large raw frames skip the copy of step 5: the connection asks for a slot (``lend_slot``) as
+soon as it has read where the frame's pixels lie, and the kernel writes them straight into
+it; the frame then arrives through ``slot_frame`` with steps 1-6 as above, 4 already done
+(and, for raw grey, 5). A slot is lent only while that cannot change a reply: not when
+draining, nor to a connection at its in-flight limit, nor for more pixels than a slot holds,
+nor when none is free (the frame then takes the usual path, which answers as before); and
+at most ``slots // 4`` at once, so clients that stall mid-frame cannot hold the queue.
+
 No slot leaks: a reserved descriptor is either submitted or released on every path
-(a decode failure, any exception, the client having left meanwhile). Decode tasks are never
-cancelled: a thread may still be writing into the slot, so the slot is released only after
-the thread is done. When a client disconnects, ``abandon_connection`` hands the queue the
-rest: queued requests are freed, claimed ones when their worker finishes.
+(a decode failure, any exception, the client having left meanwhile); a lent one is the
+connection's until its frame is whole (``daemon/connection.py``), then this module's.
+Decode tasks are never cancelled: a thread may still be writing into the slot, so the slot
+is released only after the thread is done. When a client disconnects,
+``abandon_connection`` hands the queue the rest: queued requests are freed, claimed ones
+when their worker finishes.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ import msgspec
 
 from scratchd.daemon.access import AccessGate, AccessPolicy
 from scratchd.daemon.config import Config
-from scratchd.daemon.connection import BufferPool, Connection
+from scratchd.daemon.connection import BufferPool, Connection, SlotLoan
 from scratchd.daemon.dispatch import Dispatcher, InFlight
 from scratchd.daemon.images import (
     AnyInferRequest,
@@ -58,7 +68,7 @@ from scratchd.daemon.images import (
 from scratchd.daemon.log import log_event
 from scratchd.ipc import wire
 from scratchd.ipc.image import ImageError
-from scratchd.ipc.queue import RequestQueue
+from scratchd.ipc.queue import Handle, RequestQueue
 
 __all__ = [
     "Acceptor",
@@ -85,6 +95,14 @@ class Admission:
     deadline_ms: int
 
 
+class Refused(Exception):
+    """A request answered at the door: its status and why."""
+
+    def __init__(self, status: wire.ReplyStatus, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+
+
 class Acceptor:
     """Accepts connections and turns frames into queued requests or immediate replies.
 
@@ -108,6 +126,8 @@ class Acceptor:
         self.max_frame = 3 * config.queue.slot_bytes + wire.MAX_FRAME_OVERHEAD
         self.frame_timeout_s = config.server.frame_timeout_ms / 1000.0
         self.pool = BufferPool()
+        self.lent = 0  # payload slots lent to connections receiving pixels into them
+        self.lend_limit = max(1, config.queue.slots // 4)
         self.connections: dict[int, Connection] = {}
         self._class_index = {name: i for i, name in enumerate(config.class_names())}
         self.gate = AccessGate.from_config(config.server.allowed_uids, config.server.allowed_gids)
@@ -219,6 +239,46 @@ class Acceptor:
             flight = InFlight(conn, rid, "unknown", 0, received_ns)
             self.dispatcher.reject(flight, "error", f"internal error: {exc}")
 
+    def lend_slot(self, conn: Connection, nbytes: int) -> SlotLoan | None:
+        """A slot for ``nbytes`` of raw pixels about to arrive on ``conn``, while lending one
+        cannot change the frame's reply (module docstring); else None."""
+        limit = self.config.server.max_in_flight_per_connection
+        if self.draining or self.lent >= self.lend_limit or conn.in_flight() >= limit:
+            return None
+        if not 0 < nbytes <= self.config.queue.slot_bytes:
+            return None
+        handle = self.queue.reserve()
+        if handle is None:
+            return None
+        self.lent += 1
+        return SlotLoan(handle, self.queue.payload(handle)[:nbytes])
+
+    def return_slot(self, loan: SlotLoan) -> None:
+        self.lent -= 1
+        self.queue.release(loan.handle)
+
+    def slot_frame(
+        self, conn: Connection, body: memoryview, loan: SlotLoan, received_ns: int
+    ) -> bool:
+        """A frame whose pixels arrived in ``loan``'s slot and ``body`` is the rest (see
+        ``wire.hide_pixels``). False, touching nothing, unless it is an inference request
+        whose only ``pixels`` are those; else handled as ``frame`` would, the slot with it."""
+        try:
+            message = wire.decode_without_pixels(body)
+        except Exception:  # the frame path decodes the body as sent, for the same reason
+            message = None
+        if message is None:
+            return False
+        self.lent -= 1
+        try:
+            request = msgspec.structs.replace(message, pixels=loan.view)
+            self._admit(conn, request, received_ns, loan.handle)
+        except Exception as exc:  # as in frame(): a bug costs one reply
+            log_event("request_failed", logging.ERROR, error=repr(exc))
+            flight = InFlight(conn, message.id, "unknown", 0, received_ns)
+            self.dispatcher.reject(flight, "error", f"internal error: {exc}")
+        return True
+
     def handle_frame(self, conn: Connection, body: memoryview | bytes, received_ns: int) -> None:
         try:
             message = wire.decode_client_frame(body)
@@ -229,49 +289,73 @@ class Acceptor:
         if isinstance(message, wire.StatusRequest):
             conn.send(self.status(message.id))
             return
-        self._admit(conn, message, received_ns)
+        self._admit(conn, message, received_ns, None)
 
-    def _admit(self, conn: Connection, request: wire.InferFrame, received_ns: int) -> None:
+    def _admit(
+        self, conn: Connection, request: wire.InferFrame, received_ns: int, lent: Handle | None
+    ) -> None:
+        """Queue ``request`` or answer it. ``lent``: the slot its pixels were received into
+        (``request.pixels`` is a view of it); submitted or released here, whatever happens."""
         flight = InFlight(conn, request.id, "unknown", 0, received_ns, request.want_mask)
         try:
-            admission = self.classify(request)
-            flight.part_class, flight.priority = admission.class_name, admission.priority
-            check_image(request, self.config.queue.slot_bytes)
-        except Invalid as exc:
-            self.dispatcher.reject(flight, "invalid", str(exc))
+            admission = self._admission(conn, request, flight)
+        except BaseException as exc:
+            if lent is not None:  # whatever went wrong, a lent slot goes back
+                self.queue.release(lent)
+            if not isinstance(exc, Refused):
+                raise
+            self.dispatcher.reject(flight, exc.status, str(exc))
             return
-        if self.draining:
-            self.dispatcher.reject(flight, "overloaded", "daemon is shutting down")
-            return
-        limit = self.config.server.max_in_flight_per_connection
-        if conn.in_flight() >= limit:
-            reason = f"{limit} requests already in flight on this connection (limit per connection)"
-            self.dispatcher.reject(flight, "overloaded", reason)
-            return
-        handle = self.queue.reserve()
+        handle = self.queue.reserve() if lent is None else lent
         if handle is None:
             slots = self.config.queue.slots
             self.dispatcher.reject(flight, "overloaded", f"queue full: all {slots} slots in use")
             return
         flight.handle = handle
         flight.deadline_ns = received_ns + admission.deadline_ms * MS
-        if request.encoded is None and request.channels == 1:
-            try:
-                shape = write_raw_grey(self.queue.payload(handle), request)
+        try:
+            if request.encoded is None and request.channels == 1:
+                if lent is None:
+                    shape = write_raw_grey(self.queue.payload(handle), request)
+                else:  # received in place
+                    shape = request.height, request.width
                 self._submit(flight, admission, shape)
-            except Exception as exc:  # not published: the slot is still ours to give back
-                self.queue.release(handle)
-                self.dispatcher.reject(flight, "error", f"could not queue the request: {exc}")
-        else:
-            if request.pixels is not None:  # raw RGB: off the frame buffer, which is reused
-                request = msgspec.structs.replace(request, pixels=memoryview(bytes(request.pixels)))
-            task = asyncio.get_running_loop().create_task(
-                self._convert_and_submit(flight, admission, request)
-            )
-            self._decoding.add(task)
-            task.add_done_callback(self._decoding.discard)
-            conn.converting += 1
-            task.add_done_callback(conn.converted)
+            else:
+                self._start_conversion(flight, admission, request)
+        except Exception as exc:  # not published: the slot is still ours to give back
+            self.queue.release(handle)
+            self.dispatcher.reject(flight, "error", f"could not queue the request: {exc}")
+
+    def _start_conversion(
+        self, flight: InFlight, admission: Admission, request: wire.InferFrame
+    ) -> None:
+        """Convert an encoded or raw RGB image into its slot in the decode pool, then submit."""
+        if request.pixels is not None:  # raw RGB: off the frame buffer (or slot) it is in
+            request = msgspec.structs.replace(request, pixels=memoryview(bytes(request.pixels)))
+        task = asyncio.get_running_loop().create_task(
+            self._convert_and_submit(flight, admission, request)
+        )
+        self._decoding.add(task)
+        task.add_done_callback(self._decoding.discard)
+        flight.conn.converting += 1
+        task.add_done_callback(flight.conn.converted)
+
+    def _admission(self, conn: Connection, request: wire.InferFrame, flight: InFlight) -> Admission:
+        """Where ``request`` goes, or ``Refused``: in this order, an invalid class or image,
+        a draining daemon, the connection's in-flight limit."""
+        try:
+            admission = self.classify(request)
+            flight.part_class, flight.priority = admission.class_name, admission.priority
+            check_image(request, self.config.queue.slot_bytes)
+        except Invalid as exc:
+            raise Refused("invalid", str(exc)) from None
+        if self.draining:
+            raise Refused("overloaded", "daemon is shutting down")
+        limit = self.config.server.max_in_flight_per_connection
+        if conn.in_flight() >= limit:
+            reason = f"{limit} requests already in flight on this connection (limit per connection)"
+            raise Refused("overloaded", reason)
+        return admission
 
     async def _convert_and_submit(
         self, flight: InFlight, admission: Admission, request: wire.InferFrame

@@ -1,11 +1,12 @@
 """One client connection: frames read straight into reused buffers, replies written back.
 
 A :class:`Connection` is the connection's ``asyncio.BufferedProtocol``: the event loop
-``recv``\\ s into memory this class lends it (``get_buffer``), so a frame's bytes are
-copied once by the kernel into a buffer that is reused, and then once more, by the acceptor,
-into their shared-memory payload slot. Nothing in between (no stream buffer, no ``bytes``
-per read, no copy of the body, no copy of ``pixels`` when decoding: see
-``wire.decode_client_frame``).
+``recv``\\ s into memory this class lends it (``get_buffer``). A large raw image is
+received straight into the shared-memory payload slot it will be served from: the kernel's
+copy is the only one. Any other frame is copied once by the kernel into a buffer that is
+reused, and then, if it is an image, once more by the acceptor into its slot. Nothing in
+between (no stream buffer, no ``bytes`` per read, no copy of the body, no copy of ``pixels``
+when decoding: see ``wire.decode_client_frame``).
 
 Reading is a small state machine (:class:`ReadState`); what is lent in each state::
 
@@ -13,8 +14,13 @@ Reading is a small state machine (:class:`ReadState`); what is lent in each stat
            complete frames are handled in place:  │ len │ body     │ len │ body ... │
            views of ``head``; leftover bytes      └─────┴──────────┴─────┴──────────┴──...
            move to its front
-    BODY   body[got:length] (from the acceptor's  a frame too big for ``head``: the part
-           BufferPool, returned when it is done)  already in ``head`` is moved over first
+    SLOT   a frame too big for ``head`` whose      head: │ body before pixels │ c4 00 │ after │
+           first SCAN_BYTES show raw ``pixels``          (``wire.hide_pixels``)   ▲ then these
+           (``wire.locate_pixels``) that a slot   slot:  │ pixels ...................│ first
+           lent by the handler holds: those bytes go straight into the slot, then the few
+           after them into ``head`` behind the body's start with the pixels taken out
+    BODY   body[got:length] (from the acceptor's  any other frame too big for ``head``: the
+           BufferPool, returned when it is done)  part already in ``head`` is moved over first
     CLOSED nothing more is handled (a scratch buffer is lent; what arrives is dropped)
 
 The length prefix is checked against the frame cap before a byte of the body is read
@@ -23,6 +29,15 @@ of its prefix (a timer armed at the prefix, cancelled when the frame is whole;
 ``FrameHandler.stalled``, then CLOSED). Each complete frame goes to
 ``FrameHandler.frame(conn, body, received_ns)`` synchronously, on the loop: ``body`` is a
 view that is reused after the call returns, so the handler copies what it keeps.
+
+A SLOT frame goes to ``FrameHandler.slot_frame(conn, body, loan, received_ns)`` instead
+(``body`` without its pixels, which are in ``loan.view``). A lent slot is never leaked: it
+is the connection's from ``lend_slot`` until the frame is whole, then the handler's if
+``slot_frame`` takes it (True: it submits or releases it); otherwise (False: a body that does
+not decode, a status request, a second ``pixels`` key) the body is rebuilt as it was sent
+(``wire.rebuild_body``) into a pool buffer, the slot goes back (``return_slot``) and the frame
+takes the ``frame`` path, so every reply is what it would have been. A connection closed or
+lost mid-frame returns its slot at once.
 
 Replies (``send``) are queued and written together at the end of the loop's turn
 (``loop.call_soon``): a batch of completions for one client costs one ``writelines``, not a
@@ -38,6 +53,7 @@ import asyncio
 import contextlib
 import enum
 import time
+from dataclasses import dataclass
 from typing import Final, Protocol, cast
 
 from scratchd.daemon.access import LINGER_BYTES, SupportsGetsockopt
@@ -45,6 +61,8 @@ from scratchd.ipc import wire
 from scratchd.ipc.queue import Handle
 
 HEAD_BYTES: Final = 64 * 1024
+SCAN_BYTES: Final = 1024
+"""How much of a large frame's body is awaited (and searched) for where its pixels lie."""
 BODY_ROUND: Final = 64 * 1024
 """Body buffers are sized in multiples of this, so frames of nearly one size share them."""
 POOL_KEEP: Final = 8
@@ -54,8 +72,17 @@ REFUSED_FEED_BYTES: Final = LINGER_BYTES + HEAD_BYTES
 
 class ReadState(enum.Enum):
     HEAD = "head"
+    SLOT = "slot"
     BODY = "body"
     CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class SlotLoan:
+    """A payload slot lent for one frame's raw pixels: ``view`` is exactly their length."""
+
+    handle: Handle
+    view: memoryview
 
 
 class FrameHandler(Protocol):
@@ -69,6 +96,17 @@ class FrameHandler(Protocol):
         """None to serve the connection, else the reason it is refused."""
 
     def frame(self, conn: Connection, body: memoryview, received_ns: int) -> None: ...
+
+    def lend_slot(self, conn: Connection, nbytes: int) -> SlotLoan | None:
+        """A payload slot for ``nbytes`` of raw pixels about to arrive, or None (then the
+        frame is read into a pool buffer)."""
+
+    def slot_frame(
+        self, conn: Connection, body: memoryview, loan: SlotLoan, received_ns: int
+    ) -> bool:
+        """True: the frame is handled and the slot is the handler's; False: neither."""
+
+    def return_slot(self, loan: SlotLoan) -> None: ...
 
     def oversized(self, conn: Connection, length: int) -> None: ...
 
@@ -120,8 +158,11 @@ class Connection(asyncio.BufferedProtocol):
         self._head_view = memoryview(self._head)
         self._have = 0  # bytes of head in use, from its start
         self._body: bytearray | None = None
-        self._length = 0  # the current body's length (BODY), or 0
-        self._got = 0
+        self._length = 0  # the current body's length (BODY, SLOT), or 0
+        self._got = 0  # bytes of it received
+        self._loan: SlotLoan | None = None  # SLOT: where the pixels go
+        self._at: wire.PixelsAt | None = None  # SLOT: where they lie in the body
+        self._after_at = 0  # SLOT: where in head the bytes after the pixels go
         self._timer: asyncio.TimerHandle | None = None
         self._refused: asyncio.StreamReader | None = None
         self._fed = 0
@@ -182,6 +223,15 @@ class Connection(asyncio.BufferedProtocol):
             self.handler.refused(self, self._refused)
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self.state is ReadState.SLOT:
+            at, loan = self._at, self._loan
+            assert at is not None and loan is not None
+            end = at.start + at.length
+            if self._got < end:
+                return loan.view[self._got - at.start :]
+            return self._head_view[
+                self._after_at + self._got - end : self._after_at + self._length - end
+            ]
         if self.state is ReadState.BODY:
             assert self._body is not None
             return memoryview(self._body)[self._got : self._length]
@@ -194,6 +244,11 @@ class Connection(asyncio.BufferedProtocol):
             if self._refused is not None and self._fed < REFUSED_FEED_BYTES:
                 self._refused.feed_data(bytes(self._head_view[:nbytes]))
                 self._fed += nbytes
+            return
+        if self.state is ReadState.SLOT:
+            self._got += nbytes
+            if self._got == self._length:
+                self._finish_slot()
             return
         if self.state is ReadState.BODY:
             self._got += nbytes
@@ -234,13 +289,57 @@ class Connection(asyncio.BufferedProtocol):
                 pos = start + length
                 continue
             self._arm(length)
-            if wire.PREFIX_BYTES + length > HEAD_BYTES:  # too big for head: lend a body
-                self._start_body(length, view[start:have])
+            if wire.PREFIX_BYTES + length > HEAD_BYTES:  # too big for head
+                if have - start < min(SCAN_BYTES, length):
+                    break  # wait for enough of the body to find its pixels
+                if not self._start_slot(length, start):
+                    self._start_body(length, view[start:have])
                 return
             break
         if self.state is ReadState.HEAD:  # the partial frame moves to the front
             view[: have - pos] = view[pos:have]
             self._have = have - pos
+
+    def _start_slot(self, length: int, start: int) -> bool:
+        """Receive the rest of a large frame's pixels straight into a lent payload slot, if
+        its first bytes show where they lie, all the bytes in head so far are up to their
+        end, and the bytes after them fit in head; False (nothing changed) otherwise."""
+        view, got = self._head_view, self._have - start
+        at = wire.locate_pixels(view[start : start + min(got, SCAN_BYTES)])
+        if at is None:
+            return False
+        end = at.start + at.length
+        if not got <= end <= length or at.header + 2 + length - end > HEAD_BYTES:
+            return False
+        loan = self.handler.lend_slot(self, at.length)
+        if loan is None:
+            return False
+        loan.view[: got - at.start] = view[start + at.start : start + got]
+        view[: at.header] = view[start : start + at.header]  # the body's start to the front
+        self._after_at = wire.hide_pixels(view, at)
+        self._loan, self._at, self._length, self._got = loan, at, length, got
+        self._enter(ReadState.SLOT)  # got < length: head holds less than a large frame
+        return True
+
+    def _finish_slot(self) -> None:
+        loan, at, length = self._loan, self._at, self._length
+        assert loan is not None and at is not None
+        body = self._head_view[: self._after_at + length - at.start - at.length]
+        self._loan = None  # the handler's now, or given back below
+        self._disarm()
+        self._enter(ReadState.HEAD)
+        received_ns = time.monotonic_ns()
+        if self.handler.slot_frame(self, body, loan, received_ns):
+            return
+        whole = self.handler.pool.take(length)  # handled as if it had come the usual way
+        try:
+            try:
+                wire.rebuild_body(memoryview(whole), body, loan.view, at)
+            finally:
+                self.handler.return_slot(loan)
+            self.handler.frame(self, memoryview(whole)[:length], received_ns)
+        finally:
+            self.handler.pool.give(whole)
 
     def _start_body(self, length: int, already: memoryview) -> None:
         self._body = self.handler.pool.take(length)
@@ -279,8 +378,14 @@ class Connection(asyncio.BufferedProtocol):
             self._disarm()
             if self._body is not None and self.state is ReadState.BODY:
                 self.handler.pool.give(self._body)
+            if self._loan is not None:  # closed mid-frame: the slot goes back at once
+                self.handler.return_slot(self._loan)
         if state is not ReadState.BODY:
-            self._body, self._length, self._got = None, 0, 0
+            self._body = None
+        if state is not ReadState.SLOT:
+            self._loan, self._at = None, None
+        if state not in (ReadState.BODY, ReadState.SLOT):
+            self._length, self._got = 0, 0
         self.state = state
 
     async def wait_closed(self, timeout: float) -> None:

@@ -1,20 +1,36 @@
 """Acceptor validation without a daemon: what is refused before a slot is reserved, class
-resolution, and conversion of raw/encoded images into a payload slot."""
+resolution, conversion of raw/encoded images into a payload slot, and large raw frames
+received straight into a slot (answered and served exactly as if they had been copied)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
+import itertools
+import os
+import re
+import struct
+import time
+from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from PIL import Image
 
-from scratchd.daemon.acceptor import Invalid, check_image, convert_into
+from scratchd.daemon.acceptor import Acceptor, Invalid, check_image, convert_into
+from scratchd.daemon.config import Config, QueueConfig, ServerConfig
+from scratchd.daemon.connection import Connection, SlotLoan
+from scratchd.daemon.dispatch import Dispatcher
+from scratchd.ipc import wire
 from scratchd.ipc.image import ImageError
+from scratchd.ipc.queue import DescState, Geometry, RequestQueue, Result, Status
 from scratchd.ipc.wire import InferRequest
+
+from .test_connection import FakeTransport, deliver
 
 
 def _raw(arr: np.ndarray) -> InferRequest:
@@ -81,3 +97,220 @@ def test_an_encoded_image_larger_than_a_slot_is_refused_before_decoding() -> Non
     big = np.zeros((64, 64), np.uint8)
     with pytest.raises(ImageError, match="limit of 1024"):
         convert_into(memoryview(bytearray(1024)), InferRequest(id=1, encoded=_png(big)))
+
+
+# ---- large raw frames received straight into a lent slot: the same replies, no slot kept ------
+
+SLOT_BYTES = 96 * 1024  # > the connection's head, so a raw grey frame that fits can be lent
+SLOTS = 8
+
+
+class FrontEnd:
+    """An acceptor with its queue and dispatcher, in this process; the test is the worker
+    (it claims, reads the pixels and completes) and the client (a fake transport)."""
+
+    def __init__(self, **server: Any) -> None:
+        self.queue = RequestQueue.create(
+            f"/scratchd-test-acceptor-{os.getpid()}", Geometry(SLOTS, SLOT_BYTES)
+        )
+        self.queue.register_worker(0, os.getpid())
+        config = Config(
+            server=ServerConfig(socket="/nonexistent", **server),
+            queue=QueueConfig(slots=SLOTS, slot_bytes=SLOT_BYTES),
+        )
+        self.dispatcher = Dispatcher(self.queue, 1_000_000, lambda *_: None, lambda _: "w0")
+        self.acceptor = Acceptor(config, self.queue, self.dispatcher, self._status)
+        self.loans = 0
+        lend = self.acceptor.lend_slot
+
+        def counting(conn: Connection, nbytes: int) -> SlotLoan | None:
+            loan = lend(conn, nbytes)
+            self.loans += loan is not None
+            return loan
+
+        self.acceptor.lend_slot = counting  # type: ignore[method-assign]
+        self._ids = itertools.count(1)
+
+    @staticmethod
+    def _status(request_id: int) -> wire.StatusReply:
+        depth = wire.QueueStatus(depth=[0] * 8, slots=SLOTS, in_use=0, in_flight=0)
+        return wire.StatusReply(request_id, "serving", 0, 0.0, "test", [], depth)
+
+    def connect(self) -> tuple[Connection, FakeTransport]:
+        conn = Connection(next(self._ids), self.acceptor)
+        transport = FakeTransport()
+        conn.connection_made(transport)  # type: ignore[arg-type]
+        return conn, transport
+
+    async def serve(self, frames: list[bytes], *, lend: bool) -> tuple[list[object], list[object]]:
+        """Send ``frames`` on one connection, serve what was queued; (replies, what the
+        worker saw). Replies: id, status, error, verdict; the worker: the claim's fields
+        and its pixels."""
+        self.acceptor.lend_limit = SLOTS // 4 if lend else 0
+        conn, transport = self.connect()
+        deliver(conn, b"".join(PREFIX.pack(len(f)) + f for f in frames), [])
+        await self.acceptor.wait_for_decodes()
+        seen: list[object] = []
+        for c in self.queue.claim_batch(0, SLOTS, time.monotonic_ns()):
+            pixels = self.queue.input_view(c).tobytes()
+            seen.append((c.request_id, c.priority, c.part_class, c.height, c.width, pixels))
+            self.queue.complete(0, c, Result(Status.OK, score=0.5))
+        self.dispatcher.collect()
+        await asyncio.sleep(0)  # replies leave at the end of the loop's turn
+        conn.close()
+        replies: list[object] = []
+        for data in transport.written:
+            while data:
+                n = wire.frame_length(data[:4])
+                reply = wire.decode_daemon_message(data[4 : 4 + n])
+                if isinstance(reply, wire.Reply):
+                    error = re.sub(r" at 0x[0-9a-f]+", "", reply.error)  # Pillow names objects
+                    replies.append((reply.id, reply.status, error, reply.verdict))
+                else:
+                    replies.append((reply.id, "status_reply"))
+                data = data[4 + n :]
+        assert self.acceptor.lent == 0
+        free = self.queue.counts_by_state()[DescState.FREE]
+        assert free == SLOTS, f"{SLOTS - free} slots kept"
+        return replies, seen
+
+    async def close(self) -> None:
+        await self.acceptor.close_connections()
+        self.queue.close()
+
+
+PREFIX = struct.Struct(">I")
+
+
+def encode_map(pairs: list[tuple[str, object]]) -> bytes:
+    """A msgpack map in exactly this order, duplicate keys included."""
+    assert len(pairs) < 16
+    body = b"".join(msgspec.msgpack.encode(k) + msgspec.msgpack.encode(v) for k, v in pairs)
+    return bytes([0x80 | len(pairs)]) + body
+
+
+@st.composite
+def large_frames(draw: st.DrawFn) -> bytes:
+    """Raw requests big enough to be lent a slot, valid and not, in any order of fields."""
+    channels = draw(st.sampled_from([1, 1, 1, 3]))
+    if channels == 1:
+        height, width = draw(st.sampled_from([256, 300, 400])), draw(st.integers(260, 330))
+    else:  # RGB that fits a slot (3 bytes a pixel), then converted in the decode pool
+        height, width = draw(st.integers(150, 180)), draw(st.integers(150, 180))
+    n = height * width * channels + draw(st.sampled_from([0, 0, 0, -1, 1]))
+    pixels = np.random.default_rng(draw(st.integers(0, 99))).bytes(n)
+    head = [("type", draw(st.sampled_from(["infer", "infer", "status"]))), ("id", 7)]
+    head.append(("part_class", draw(st.sampled_from(["normal", "safety", "bogus"]))))
+    tail = [("height", height), ("width", width), ("channels", channels)]
+    tail += draw(st.lists(st.sampled_from([
+        ("priority", 3), ("priority", 99), ("deadline_ms", -1), ("want_mask", True),
+        ("pixels", b"x"), ("pixels", None), ("pixels", b""), ("zz", [1, {"a": 2}]),
+        ("encoded", b"\x89PNG\r\n\x1a\n"), ("id", 8),
+    ]), max_size=3))  # fmt: skip
+    pairs = [*head, ("pixels", pixels), *tail]
+    if draw(st.booleans()):
+        pairs = draw(st.permutations(pairs))
+    body = encode_map(pairs)
+    return body + draw(st.sampled_from([b"", b"", b"\xc0"]))  # trailing bytes: malformed
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.large_base_example])
+@given(st.lists(large_frames(), min_size=1, max_size=3))
+def test_a_frame_received_into_a_slot_is_answered_and_served_as_if_copied(
+    frames: list[bytes],
+) -> None:
+    async def run() -> None:
+        front = FrontEnd()
+        try:
+            copied = await front.serve(frames, lend=False)
+            assert front.loans == 0
+            in_place = await front.serve(frames, lend=True)
+            assert in_place == copied
+        finally:
+            await front.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("shape", [(300, 310), (160, 170, 3)], ids=["grey", "rgb"])
+def test_a_valid_raw_frame_is_served_from_the_slot_it_was_received_into(
+    shape: tuple[int, ...],
+) -> None:
+    async def run() -> None:
+        front = FrontEnd()
+        try:
+            image = np.random.default_rng(1).integers(0, 256, shape, np.uint8)
+            channels = 1 if image.ndim == 2 else 3
+            request = InferRequest(
+                id=3, pixels=image.tobytes(), height=shape[0], width=shape[1], channels=channels
+            )
+            body = bytes(wire.encode_frame(request)[4:])
+            replies, seen = await front.serve([body], lend=True)
+            assert front.loans == 1
+            assert replies == [(3, "ok", "", "clean")]
+            grey = bytearray(image.tobytes())
+            if channels == 3:  # the luma the same image sent as PNG gets
+                convert_into(memoryview(grey), request)
+            assert seen == [(3, 0, 0, shape[0], shape[1], bytes(grey[: shape[0] * shape[1]]))]
+        finally:
+            await front.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("why", ["queue full", "draining", "in-flight limit", "lend limit"])
+def test_no_slot_is_lent_when_that_would_change_the_reply(why: str) -> None:
+    async def run() -> None:
+        front = FrontEnd(max_in_flight_per_connection=1)
+        body = bytes(wire.encode_frame(InferRequest(id=1, pixels=bytes(300 * 300), height=300,
+                                                    width=300))[4:])  # fmt: skip
+        held = []
+        try:
+            if why == "queue full":
+                held = [front.queue.reserve() for _ in range(SLOTS)]
+            elif why == "draining":
+                front.acceptor.draining = True
+            elif why == "lend limit":
+                front.acceptor.lent = front.acceptor.lend_limit = 1
+            frames = [body, body] if why == "in-flight limit" else [body]
+            expected = {
+                "queue full": f"queue full: all {SLOTS} slots in use",
+                "draining": "daemon is shutting down",
+                "in-flight limit": "1 requests already in flight on this connection",
+            }
+            conn, transport = front.connect()
+            deliver(conn, b"".join(PREFIX.pack(len(f)) + f for f in frames), [])
+            await asyncio.sleep(0)
+            assert front.loans == (1 if why == "in-flight limit" else 0)
+            if why in expected:
+                last = wire.decode_daemon_message(transport.written[-1][4:])
+                assert last.status == "overloaded"  # type: ignore[union-attr]
+                assert expected[why] in last.error  # type: ignore[union-attr]
+            conn.close()
+        finally:
+            for h in held:
+                assert h is not None
+                front.queue.release(h)
+            front.acceptor.lent = 0
+            await front.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("sent", [4 + 2000, 50_000, 4 + 300 * 300])
+def test_a_client_gone_mid_frame_gives_the_slot_back(sent: int) -> None:
+    async def run() -> None:
+        front = FrontEnd()
+        try:
+            request = InferRequest(id=1, pixels=bytes(300 * 300), height=300, width=300)
+            frame = bytes(wire.encode_frame(request))
+            conn, _ = front.connect()
+            deliver(conn, frame[:sent], [])
+            assert front.acceptor.lent == 1
+            conn.connection_lost(None)
+            assert front.acceptor.lent == 0
+            assert front.queue.counts_by_state()[DescState.FREE] == SLOTS
+        finally:
+            await front.close()
+
+    asyncio.run(run())

@@ -13,11 +13,21 @@ import itertools
 import struct
 from typing import Any
 
-from hypothesis import given
+import msgspec
+import pytest
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scratchd.daemon.connection import HEAD_BYTES, BufferPool, Connection, ReadState
+from scratchd.daemon.connection import (
+    HEAD_BYTES,
+    SCAN_BYTES,
+    BufferPool,
+    Connection,
+    ReadState,
+    SlotLoan,
+)
 from scratchd.ipc import wire
+from scratchd.ipc.queue import Handle
 
 
 class FakeTransport:
@@ -79,6 +89,72 @@ class Recorder:
 
     def closed(self, conn: Connection) -> None:
         self.events.append(("closed", conn.id))
+
+    def lend_slot(self, conn: Connection, nbytes: int) -> SlotLoan | None:
+        return None
+
+    def slot_frame(
+        self, conn: Connection, body: memoryview, loan: SlotLoan, received_ns: int
+    ) -> bool:
+        raise AssertionError("no slot was lent")
+
+    def return_slot(self, loan: SlotLoan) -> None:
+        raise AssertionError("no slot was lent")
+
+
+class Lender(Recorder):
+    """A FrameHandler that also lends slots (``lend``) and takes slot frames (``take``); it
+    records every frame as the message it decodes to, so a frame that came through a slot
+    can be compared with the same body decoded whole (``decoded``)."""
+
+    def __init__(self, *, lend: bool = True, take: bool = True, timeout_s: float = 30.0) -> None:
+        super().__init__(timeout_s=timeout_s)
+        self.lend, self.take = lend, take
+        self.loans = 0
+        self.out: dict[int, SlotLoan] = {}  # lent and neither taken nor returned
+        self.messages: list[object] = []
+
+    def frame(self, conn: Connection, body: memoryview, received_ns: int) -> None:
+        super().frame(conn, body, received_ns)
+        self.messages.append(decoded(body))
+
+    def lend_slot(self, conn: Connection, nbytes: int) -> SlotLoan | None:
+        if not self.lend:
+            return None
+        self.loans += 1
+        loan = SlotLoan(Handle(self.loans, 0), memoryview(bytearray(nbytes)))
+        self.out[self.loans] = loan
+        return loan
+
+    def slot_frame(
+        self, conn: Connection, body: memoryview, loan: SlotLoan, received_ns: int
+    ) -> bool:
+        assert self.out[loan.handle.index] is loan
+        if not self.take:
+            return False
+        del self.out[loan.handle.index]
+        message = wire.decode_client_frame(body)
+        assert isinstance(message, wire.InferFrame) and message.pixels is None
+        self.messages.append(decoded(msgspec.structs.replace(message, pixels=loan.view)))
+        return True
+
+    def return_slot(self, loan: SlotLoan) -> None:
+        assert self.out.pop(loan.handle.index) is loan
+
+
+def decoded(body: memoryview | bytes | wire.ClientFrame) -> object:
+    """What the acceptor would see of a body: its message (pixels as bytes) or its error."""
+    if not isinstance(body, memoryview | bytes):
+        message = body
+    else:
+        try:
+            message = wire.decode_client_frame(body)
+        except wire.DecodeError as exc:
+            return str(exc)
+    fields = msgspec.structs.asdict(message)
+    if fields.get("pixels") is not None:
+        fields["pixels"] = bytes(fields["pixels"])
+    return type(message).__name__, fields
 
 
 def framed(bodies: list[bytes]) -> bytes:
@@ -195,7 +271,7 @@ def test_a_lost_connection_is_reported_once() -> None:
     async def run() -> None:
         handler = Recorder()
         conn, _ = open_connection(handler)
-        deliver(conn, framed([b"x" * (2 * HEAD_BYTES)])[:1000], [])  # mid-frame
+        deliver(conn, framed([b"x" * (2 * HEAD_BYTES)])[:4000], [])  # mid-frame
         conn.connection_lost(None)
         conn.connection_lost(None)
         assert handler.events == [("closed", 1)]
@@ -228,5 +304,141 @@ def test_replies_of_one_turn_leave_together_and_in_order_and_close_flushes_them(
         conn.send(wire.Reply(id=10, status="ok"))  # a late completion: dropped, not written
         await asyncio.sleep(0)
         assert len(transport.written) == 2
+
+    asyncio.run(run())
+
+
+# ---- large raw frames received straight into a lent slot -------------------------------------
+
+raw_sizes = st.one_of(
+    st.integers(0, 64),
+    st.integers(HEAD_BYTES - 200, HEAD_BYTES + 200),  # pixels end inside or past the head
+    st.integers(HEAD_BYTES, 3 * HEAD_BYTES),
+)
+
+
+def raw_body(n: int, seed: int, **extra: object) -> bytes:
+    """A request as a client sends it (msgspec field order: ``pixels`` fourth)."""
+    pixels = bytes((seed + k) % 253 for k in range(n))
+    request = wire.InferRequest(id=seed, pixels=pixels, height=1, width=n, **extra)  # type: ignore[arg-type]
+    return bytes(wire.encode_frame(request)[wire.PREFIX_BYTES :])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    frames=st.lists(
+        st.one_of(
+            st.tuples(st.just("raw"), raw_sizes),
+            st.tuples(st.just("opaque"), sizes),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    cuts=st.lists(st.integers(0, 1 << 20), max_size=12),
+    lend=st.booleans(),
+    take=st.booleans(),
+    seed=st.integers(0, 255),
+)
+def test_raw_frames_through_a_slot_arrive_as_the_same_messages_and_no_slot_is_kept(
+    frames: list[tuple[str, int]], cuts: list[int], lend: bool, take: bool, seed: int
+) -> None:
+    async def run() -> None:
+        bodies = [
+            raw_body(n, seed + i) if kind == "raw" else bytes([seed]) * n
+            for i, (kind, n) in enumerate(frames)
+        ]
+        handler = Lender(lend=lend, take=take)
+        conn, _ = open_connection(handler)
+        deliver(conn, framed(bodies), cuts)
+        assert handler.messages == [decoded(b) for b in bodies]
+        if not take:  # not taken: the body reaches frame() exactly as it was sent
+            assert handler.frames == bodies
+        assert handler.out == {} and handler.events == []
+        assert conn.state is ReadState.HEAD
+        # Every frame whose pixels outlast the head went through a slot when one was lent.
+        big = sum(kind == "raw" and n >= HEAD_BYTES for kind, n in frames)
+        assert handler.loans >= big if lend else handler.loans == 0
+
+    asyncio.run(run())
+
+
+def test_pixels_land_in_the_slot_and_only_the_rest_is_decoded_from_head() -> None:
+    async def run() -> None:
+        handler = Lender()
+        conn, _ = open_connection(handler)
+        body = raw_body(3 * HEAD_BYTES, 5, part_class="safety", want_mask=True)
+        deliver(conn, framed([body]), [wire.PREFIX_BYTES + SCAN_BYTES + 7, 2 * HEAD_BYTES])
+        assert handler.loans == 1 and handler.out == {}
+        assert handler.frames == []  # never went through frame(): no body buffer either
+        assert handler.pool._free == []
+        assert handler.messages == [decoded(body)]
+
+    asyncio.run(run())
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    sent=st.integers(wire.PREFIX_BYTES + SCAN_BYTES, 3 * HEAD_BYTES),
+    how=st.sampled_from(["lost", "closed", "stalled"]),
+)
+def test_a_connection_gone_mid_frame_returns_its_slot_once(sent: int, how: str) -> None:
+    async def run() -> None:
+        handler = Lender(timeout_s=0.02)
+        conn, _ = open_connection(handler)
+        deliver(conn, framed([raw_body(3 * HEAD_BYTES, 1)])[:sent], [])
+        assert handler.loans == 1 and len(handler.out) == 1 and conn.state is ReadState.SLOT
+        if how == "lost":
+            conn.connection_lost(None)
+        elif how == "closed":
+            conn.close()
+        else:
+            await asyncio.sleep(0.05)
+        assert handler.out == {} and handler.messages == []
+        conn.connection_lost(None)  # the transport reports it after a close: nothing twice
+        assert handler.out == {}
+        assert ("closed", 1) in handler.events
+
+    asyncio.run(run())
+
+
+def test_a_frame_that_waits_for_its_first_bytes_is_still_served_and_timed() -> None:
+    async def run() -> None:
+        handler = Lender(timeout_s=0.05)
+        conn, _ = open_connection(handler)
+        frame = framed([raw_body(2 * HEAD_BYTES, 3)])
+        deliver(conn, frame[:20], [])  # the prefix and a few bytes: not enough to look
+        assert conn.state is ReadState.HEAD and handler.loans == 0
+        await asyncio.sleep(0.1)  # the stall timer runs from the prefix, as for any frame
+        assert handler.events == [("stalled", len(frame) - 4), ("closed", 1)]
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        # The bin claims more bytes than the frame holds: no slot, msgspec's own error.
+        b"\x82\xa4type\xa5infer\xa6pixels\xc6\x00\x10\x00\x00" + bytes(HEAD_BYTES),
+        # A second 'pixels' after the first: the frame is rebuilt and decoded whole.
+        b"\x84\xa4type\xa5infer\xa2id\x01\xa6pixels\xc6\x00\x02\x00\x00"
+        + bytes(2 * HEAD_BYTES)
+        + b"\xa6pixels\xc4\x01x",
+        # pixels before every other key, and an array value after them.
+        b"\x84\xa6pixels\xc5\xff\xff"
+        + bytes(0xFFFF)
+        + b"\xa4type\xa5infer\xa2id\x02"
+        + b"\xa1x\x92\x01\x02",
+        # Not a map at all.
+        b"\x92\xa6pixels\xc6\x00\x02\x00\x00" + bytes(2 * HEAD_BYTES),
+    ],
+    ids=["bin overruns frame", "second pixels", "pixels first", "array"],
+)
+def test_odd_large_bodies_reach_the_handler_as_the_whole_frame_would(body: bytes) -> None:
+    async def run() -> None:
+        handler = Lender(take=False)  # as the acceptor does with what it cannot take as is
+        conn, _ = open_connection(handler)
+        deliver(conn, framed([body, raw_body(10, 9)]), [])
+        assert handler.frames == [body, raw_body(10, 9)]
+        assert handler.out == {} and conn.state is ReadState.HEAD
 
     asyncio.run(run())

@@ -187,3 +187,95 @@ def test_encode_frame_sizes_its_buffer_for_any_request(request: wire.InferReques
     body = msgspec.msgpack.encode(request)
     assert wire.frame_length(frame[: wire.PREFIX_BYTES]) == len(body)
     assert frame == wire.LENGTH_PREFIX.pack(len(body)) + body  # nothing left over or short
+
+
+# ---- locating raw pixels for the daemon's receive-into-slot path ----------------------------
+
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=False),
+    st.text(max_size=40),
+    st.binary(max_size=300),
+)
+_values = st.one_of(_scalars, st.lists(_scalars, max_size=3), st.dictionaries(st.text(), _scalars))
+_maps = st.dictionaries(
+    st.one_of(st.sampled_from(["pixels", "type", "id", "height"]), st.text(max_size=300)),
+    _values,
+    max_size=8,
+)
+
+
+def _hide(body: bytes, at: wire.PixelsAt) -> memoryview:
+    """The body with its pixels taken out, as the daemon's connection builds it."""
+    hidden = bytearray(body[: at.header]) + bytearray(2) + body[at.start + at.length :]
+    after = wire.hide_pixels(memoryview(hidden), at)
+    assert after == at.header + 2
+    return memoryview(hidden)
+
+
+@given(requests.filter(lambda r: r.pixels is not None))
+def test_pixels_are_found_where_a_client_put_them_and_the_rest_decodes_without_them(
+    request: wire.InferRequest,
+) -> None:
+    body = bytes(_body(wire.encode_frame(request)))
+    at = wire.locate_pixels(memoryview(body)[: at_most(body)])
+    assert at is not None
+    assert body[at.start : at.start + at.length] == request.pixels
+    hidden = _hide(body, at)
+    frame = wire.decode_client_frame(hidden)
+    assert frame == msgspec.structs.replace(wire.decode_client_frame(body), pixels=None)
+    out = bytearray(len(body))
+    assert wire.rebuild_body(memoryview(out), hidden, memoryview(request.pixels), at) == len(body)
+    assert out == body
+
+
+def at_most(body: bytes) -> int:
+    """How much of the body the connection searches (a little past the pixels' header)."""
+    return min(len(body), 1024)
+
+
+@given(_maps, st.integers(0, 400))
+def test_any_map_either_shows_its_pixels_bin_exactly_or_is_left_to_the_decoder(
+    fields: dict[str, object], cut: int
+) -> None:
+    body = msgspec.msgpack.encode(fields)
+    at = wire.locate_pixels(memoryview(body)[:cut])  # never raises, whatever is cut off
+    if at is None:
+        return
+    value = fields["pixels"]
+    assert isinstance(value, bytes)
+    assert body[at.start : at.start + at.length] == value
+    assert at.header < at.start <= cut
+    hidden = _hide(body, at)
+    assert msgspec.msgpack.decode(hidden) == {
+        ("\0" * 6 if k == "pixels" else k): (b"" if k == "pixels" else v) for k, v in fields.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "head",
+    [b"", b"\x81", b"\x81\xa6pixels", b"\x81\xa6pixels\xc6\x00", b"\x81\xa6pixels\xc0",
+     b"\x91\xc4\x01x", b"\x81\x01\xc4\x01x", b"\x82\xa1a\x91\x01\xa6pixels\xc4\x01x",
+     b"\xdf\xff\xff\xff\xff" + b"\xa1a\x01" * 10],
+)  # fmt: skip
+def test_what_cannot_be_read_as_a_map_with_a_pixels_bin_is_not_located(head: bytes) -> None:
+    assert wire.locate_pixels(memoryview(head)) is None
+
+
+@pytest.mark.parametrize("second", [None, b"", b"x", "text"])
+def test_a_second_pixels_key_is_never_mistaken_for_pixels_kept_elsewhere(second: object) -> None:
+    pixels = bytes(300)
+    first = msgspec.msgpack.encode({"type": "infer", "id": 1, "pixels": pixels})
+    extra = msgspec.msgpack.encode("pixels") + msgspec.msgpack.encode(second)
+    body = bytes([first[0] + 1]) + first[1:] + extra  # one entry more in the map
+    at = wire.locate_pixels(memoryview(body))
+    assert at is not None and body[at.start : at.start + at.length] == pixels
+    if isinstance(second, str):  # not even the type a pixels field takes
+        with pytest.raises(wire.DecodeError):
+            wire.decode_without_pixels(_hide(body, at))
+    else:
+        assert wire.decode_without_pixels(_hide(body, at)) is None
+    alone = wire.decode_without_pixels(_hide(first, wire.locate_pixels(memoryview(first))))  # type: ignore[arg-type]
+    assert alone == wire.InferFrame(id=1)
