@@ -12,7 +12,7 @@
 // order, in fp32 (as stem_ref's definition and the kernel before this one).
 #include "common.cuh"
 
-template <int COUT, int U>
+template <int COUT>
 __global__ void __launch_bounds__(256) stem(
     const unsigned char* __restrict__ images,  // [N, H, W]
     const __half* __restrict__ w,              // [3, 3, 1, COUT]
@@ -23,7 +23,6 @@ __global__ void __launch_bounds__(256) stem(
     float shift) {                             // -mean / std
     constexpr int V = sd::VecWidth<COUT>::value, G = COUT / V;
     static_assert(COUT % V == 0 && G <= 256, "whole channel groups, a pixel per block at least");
-    static_assert(U >= 1, "items a turn");
     const int stride = gridDim.x * blockDim.x;  // a multiple of G: blockDim.x is (host)
     const int first = blockIdx.x * blockDim.x + threadIdx.x, c0 = (first % G) * V;
     float wv[9][V], bv[V];
@@ -35,44 +34,31 @@ __global__ void __launch_bounds__(256) stem(
     for (int j = 0; j < V; ++j) bv[j] = b[c0 + j];
     const int plane = Ho * Wo;
     const int items = N * plane * G;  // < 2^31: the host checks
-    // U items a turn, all their input bytes loaded before any is used: U memory round trips
-    // in flight per thread (at ~120 registers a thread, few warps share an SM to hide them).
-    for (int i0 = first; i0 < items; i0 += U * stride) {
-        float v[U][9];
-        int p[U];
+    for (int i = first; i < items; i += stride) {
+        const int p = i / G;
+        const int n = p / plane, rem = p - n * plane, oy = rem / Wo, ox = rem - oy * Wo;
+        const unsigned char* img = images + (size_t)n * H * W;
+        float v[9];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int i = i0 + u * stride;
-            p[u] = i < items ? i / G : -1;
-            const int q = max(p[u], 0);
-            const int n = q / plane, rem = q - n * plane, oy = rem / Wo, ox = rem - oy * Wo;
-            const unsigned char* img = images + (size_t)n * H * W;
+        for (int ky = 0; ky < 3; ++ky) {
+            const int iy = 2 * oy + ky - 1;
 #pragma unroll
-            for (int ky = 0; ky < 3; ++ky) {
-                const int iy = 2 * oy + ky - 1;
-#pragma unroll
-                for (int kx = 0; kx < 3; ++kx) {
-                    const int ix = 2 * ox + kx - 1;
-                    const bool inside = iy >= 0 && iy < Hp && ix >= 0 && ix < Wp;
-                    const int sy = min(max(iy, 0), H - 1), sx = min(max(ix, 0), W - 1);
-                    v[u][ky * 3 + kx] =
-                        inside ? fmaf((float)__ldg(img + sy * W + sx), scale, shift) : 0.0f;
-                }
+            for (int kx = 0; kx < 3; ++kx) {
+                const int ix = 2 * ox + kx - 1;
+                const bool inside = iy >= 0 && iy < Hp && ix >= 0 && ix < Wp;
+                const int sy = min(max(iy, 0), H - 1), sx = min(max(ix, 0), W - 1);
+                v[ky * 3 + kx] = inside ? fmaf((float)__ldg(img + sy * W + sx), scale, shift) : 0.0f;
             }
         }
+        float acc[V];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (p[u] < 0) break;
-            float acc[V];
+        for (int j = 0; j < V; ++j) acc[j] = bv[j];
 #pragma unroll
-            for (int j = 0; j < V; ++j) acc[j] = bv[j];
+        for (int t = 0; t < 9; ++t)
 #pragma unroll
-            for (int t = 0; t < 9; ++t)
+            for (int j = 0; j < V; ++j) acc[j] = fmaf(v[t], wv[t][j], acc[j]);
 #pragma unroll
-                for (int j = 0; j < V; ++j) acc[j] = fmaf(v[u][t], wv[t][j], acc[j]);
-#pragma unroll
-            for (int j = 0; j < V; ++j) acc[j] = fmaxf(acc[j], 0.0f);
-            sd::store_h<V>(out + (size_t)p[u] * COUT + c0, acc);
-        }
+        for (int j = 0; j < V; ++j) acc[j] = fmaxf(acc[j], 0.0f);
+        sd::store_h<V>(out + (size_t)p * COUT + c0, acc);
     }
 }

@@ -17,7 +17,6 @@ from scratchd.kernels.conv3x3 import conv3x3_ref
 from scratchd.kernels.normalize_pad import normalize_pad_ref, padded_size
 
 MULTIPLE = 16  # the network's padding multiple (four stride-2 stages)
-UNROLL = 4  # stem.cu's items a thread loads before computing (memory round trips in flight)
 
 
 def stem_ref(
@@ -59,12 +58,12 @@ def stem_cuda(
     hp, wp = padded_size(h, MULTIPLE), padded_size(wd, MULTIPLE)
     ho, wo = hp // 2, wp // 2
     out = cu.output("stem", out, (n, ho, wo, cout), np.float16)
-    func = cu.kernel("stem.cu", cu.template_name("stem", cout, UNROLL))
+    func = cu.kernel("stem.cu", cu.template_name("stem", cout))
     sizes = map(cu.i32, (n, h, wd, hp, wp, ho, wo))
     scale, shift = cu.f32(1.0 / (255.0 * std)), cu.f32(-mean / std)
     args = (images, w, b, out, *sizes, scale, shift)
     groups = cout // (8 if cout % 8 == 0 else 1)  # stem.cu's channel groups (VecWidth)
-    if n * ho * wo * groups >= 2**31 - 2**26:  # the grid-stride loop's last step included
+    if n * ho * wo * groups >= 2**31:
         raise ValueError(f"stem: {n}x{ho}x{wo} outputs in {groups} groups pass int32 indexing")
     threads = groups * (256 // groups)  # whole pixels a block: a thread keeps its group
     cu.launch(func, (cu.grid_size(n * ho * wo * groups, threads),), (threads,), args)
