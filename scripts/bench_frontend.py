@@ -309,11 +309,12 @@ def main() -> None:
     if args.stub_worker:
         stub_worker(args)
         return
+    import uvloop  # the clients too: asyncio's own transport (3.11) copies its send buffer
+
     if args.client:
         run: Callable[[argparse.Namespace], Any] = open_loop if args.rate > 0 else closed_loop
-        print(json.dumps(asyncio.run(run(args))))
+        print(json.dumps(uvloop.run(run(args))))
         return
-    import uvloop
 
     load_before = os.getloadavg()[0]
     rows = uvloop.run(run_all(args))
