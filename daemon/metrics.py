@@ -58,6 +58,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 STATUSES = ("ok", "timeout", "overloaded", "invalid", "error")
+_STATUS_INDEX = {status: i for i, status in enumerate(STATUSES)}
 QUEUED_STATUSES = frozenset({"ok", "timeout", "error"})
 PRIORITIES = tuple(range(8))
 OTHER_CLASS = "other"
@@ -294,13 +295,13 @@ class Metrics:
             (c, s): self.requests.labels(c, s) for c in self.part_classes for s in STATUSES
         }
         self._wait_children = {p: self.queue_wait.labels(str(p)) for p in PRIORITIES}
+        self._batch_children: dict[str, tuple[Histogram, Histogram]] = {}  # by device
         for device in devices:
             self.add_device(device)
 
     def add_device(self, device: str) -> None:
         """Create the per-device series (at 0) for a device that workers run on."""
-        self.batch_size.labels(device)
-        self.compute.labels(device)
+        self._batch_children[device] = (self.batch_size.labels(device), self.compute.labels(device))
         self.devices.setdefault(device, 0)
 
     def class_label(self, part_class: str) -> str:
@@ -316,13 +317,14 @@ class Metrics:
         queue_wait_s: float | None = None,
     ) -> None:
         """Account one reply; called exactly once per request, whatever its status."""
-        if status not in STATUSES:
+        index = _STATUS_INDEX.get(status)
+        if index is None:
             raise ValueError(f"unknown reply status {status!r}")
         label = self.class_label(part_class)
         now = self._clock()
         # Label children are looked up in our own dicts: `.labels()` costs ~2 us a call.
         self._request_children[label, status].inc()
-        self._replies.add(now, STATUSES.index(status))
+        self._replies.add(now, index)
         if status in QUEUED_STATUSES:
             self._duration_children[label].observe(total_s)
             self._latency[label].add(now, total_s)
@@ -338,8 +340,12 @@ class Metrics:
         self._seen_batches[batch_key] = None
         if len(self._seen_batches) > _BATCH_MEMORY:
             self._seen_batches.popitem(last=False)
-        self.batch_size.labels(device).observe(batch_size)
-        self.compute.labels(device).observe(compute_s)
+        children = self._batch_children.get(device)
+        if children is None:  # a device not announced by add_device: its series from now on
+            children = self.batch_size.labels(device), self.compute.labels(device)
+            self._batch_children[device] = children
+        children[0].observe(batch_size)
+        children[1].observe(compute_s)
         stats = self.workers.setdefault(worker, WorkerStats())
         stats.device = device
         stats.batches += 1

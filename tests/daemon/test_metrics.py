@@ -169,6 +169,18 @@ def test_batches_are_counted_once_per_batch_not_per_request() -> None:
     }
 
 
+def test_a_batch_on_a_device_not_announced_gets_its_own_series_and_no_restart_count() -> None:
+    m = Metrics(["normal"], ["cuda"])
+    for key in range(3):
+        m.observe_batch(worker="cuda1", device="cuda1", batch_key=(1, key), batch_size=4,
+                        compute_s=0.001)  # fmt: skip
+    _, samples = _families(m)["scratchd_batch_size"]
+    counts = {s[1]["device"]: s[2] for s in samples if s[0] == "scratchd_batch_size_count"}
+    assert counts == {"cuda": 0.0, "cuda1": 3.0}
+    _, restarts = _families(m)["scratchd_worker_restarts_total"]
+    assert {s[1]["device"] for s in restarts} == {"cuda"}
+
+
 def test_fragmentation_is_absent_on_cpu_and_present_per_gpu() -> None:
     m = _busy_metrics()
     assert _families(m)["scratchd_vram_fragmentation_ratio"][1] == []
