@@ -54,6 +54,7 @@ from typing import Final
 
 import msgspec
 
+from scratchd.daemon import raw_frames
 from scratchd.daemon.access import AccessGate, AccessPolicy
 from scratchd.daemon.config import Config
 from scratchd.daemon.connection import BufferPool, Connection, SlotLoan
@@ -261,10 +262,10 @@ class Acceptor:
         self, conn: Connection, body: memoryview, loan: SlotLoan, received_ns: int
     ) -> bool:
         """A frame whose pixels arrived in ``loan``'s slot and ``body`` is the rest (see
-        ``wire.hide_pixels``). False, touching nothing, unless it is an inference request
+        ``raw_frames.hide_pixels``). False, touching nothing, unless it is an inference request
         whose only ``pixels`` are those; else handled as ``frame`` would, the slot with it."""
         try:
-            message = wire.decode_without_pixels(body)
+            message = raw_frames.decode_without_pixels(body)
         except Exception:  # the frame path decodes the body as sent, for the same reason
             message = None
         if message is None:

@@ -16,10 +16,10 @@ Reading is a small state machine (:class:`ReadState`); what is lent in each stat
            move to its front. After a SLOT frame only SIP_BYTES at a time, until a frame
            fits in head: the next large frame's pixels then go to their slot, not via head
     SLOT   a frame too big for ``head`` whose      head: │ body before pixels │ c4 00 │ after │
-           first SCAN_BYTES show raw ``pixels``          (``wire.hide_pixels``)   ▲ then these
-           (``wire.locate_pixels``) that a slot   slot:  │ pixels ...................│ first
-           lent by the handler holds: those bytes go straight into the slot, then the few
-           after them into ``head`` behind the body's start with the pixels taken out
+           first SCAN_BYTES show raw ``pixels``          (``hide_pixels``)        ▲ then these
+           (``raw_frames.locate_pixels``) that a  slot:  │ pixels ...................│ first
+           slot lent by the handler holds: those bytes go straight into the slot, then the
+           few after them into ``head`` behind the body's start with the pixels taken out
     BODY   body[got:length] (from the acceptor's  any other frame too big for ``head``: the
            BufferPool, returned when it is done)  part already in ``head`` is moved over first
     CLOSED nothing more is handled (a scratch buffer is lent; what arrives is dropped)
@@ -36,9 +36,9 @@ A SLOT frame goes to ``FrameHandler.slot_frame(conn, body, loan, received_ns)`` 
 is the connection's from ``lend_slot`` until the frame is whole, then the handler's if
 ``slot_frame`` takes it (True: it submits or releases it); otherwise (False: a body that does
 not decode, a status request, a second ``pixels`` key) the body is rebuilt as it was sent
-(``wire.rebuild_body``) into a pool buffer, the slot goes back (``return_slot``) and the frame
-takes the ``frame`` path, so every reply is what it would have been. A connection closed or
-lost mid-frame returns its slot at once.
+(``raw_frames.rebuild_body``) into a pool buffer, the slot goes back (``return_slot``) and
+the frame takes the ``frame`` path, so every reply is what it would have been. A connection
+closed or lost mid-frame returns its slot at once.
 
 Replies (``send``) are queued and written together at the end of the loop's turn
 (``loop.call_soon``): a batch of completions for one client costs one ``writelines``, not a
@@ -57,6 +57,7 @@ import time
 from dataclasses import dataclass
 from typing import Final, Protocol, cast
 
+from scratchd.daemon import raw_frames
 from scratchd.daemon.access import LINGER_BYTES, SupportsGetsockopt
 from scratchd.ipc import wire
 from scratchd.ipc.queue import Handle
@@ -165,7 +166,7 @@ class Connection(asyncio.BufferedProtocol):
         self._length = 0  # the current body's length (BODY, SLOT), or 0
         self._got = 0  # bytes of it received
         self._loan: SlotLoan | None = None  # SLOT: where the pixels go
-        self._at: wire.PixelsAt | None = None  # SLOT: where they lie in the body
+        self._at: raw_frames.PixelsAt | None = None  # SLOT: where they lie in the body
         self._after_at = 0  # SLOT: where in head the bytes after the pixels go
         self._timer: asyncio.TimerHandle | None = None
         self._refused: asyncio.StreamReader | None = None
@@ -312,7 +313,7 @@ class Connection(asyncio.BufferedProtocol):
         its first bytes show where they lie, all the bytes in head so far are up to their
         end, and the bytes after them fit in head; False (nothing changed) otherwise."""
         view, got = self._head_view, self._have - start
-        at = wire.locate_pixels(view[start : start + min(got, SCAN_BYTES)])
+        at = raw_frames.locate_pixels(view[start : start + min(got, SCAN_BYTES)])
         if at is None:
             return False
         end = at.start + at.length
@@ -323,7 +324,7 @@ class Connection(asyncio.BufferedProtocol):
             return False
         loan.view[: got - at.start] = view[start + at.start : start + got]
         view[: at.header] = view[start : start + at.header]  # the body's start to the front
-        self._after_at = wire.hide_pixels(view, at)
+        self._after_at = raw_frames.hide_pixels(view, at)
         self._loan, self._at, self._length, self._got = loan, at, length, got
         self._enter(ReadState.SLOT)  # got < length: head holds less than a large frame
         return True
@@ -342,7 +343,7 @@ class Connection(asyncio.BufferedProtocol):
         whole = self.handler.pool.take(length)  # handled as if it had come the usual way
         try:
             try:
-                wire.rebuild_body(memoryview(whole), body, loan.view, at)
+                raw_frames.rebuild_body(memoryview(whole), body, loan.view, at)
             finally:
                 self.handler.return_slot(loan)
             self.handler.frame(self, memoryview(whole)[:length], received_ns)

@@ -25,20 +25,8 @@ never spends time PNG-encoding.)
 The daemon decodes a request with :func:`decode_client_frame` into :class:`InferFrame`: the
 same schema, but raw ``pixels`` stay a view of the received frame (copied once, into the
 request's payload slot, instead of once more by the decoder). A large raw frame is not even
-received into a frame buffer: :func:`locate_pixels` finds where its pixels lie from the
-body's first bytes, the daemon reads them straight into their slot, and decodes the rest with
-the pixels replaced by a stand-in (:func:`hide_pixels`)::
-
-    body     │ map │ "type" "infer" │ "id" 7 │ … │ "pixels" │ c6 00 10 00 00 │ 1 MiB │ "height" … │
-    decoded  │ map │ "type" "infer" │ "id" 7 │ … │ 00×6     │ c4 00          │ "height" … │
-                                                  key no field has: skipped   (the pixels are
-                                                  value: an empty bin          in their slot)
-
-Decoding that (:func:`decode_without_pixels`) gives the request with ``pixels`` None: the
-same fields; anything else (a decode error, whose message names byte offsets, a status
-request, a second ``pixels`` key) and the daemon rebuilds the body as sent
-(:func:`rebuild_body`) and decodes that instead, so every reply is the one the whole frame
-gets.
+received into a frame buffer: ``daemon/raw_frames.py`` finds where its pixels lie in the
+body, so that they go from the socket straight into their slot.
 
 Schema evolution: fields are only ever appended, with defaults, so an old client can talk to a
 new daemon and vice versa (append to :class:`InferFrame` too). Structs are plain maps (not
@@ -49,7 +37,7 @@ dominate the cost anyway.
 from __future__ import annotations
 
 import struct
-from typing import Annotated, Final, Literal, NamedTuple
+from typing import Annotated, Final, Literal
 
 import msgspec
 import numpy as np
@@ -317,112 +305,6 @@ def salvage_request_id(body: bytes | memoryview) -> int:
         if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 2**63:
             return rid
     return 0
-
-
-class PixelsAt(NamedTuple):
-    """Where a request body's raw ``pixels`` lie, as offsets into the body."""
-
-    key: int  # the key's text, ``pixels``
-    header: int  # the value's bin header ...
-    start: int  # ... and the first pixel byte after it
-    length: int  # pixel bytes
-    header_bytes: bytes  # the bin header as sent (for rebuild_body)
-
-
-PIXELS_KEY: Final = b"pixels"
-_STAND_IN_KEY: Final = bytes(len(PIXELS_KEY))  # no field is named so: the decoder skips it
-_EMPTY_BIN: Final = b"\xc4\x00"
-_FIXED: Final = {  # type byte -> data bytes: nil, false, true, float32/64, uint8..64, int8..64
-    0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8,
-    0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8,
-}  # fmt: skip
-_SIZED: Final = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}  # bin8.., str8..: size bytes
-_BINS: Final = frozenset({0xC4, 0xC5, 0xC6})
-_STRS: Final = frozenset({*range(0xA0, 0xC0), 0xD9, 0xDA, 0xDB})
-
-
-def _item(head: memoryview, p: int) -> tuple[int, int, int] | None:
-    """(type byte, first data byte, end) of the msgpack item at ``p``: a scalar, string or bin
-    whose header lies within ``head`` (its data may not); None for anything else."""
-    if p >= len(head):
-        return None
-    t = head[p]
-    if t <= 0x7F or t >= 0xE0:  # positive, negative fixint
-        return t, p + 1, p + 1
-    if 0xA0 <= t <= 0xBF:  # fixstr
-        return t, p + 1, p + 1 + (t & 0x1F)
-    if t in _FIXED:
-        return t, p + 1, p + 1 + _FIXED[t]
-    k = _SIZED.get(t)
-    if k is None or p + 1 + k > len(head):
-        return None
-    return t, p + 1 + k, p + 1 + k + int.from_bytes(head[p + 1 : p + 1 + k], "big")
-
-
-def locate_pixels(head: memoryview) -> PixelsAt | None:
-    """Where the raw ``pixels`` of a request lie, read from the first bytes of its body
-    (``head``): the top-level map's ``pixels`` entry, if it is a bin whose header lies within
-    ``head`` and every entry before it has a string key and a scalar, string or bin value
-    (a msgspec client writes ``type``, ``id``, ``part_class``, then ``pixels``). None
-    otherwise: the caller then receives the frame whole and decodes it as usual."""
-    n = len(head)
-    if n == 0:
-        return None
-    if 0x80 <= head[0] <= 0x8F:  # fixmap, map16, map32
-        entries, p = head[0] & 0x0F, 1
-    elif head[0] in (0xDE, 0xDF) and n >= (k := 3 if head[0] == 0xDE else 5):
-        entries, p = int.from_bytes(head[1:k], "big"), k
-    else:
-        return None
-    for _ in range(entries):
-        key = _item(head, p)
-        if key is None or key[0] not in _STRS or key[2] > n:
-            return None
-        value = _item(head, key[2])
-        if value is None:
-            return None
-        if head[key[1] : key[2]] == PIXELS_KEY:
-            if value[0] not in _BINS:
-                return None
-            header = bytes(head[key[2] : value[1]])
-            return PixelsAt(key[1], key[2], value[1], value[2] - value[1], header)
-        p = value[2]
-    return None
-
-
-def hide_pixels(body: memoryview, at: PixelsAt) -> int:
-    """Make ``body[: at.header]`` (a body's bytes before its pixels) the start of a body without
-    them: the key renamed to one no field has, its value an empty bin (written at
-    ``at.header``). Returns where the bytes that followed the pixels must go. Decoded, the
-    result is the request with ``pixels`` None, unless the map has a second ``pixels`` key."""
-    body[at.key : at.key + len(PIXELS_KEY)] = _STAND_IN_KEY
-    body[at.header : at.header + len(_EMPTY_BIN)] = _EMPTY_BIN
-    return at.header + len(_EMPTY_BIN)
-
-
-def decode_without_pixels(body: memoryview) -> InferFrame | None:
-    """Decode a body made by ``hide_pixels`` (its pixels kept elsewhere): the inference
-    request, ``pixels`` None; None if it is not one or if its map holds a second ``pixels``
-    key (whatever its value: a nil one decodes as None too). Raises :data:`DecodeError`."""
-    message = _frame_decoder.decode(body)
-    if not isinstance(message, InferFrame) or message.pixels is not None:
-        return None
-    if PIXELS_KEY in bytes(body) and "pixels" in _loose_decoder.decode(body):
-        return None
-    return message
-
-
-def rebuild_body(out: memoryview, hidden: memoryview, pixels: memoryview, at: PixelsAt) -> int:
-    """Write into ``out`` the body as it was sent, from the one ``hide_pixels`` made of it and
-    its pixels; returns its length."""
-    after = hidden[at.header + len(_EMPTY_BIN) :]
-    end = at.start + at.length
-    out[: at.header] = hidden[: at.header]
-    out[at.key : at.key + len(PIXELS_KEY)] = PIXELS_KEY
-    out[at.header : at.start] = at.header_bytes
-    out[at.start : end] = pixels
-    out[end : end + len(after)] = after
-    return end + len(after)
 
 
 def pack_mask(mask: np.ndarray) -> tuple[bytes, tuple[int, int]]:
