@@ -10,8 +10,8 @@ Per frame (see ``scratchd.ipc.wire`` for the format), in this order:
 2. typed msgpack decode (``wire.decode_client_frame``: raw pixels stay a view of the
    received frame); a body that fails it is answered ``invalid`` with msgspec's reason
    (addressed to the body's ``id`` when one can be read) and the connection carries on;
-3. resolve the part class and check the image's declared size (``invalid`` with a reason;
-   ``daemon/images.py``);
+3. resolve the part class (``daemon/admission.py``) and check the image's declared size
+   (``invalid`` with a reason; ``daemon/images.py``);
 4. ``reserve()`` a descriptor; none free → ``overloaded`` at once (backpressure);
 5. write the image into the reserved payload slot as raw greyscale: raw grey pixels are copied
    on the loop, from the frame's buffer (one memcpy: the only copy the daemon makes of
@@ -48,7 +48,6 @@ import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -56,11 +55,11 @@ import msgspec
 
 from scratchd.daemon import raw_frames
 from scratchd.daemon.access import AccessGate, AccessPolicy
+from scratchd.daemon.admission import Admission, PartClasses, Refused
 from scratchd.daemon.config import Config
 from scratchd.daemon.connection import BufferPool, Connection, SlotLoan
 from scratchd.daemon.dispatch import Dispatcher, InFlight
 from scratchd.daemon.images import (
-    AnyInferRequest,
     Invalid,
     check_image,
     convert_into,
@@ -81,27 +80,7 @@ __all__ = [
 ]
 
 MS: Final = 1_000_000
-MAX_DEADLINE_MS: Final = 86_400_000
-"""No part waits a day; and a deadline must fit the queue's int64 nanoseconds."""
 DECODE_THREADS: Final = 2
-
-
-@dataclass(frozen=True)
-class Admission:
-    """A validated request: where it goes in the queue."""
-
-    class_name: str
-    class_index: int
-    priority: int
-    deadline_ms: int
-
-
-class Refused(Exception):
-    """A request answered at the door: its status and why."""
-
-    def __init__(self, status: wire.ReplyStatus, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
 
 
 class Acceptor:
@@ -130,7 +109,7 @@ class Acceptor:
         self.lent = 0  # payload slots lent to connections receiving pixels into them
         self.lend_limit = max(1, config.queue.slots // 4)
         self.connections: dict[int, Connection] = {}
-        self._class_index = {name: i for i, name in enumerate(config.class_names())}
+        self.classes = PartClasses(config)
         self.gate = AccessGate.from_config(config.server.allowed_uids, config.server.allowed_gids)
         self._ids = itertools.count(1)
         self._decoding: set[asyncio.Task[None]] = set()
@@ -345,7 +324,7 @@ class Acceptor:
         """Where ``request`` goes, or ``Refused``: in this order, an invalid class or image,
         a draining daemon, the connection's in-flight limit."""
         try:
-            admission = self.classify(request)
+            admission = self.classes.classify(request)
             flight.part_class, flight.priority = admission.class_name, admission.priority
             check_image(request, self.config.queue.slot_bytes)
         except Invalid as exc:
@@ -397,29 +376,10 @@ class Acceptor:
         """Take a reloaded configuration (classes, allow-list, in-flight limit); the socket
         and the queue geometry do not change while running."""
         self.config = config
-        self._class_index = {name: i for i, name in enumerate(config.class_names())}
+        self.classes = PartClasses(config)
         self.gate.policy = AccessPolicy.from_lists(
             config.server.allowed_uids, config.server.allowed_gids
         )
-
-    def classify(self, request: AnyInferRequest) -> Admission:
-        """The request's class, priority and deadline (its own values override the class's)."""
-        cls = self.config.classes.get(request.part_class)
-        if cls is None:
-            known = ", ".join(self.config.class_names())
-            raise Invalid(f"unknown part class {request.part_class!r}; configured: {known}")
-        priority = cls.priority if request.priority is None else request.priority
-        if not 0 <= priority <= 7:
-            raise Invalid(f"priority {priority} outside 0..7")
-        deadline_ms = cls.deadline_ms if request.deadline_ms is None else request.deadline_ms
-        if deadline_ms <= 0:
-            raise Invalid(f"deadline_ms must be positive, got {deadline_ms}")
-        if deadline_ms > MAX_DEADLINE_MS:
-            raise Invalid(
-                f"deadline_ms {deadline_ms} exceeds the maximum {MAX_DEADLINE_MS} (1 day)"
-            )
-        index = self._class_index[request.part_class]
-        return Admission(request.part_class, index, priority, deadline_ms)
 
 
 def _clear_stale_socket(path: str) -> None:
