@@ -13,8 +13,7 @@ Reading is a small state machine (:class:`ReadState`); what is lent in each stat
     HEAD   head (64 KiB, the connection's own)    ┌─────┬──────────┬─────┬──────────┬──...
            complete frames are handled in place:  │ len │ body     │ len │ body ... │
            views of ``head``; leftover bytes      └─────┴──────────┴─────┴──────────┴──...
-           move to its front. After a SLOT frame only SIP_BYTES at a time, until a frame
-           fits in head: the next large frame's pixels then go to their slot, not via head
+           move to its front
     SLOT   a frame too big for ``head`` whose      head: │ body before pixels │ c4 00 │ after │
            first SCAN_BYTES show raw ``pixels``          (``hide_pixels``)        ▲ then these
            (``raw_frames.locate_pixels``) that a  slot:  │ pixels ...................│ first
@@ -65,8 +64,6 @@ from scratchd.ipc.queue import Handle
 HEAD_BYTES: Final = 64 * 1024
 SCAN_BYTES: Final = 1024
 """How much of a large frame's body is awaited (and searched) for where its pixels lie."""
-SIP_BYTES: Final = wire.PREFIX_BYTES + SCAN_BYTES
-"""What head is lent at a time after a SLOT frame, until a frame fits in head again."""
 BODY_ROUND: Final = 64 * 1024
 """Body buffers are sized in multiples of this, so frames of nearly one size share them."""
 POOL_KEEP: Final = 8
@@ -161,7 +158,6 @@ class Connection(asyncio.BufferedProtocol):
         self._head = bytearray(HEAD_BYTES)
         self._head_view = memoryview(self._head)
         self._have = 0  # bytes of head in use, from its start
-        self._sip = False  # lend head a frame's first bytes at a time (after a SLOT frame)
         self._body: bytearray | None = None
         self._length = 0  # the current body's length (BODY, SLOT), or 0
         self._got = 0  # bytes of it received
@@ -242,8 +238,6 @@ class Connection(asyncio.BufferedProtocol):
             return memoryview(self._body)[self._got : self._length]
         if self.state is ReadState.CLOSED:
             return self._head_view
-        if self._sip:
-            return self._head_view[self._have : self._have + SIP_BYTES]
         return self._head_view[self._have :]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -292,7 +286,6 @@ class Connection(asyncio.BufferedProtocol):
             start = pos + wire.PREFIX_BYTES
             if have - start >= length:
                 self._disarm()
-                self._sip = False
                 self.handler.frame(self, view[start : start + length], time.monotonic_ns())
                 pos = start + length
                 continue
@@ -336,7 +329,6 @@ class Connection(asyncio.BufferedProtocol):
         self._loan = None  # the handler's now, or given back below
         self._disarm()
         self._enter(ReadState.HEAD)
-        self._sip = True  # the next frame is likely large too: its pixels not through head
         received_ns = time.monotonic_ns()
         if self.handler.slot_frame(self, body, loan, received_ns):
             return

@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 from scratchd.daemon.connection import (
     HEAD_BYTES,
     SCAN_BYTES,
-    SIP_BYTES,
     BufferPool,
     Connection,
     ReadState,
@@ -441,28 +440,5 @@ def test_odd_large_bodies_reach_the_handler_as_the_whole_frame_would(body: bytes
         deliver(conn, framed([body, raw_body(10, 9)]), [])
         assert handler.frames == [body, raw_body(10, 9)]
         assert handler.out == {} and conn.state is ReadState.HEAD
-
-    asyncio.run(run())
-
-
-def test_after_a_slot_frame_head_sips_so_the_next_pixels_go_straight_to_their_slot() -> None:
-    async def run() -> None:
-        handler = Lender()
-        conn, _ = open_connection(handler)
-        data = framed([raw_body(2 * HEAD_BYTES, 2), raw_body(2 * HEAD_BYTES, 3), raw_body(9, 4)])
-        lent: list[tuple[ReadState, int]] = []
-        lo = 0
-        while lo < len(data):  # a peer that has sent everything: each read fills the buffer
-            buf = conn.get_buffer(-1)
-            lent.append((conn.state, len(buf)))
-            n = min(len(buf), len(data) - lo)
-            buf[:n] = data[lo : lo + n]
-            conn.buffer_updated(n)
-            lo += n
-        assert handler.loans == 2 and len(handler.messages) == 3
-        heads = [n for state, n in lent if state is ReadState.HEAD]
-        assert heads[0] == HEAD_BYTES  # nothing known yet: the whole head
-        assert heads[1] == SIP_BYTES  # after a slot frame: a frame's first bytes only
-        assert len(conn.get_buffer(-1)) == HEAD_BYTES  # a frame that fit in head: whole again
 
     asyncio.run(run())
