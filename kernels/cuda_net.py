@@ -15,9 +15,9 @@ every launch a ``<op>_cuda`` of this package, fused where it pays::
 
 That is one launch per block (two for a split one, below), the stem's and the output path's
 2, and 2 memsets: 23 launches for the shipped 48..384-wide model (14 blocks, two per
-decoder stage, 6 of them split). The wide blocks (pointwise
-GEMM of ≥ 192x384 MACs a pixel) and the decoder joins (the shipped model's enc3.*, dec2.0,
-dec1.0 and dec0.0) run as two launches instead (``ds_split``: depthwise into
+decoder stage, 5 of them split). The wide blocks (pointwise
+GEMM of ≥ 192x384 MACs a pixel) and the wide decoder joins (the shipped model's enc3.*,
+dec2.0 and dec1.0) run as two launches instead (``ds_split``: depthwise into
 ``Buffers.dw_scratch``, then a tiled GEMM), except at sizes where the block's depthwise
 output would pass the kernels' int32 indexing (``Buffers.split`` lists the blocks split at
 that size); a block can also run as ``ds_tiled`` (one launch on the GEMM's tiling). The path
@@ -116,7 +116,7 @@ class CudaForward:
             if b.name != self.head_block:
                 acts[b.name] = cp.empty((batch, h, w, b.cout), np.float16)
             # A split block whose depthwise output would pass the kernels' int32 indexing
-            # (dec0.0 at 64 view frames of 1024²) stays fused at this size.
+            # (dec1.0 past 113 view frames of 1024²; a test lowers the limit) stays fused.
             if self.path[b.name] == "split" and batch * h * w * b.cin <= cu.INT32_LIMIT:
                 split.add(b.name)
                 mid = max(mid, batch * h * w * b.cin)

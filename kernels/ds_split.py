@@ -42,6 +42,7 @@ DEFAULT_GEMM = "64:3"  # measured best on the H200 (docs/bench/ds-split.json)
 # The rule: split where the pointwise GEMM is at least this many MACs per pixel (the
 # shipped model's enc3.* blocks and dec2.0; see docs/benchmarks.md for the measurements).
 SPLIT_MIN_MACS = 192 * 384
+JOIN_SPLIT_MIN_MACS = 288 * 96  # a decoder join: dec2.0 and dec1.0 split, dec0.0 (144 x 48) not
 TILED_MAX_CIN = 64  # ... and run the narrow stride-1 blocks tiled (see block_path)
 GEMM_BM = 128  # rows of A per block (ds_split.cu: GEMM_BM)
 
@@ -84,7 +85,9 @@ def block_path(ca: int, cb: int, cout: int, head: bool = False, stride: int = 1)
 
     ``auto``, from the H200 measurements (docs/bench/ds-split.json, ``scripts/
     bench_ds_split.py``, fused/path time): **split** the wide blocks (≥ ``SPLIT_MIN_MACS``
-    pointwise MACs a pixel: 1.3-4.3x) and the decoder joins (1.1-3.0x); **tiled** the narrow
+    pointwise MACs a pixel: 1.3-4.3x) and the decoder joins of ≥ ``JOIN_SPLIT_MIN_MACS``
+    (dec2.0 2.4x, dec1.0 1.1x; dec0.0 ran 0.85x split since the fused join loads each upsampled
+    source pixel once, dw_group.cuh's up_rows); **tiled** the narrow
     stride-1 blocks of ≤ ``TILED_MAX_CIN`` channels, the head block included (enc0.0 and
     dec0.1: 1.45-1.48x; 96 channels and up ran 0.6-0.7x tiled); **fused** the rest (the
     split ran them 0.74-0.91x: the scratch tensor's bytes cost more there)."""
@@ -100,7 +103,7 @@ def block_path(ca: int, cb: int, cout: int, head: bool = False, stride: int = 1)
         return "tiled" if can_tile else "fused"
     if mode == "all":
         return "split" if can_split else "fused"
-    if can_split and (cb > 0 or cin * cout >= SPLIT_MIN_MACS):
+    if can_split and cin * cout >= (JOIN_SPLIT_MIN_MACS if cb > 0 else SPLIT_MIN_MACS):
         return "split"
     if can_tile and cb == 0 and stride == 1 and cin <= TILED_MAX_CIN:
         return "tiled"
