@@ -30,7 +30,10 @@ many client processes a load generator needs for a rate.
 
 ``--profile PATH`` runs the first size under cProfile (the loop's Python side; the numbers
 it prints are inflated by the profiler) and writes the pstats there; the kernel's side
-(recv copies, skb frees) needs ``perf record -g -p <pid>`` on this process.
+(recv copies, skb frees) needs ``perf record -g -p <pid>`` on this process. On a shared
+machine these numbers move with the load: ``bench_frontend_loop.py`` measures the loop's
+own user-space CPU without sockets, and ``docs/bench/frontend.json`` has both, before and
+after receiving large raw frames straight into their slot, with a perf breakdown.
 """
 
 from __future__ import annotations
