@@ -1,17 +1,25 @@
 """Large raw frames: their pixels are found exactly where a client put them (or not at all),
-and the body without them decodes to the same request, or is told apart and rebuilt."""
+the body without them decodes to the same request, or is told apart and rebuilt; and a live
+daemon serves a large raw frame exactly as it serves the same image encoded."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from scratchd.client import Client
 from scratchd.daemon import raw_frames
+from scratchd.daemon.connection import HEAD_BYTES
 from scratchd.ipc import wire
+from scratchd.ipc.image import decode_image, encode_png
 
 from ..ipc.test_wire import _body, requests
+from .harness import DaemonProcess
 
 _scalars = st.one_of(
     st.none(),
@@ -102,3 +110,24 @@ def test_a_second_pixels_key_is_never_mistaken_for_pixels_kept_elsewhere(second:
     at = raw_frames.locate_pixels(memoryview(first))
     assert at is not None
     assert raw_frames.decode_without_pixels(_hide(first, at)) == wire.InferFrame(id=1)
+
+
+def test_a_live_daemon_serves_a_large_raw_frame_as_it_serves_the_same_image_encoded(
+    data_dir: Path,
+) -> None:
+    """End to end: a real image sent raw (160 KB: its pixels go straight into a slot) gets
+    the reply, mask included, that the same image sent as PNG (decoded the usual way) gets."""
+    path = sorted((data_dir / "sd900" / "images").glob("Sc_*.png"))[0]
+    grey = np.tile(decode_image(path.read_bytes()), (2, 2))  # 400 x 400 of a real scratch
+    png = encode_png(grey)
+    assert grey.nbytes > 2 * HEAD_BYTES
+    with DaemonProcess(workers=1, slots=8) as daemon, Client(daemon.socket, timeout=120) as c:
+        raw, encoded = c.infer(grey, want_mask=True), c.infer(png, want_mask=True)
+        assert raw.status == encoded.status == "ok", (raw.error, encoded.error)
+        assert (raw.verdict, raw.score, raw.boxes) == (
+            encoded.verdict,
+            encoded.score,
+            encoded.boxes,
+        )
+        assert raw.mask == encoded.mask and raw.mask_shape == grey.shape
+        assert daemon.status().queue.in_use == 0  # the slot it was received into is free again
