@@ -111,7 +111,7 @@ class WorkersConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class ClassConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     priority: Priority = 0
     deadline_ms: Annotated[int, msgspec.Meta(ge=1, le=86_400_000)] = 3000
-    """At most a day: requests may not ask for more either (the acceptor's MAX_DEADLINE_MS)."""
+    """At most a day: requests may not ask for more (admission.py's MAX_DEADLINE_MS)."""
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
