@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from scratchd.client import Client
 from scratchd.daemon import raw_frames
-from scratchd.daemon.connection import HEAD_BYTES
+from scratchd.daemon.connection import HEAD_BYTES, SCAN_BYTES
 from scratchd.ipc import wire
 from scratchd.ipc.image import decode_image, encode_png
 
@@ -63,7 +63,7 @@ def test_pixels_are_found_where_a_client_put_them_and_the_rest_decodes_without_t
 
 def at_most(body: bytes) -> int:
     """How much of the body the connection searches (a little past the pixels' header)."""
-    return min(len(body), 1024)
+    return min(len(body), SCAN_BYTES)
 
 
 @given(_maps, st.integers(0, 400))
