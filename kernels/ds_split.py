@@ -86,8 +86,9 @@ def block_path(ca: int, cb: int, cout: int, head: bool = False, stride: int = 1)
     ``auto``, from the H200 measurements (docs/bench/ds-split.json, ``scripts/
     bench_ds_split.py``, fused/path time): **split** the wide blocks (≥ ``SPLIT_MIN_MACS``
     pointwise MACs a pixel: 1.3-4.3x) and the decoder joins of ≥ ``JOIN_SPLIT_MIN_MACS``
-    (dec2.0 2.4x, dec1.0 1.1x; dec0.0 ran 0.85x split since the fused join loads each upsampled
-    source pixel once, dw_group.cuh's up_rows); **tiled** the narrow
+    (dec2.0 2.4x, dec1.0 1.1x; dec0.0 ran 0.85x split: loading each upsampled source pixel
+    once, dw_group.cuh's up_rows, sped its fused kernel up 1.36x and its split depthwise only
+    1.1x); **tiled** the narrow
     stride-1 blocks of ≤ ``TILED_MAX_CIN`` channels, the head block included (enc0.0 and
     dec0.1: 1.45-1.48x; 96 channels and up ran 0.6-0.7x tiled); **fused** the rest (the
     split ran them 0.74-0.91x: the scratch tensor's bytes cost more there)."""

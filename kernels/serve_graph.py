@@ -117,9 +117,6 @@ class HostFinish:
             runs = threshold_runs(batch.maps[j], self.threshold)
             comp = finish_runs(*runs, self.height, self.width, self.min_area, paint=want_mask)
             mask, boxes = comp.mask, comp.boxes
-        elif count == 0:  # the common clean frame: nothing to join (saves ~60 us)
-            mask = np.zeros((self.height, self.width), np.uint8) if want_mask else None
-            boxes = []
         else:  # finish_runs on unpack_runs(...), in C (kernels/_runs.c: equal, ~10x faster)
             mask = np.empty((self.height, self.width), np.uint8) if want_mask else None
             h, w, area = self.height, self.width, self.min_area

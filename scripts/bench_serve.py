@@ -395,7 +395,8 @@ def main() -> None:
     workers = {"workers": args.workers} if args.backend == "cpu" else {}
     daemon = {"backend": args.backend, **workers, "duration_s": args.duration}
     daemon |= {"clients": args.clients, "images": images, "views": args.views or "model's"}
-    daemon["max_batch"] = args.max_batch
+    if args.size:  # queue.max_batch is only configured in raw mode
+        daemon["max_batch"] = args.max_batch
     doc = {"machine": machine, "daemon": daemon, **doc}
     if not args.size:  # the CPU record's layout, as before
         doc = {k: doc[k] for k in ("machine", "daemon", "loads", "restarts")}

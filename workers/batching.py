@@ -26,6 +26,12 @@ EWMA_WEIGHT: Final = 0.2
 """Weight of the newest sample in the per-image compute-time estimate."""
 
 
+def ewma(estimate: float, sample: float, weight: float) -> float:
+    """A running estimate after ``sample`` (``weight``: the newest sample's share); an
+    estimate of 0 has seen nothing yet and becomes the sample."""
+    return sample if estimate == 0.0 else estimate + weight * (sample - estimate)
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a worker should do now: claim ``claim`` requests (0: none), else sleep until
@@ -76,8 +82,4 @@ class BatchPolicy:
         """Fold a finished batch's compute time into the per-image estimate."""
         if batch_size <= 0 or compute_ns <= 0:
             return
-        sample = compute_ns / batch_size
-        if self.per_image_ns == 0.0:
-            self.per_image_ns = sample
-        else:
-            self.per_image_ns += EWMA_WEIGHT * (sample - self.per_image_ns)
+        self.per_image_ns = ewma(self.per_image_ns, compute_ns / batch_size, EWMA_WEIGHT)

@@ -26,10 +26,13 @@ Frames that are not in the registered region (a standby that has not attached ye
 go through one pinned staging buffer instead — same streams, one extra host copy.
 
 GPU compute time per batch is the start → end event interval, carried in every reply's
-``compute_ns``. The same time, per graph (an EWMA in ``graph_ms``, each graph timed once at
-warm-up), decides how ``submit`` splits a batch over the buckets: a chunk of m frames runs
-padded in the smallest bucket ≥ m, so 5 frames go as 4 + 1 rather than a padded 8 when that
-costs less device time (``gpu_memory.split_batch``).
+``compute_ns``. The same time, per graph (an EWMA in ``graph_ms`` of the batches that ran
+alone on the device, since a batch's chunks overlap there; the warm sizes' graphs are timed
+once at warm-up, a graph captured later from its first lone batch), decides how ``submit``
+splits a batch over the buckets: a chunk of m frames runs padded in the smallest bucket ≥ m,
+so 5 frames go as 4 + 1 rather than a padded 8 when that costs less device time
+(``gpu_memory.split_batch``), and tells the pipelined loop when a batch should end
+(``expected_ms``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from typing import Any, Final
 import numpy as np
 
 from scratchd.ipc.queue import Result, Status
+from scratchd.workers.batching import ewma
 from scratchd.workers.gpu_memory import MIB, BatchSizer, free_bytes, pin_near, split_batch
 from scratchd.workers.results import error_result, ok_result
 
@@ -279,7 +283,8 @@ class CudaBackend:
         results: list[Result | None] = [None] * batch.size
         for c in batch.chunks:
             frames = c.graph.finish(c.collected, c.want_mask)
-            self._observe(c.graph, c.collected.compute_ms)
+            if len(batch.chunks) == 1:  # chunks of one batch overlap on the device (each
+                self._observe(c.graph, c.collected.compute_ms)  # graph has its own stream)
             compute_ns = int(c.collected.compute_ms * 1e6)
             for pos, frame, want in zip(c.positions, frames, c.want_mask, strict=True):
                 results[pos] = ok_result(frame, want, compute_ns, len(c.positions))
@@ -291,9 +296,12 @@ class CudaBackend:
         return [r for r in results if r is not None]
 
     def expected_ms(self, batch: Batch) -> float:
-        """The device time a submitted batch should take: its graphs' measured ms (0 for a
-        graph not timed yet). The pipelined loop claims the next batch this close to its end."""
-        return sum(self.graph_ms.get(_key(c.graph), 0.0) for c in batch.chunks)
+        """The device time a started batch has left: its chunks' graphs' measured ms, less
+        the chunks ``start`` already collected (0 for a graph not timed yet). The pipelined
+        loop claims the next batch this close to its end."""
+        return sum(
+            self.graph_ms.get(_key(c.graph), 0.0) for c in batch.chunks if c.collected is None
+        )
 
     def _collect(self, c: Chunk) -> None:
         c.collected = c.graph.collect(len(c.positions))
@@ -324,8 +332,7 @@ class CudaBackend:
 
     def _observe(self, g: Any, ms: float) -> None:
         key = _key(g)
-        seen = self.graph_ms.get(key)
-        self.graph_ms[key] = ms if seen is None else seen + GRAPH_MS_WEIGHT * (ms - seen)
+        self.graph_ms[key] = ewma(self.graph_ms.get(key, 0.0), ms, GRAPH_MS_WEIGHT)
 
     def _bucket_cost(self, size: tuple[int, int]) -> Any:
         """``bucket → device ms`` of this size's graphs for split_batch: measured, else the

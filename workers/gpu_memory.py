@@ -183,18 +183,22 @@ def split_batch(
     8 + 4 + 1 rather than one padded 16)."""
     if n < 0 or limit < 1:
         raise ValueError(f"split_batch: n={n}, limit={limit}")
-    usable = [b for b in buckets if b <= limit] or [1]
-    price = cost if cost is not None else float
-    # best[r]: (cost, chunks) of the cheapest split of r frames. A chunk is either a full
-    # bucket b ≤ r or the whole rest r padded into the smallest bucket above it.
-    best: list[tuple[float, list[int]]] = [(0.0, [])]
+    usable = [b for b in buckets if b <= limit] or [1]  # increasing
+    price = {b: (cost(b) if cost is not None else float(b)) + CHUNK_COST_MS for b in usable}
+    # best[r] = (cost, chunks) of the cheapest split of r frames, last[r] its last chunk: a
+    # full bucket b <= r, or the whole rest r padded into the smallest bucket above it.
+    best: list[tuple[float, int]] = [(0.0, 0)] + [(float("inf"), 0)] * n
+    last = [0] * (n + 1)
     for r in range(1, n + 1):
-        options = []
         for b in usable:
             m = min(b, r)
-            if m < b and any(c >= m for c in usable if c < b):
-                continue  # a smaller bucket holds the rest
-            sub_cost, sub = best[r - m]
-            options.append((sub_cost + price(b) + CHUNK_COST_MS, [*sub, m]))
-        best.append(min(options, key=lambda o: (o[0], len(o[1]))))
-    return sorted(best[n][1], reverse=True)
+            option = (best[r - m][0] + price[b], best[r - m][1] + 1)
+            if option < best[r]:
+                best[r], last[r] = option, m
+            if b >= r:
+                break  # larger buckets would pad the same rest more
+    chunks = []
+    while n > 0:
+        chunks.append(last[n])
+        n -= last[n]
+    return sorted(chunks, reverse=True)

@@ -37,7 +37,7 @@ from typing import Final, Protocol, cast
 import numpy as np
 
 from scratchd.ipc.queue import Claim, QueueError, RequestQueue, Result
-from scratchd.workers.batching import BatchPolicy
+from scratchd.workers.batching import BatchPolicy, ewma
 from scratchd.workers.protocol import STANDBY_SLOT, ExitCode, parse_take, ready_line
 from scratchd.workers.results import error_result
 
@@ -130,11 +130,11 @@ def make_backend(args: argparse.Namespace) -> Backend:
         sizes = [_parse_size(s) for s in args.gpu_warm_size] or list(WARM_SIZES)
         return CudaBackend(
             args.model or None, args.max_batch, args.gpu_reserve_mb, sizes, args.gpu_arena_mb,
-            views=args.views or None,
+            views=args.views,
         )  # fmt: skip
     from scratchd.workers.cpu import CpuBackend  # the model's imports, only in workers
 
-    return CpuBackend(args.model or None, args.max_batch, views=args.views or None)
+    return CpuBackend(args.model or None, args.max_batch, views=args.views)
 
 
 def _parse_views(text: str) -> tuple[str, ...]:
@@ -221,6 +221,7 @@ class WorkerLoop:
         self.fragmentation: Callable[[], float] | None = getattr(
             backend, "fragmentation_ratio", None
         )
+        self.expected_ms: Callable[[object], float] | None = getattr(backend, "expected_ms", None)
 
     def run(self) -> ExitCode:
         while not self.stop.requested:
@@ -231,7 +232,7 @@ class WorkerLoop:
             self.report_memory(now)
             ready = self.queue.ready_count()
             oldest = self.queue.oldest_ready() if ready else None
-            plan = self.policy.plan(now, ready, oldest, idle=self.device_idle())
+            plan = self.policy.plan(now, ready, oldest, idle=self.device_idle(now))
             if plan.claim:
                 self.claimed_ns = now
                 claims = self.queue.claim_batch(self.slot, min(plan.claim, self.limit()), now)
@@ -270,7 +271,7 @@ class WorkerLoop:
         again before sleeping (a pipelined loop has work in flight)."""
         return False
 
-    def device_idle(self) -> bool:
+    def device_idle(self, now_ns: int) -> bool:
         """Whether a partial batch goes at once (BatchPolicy.plan's ``idle``). A synchronous
         backend batches by its window (``--max-delay-ms``; the CPU's is 0 by default)."""
         return False
@@ -368,17 +369,21 @@ class PipelinedLoop(WorkerLoop):
         self._collect()
         b.start(batch)
         now = time.monotonic_ns()
-        expected = getattr(b, "expected_ms", None)
-        self.busy_until_ns = now + int(expected(batch) * 1e6) if expected is not None else now
+        expected_ns = int(self.expected_ms(batch) * 1e6) if self.expected_ms is not None else 0
+        self.busy_until_ns = now + expected_ns
+        # A submit that captured a new graph takes far longer than any batch computes: it
+        # cannot be hidden behind one, so it must not stretch the lead.
         sample = submitted - self.claimed_ns
-        self.submit_ns += LEAD_WEIGHT * (sample - self.submit_ns) if self.submit_ns else sample
+        if expected_ns:
+            sample = min(sample, expected_ns)
+        self.submit_ns = ewma(self.submit_ns, sample, LEAD_WEIGHT)
         self.inflight = (claims, batch, now)
         self._finish()
 
-    def device_idle(self) -> bool:
+    def device_idle(self, now_ns: int) -> bool:
         """Nothing is computing, or what is will end within ``lead``: a partial batch goes
         now (see the class docstring)."""
-        return self.inflight is None or time.monotonic_ns() >= self.busy_until_ns - self.lead_ns
+        return self.inflight is None or now_ns >= self.busy_until_ns - self.lead_ns
 
     @property
     def lead_ns(self) -> int:
