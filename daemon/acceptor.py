@@ -23,10 +23,13 @@ Per frame (see ``scratchd.ipc.wire`` for the format), in this order:
 Large raw frames skip the copy of step 5: the connection asks for a slot (``lend_slot``) as
 soon as it has read where the frame's pixels lie, and the kernel writes them straight into
 it; the frame then arrives through ``slot_frame`` with steps 1-6 as above, 4 already done
-(and, for raw grey, 5). A slot is lent only while that cannot change a reply: not when
-draining, nor to a connection at its in-flight limit, nor for more pixels than a slot holds,
-nor when none is free (the frame then takes the usual path, which answers as before); and
-at most ``slots // 4`` at once, so clients that stall mid-frame cannot hold the queue.
+(and, for raw grey, 5). Lending cannot change this frame's reply: no slot is lent when
+draining, nor to a connection at its in-flight limit, nor for more pixels than a slot holds
+(the frame then takes the usual path, which answers as before). While lent (at most
+``lend_limit`` = ``slots // 4`` at once, each for up to ``frame_timeout_ms``) a slot is not
+available to other frames, which may be answered ``queue full`` sooner; so a slot is lent
+only while more than ``lend_limit`` are free, and clients that stall mid-frame cannot take
+the last free slots from complete frames.
 
 No slot leaks: a reserved descriptor is either submitted or released on every path
 (a decode failure, any exception, the client having left meanwhile); a lent one is the
@@ -68,7 +71,7 @@ from scratchd.daemon.images import (
 from scratchd.daemon.log import log_event
 from scratchd.ipc import wire
 from scratchd.ipc.image import ImageError
-from scratchd.ipc.queue import Handle, RequestQueue
+from scratchd.ipc.queue import DescState, Handle, RequestQueue
 
 __all__ = [
     "Acceptor",
@@ -221,12 +224,15 @@ class Acceptor:
 
     def lend_slot(self, conn: Connection, nbytes: int) -> SlotLoan | None:
         """A slot for ``nbytes`` of raw pixels about to arrive on ``conn``, while lending one
-        cannot change the frame's reply (module docstring); else None."""
+        cannot change the frame's reply and leaves ``lend_limit`` slots free (module
+        docstring); else None."""
         limit = self.config.server.max_in_flight_per_connection
         if self.draining or self.lent >= self.lend_limit or conn.in_flight() >= limit:
             return None
         if not 0 < nbytes <= self.config.queue.slot_bytes:
             return None
+        if self.queue.counts_by_state()[DescState.FREE] <= self.lend_limit:
+            return None  # scarce: the last free slots go to frames already whole
         handle = self.queue.reserve()
         if handle is None:
             return None

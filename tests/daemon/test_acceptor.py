@@ -259,7 +259,7 @@ def test_a_valid_raw_frame_is_served_from_the_slot_it_was_received_into(
 
 
 @pytest.mark.parametrize("why", ["queue full", "draining", "in-flight limit", "lend limit"])
-def test_no_slot_is_lent_when_that_would_change_the_reply(why: str) -> None:
+def test_no_slot_is_lent_when_that_would_change_the_frames_reply(why: str) -> None:
     async def run() -> None:
         front = FrontEnd(max_in_flight_per_connection=1)
         body = bytes(wire.encode_frame(InferRequest(id=1, pixels=bytes(300 * 300), height=300,
@@ -292,6 +292,38 @@ def test_no_slot_is_lent_when_that_would_change_the_reply(why: str) -> None:
                 assert h is not None
                 front.queue.release(h)
             front.acceptor.lent = 0
+            await front.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("free", [1, 2, 3])  # lend_limit is 2 (SLOTS // 4)
+def test_a_slot_is_lent_only_while_more_than_the_lend_limit_are_free(free: int) -> None:
+    """A lent slot is not available to other frames until its frame is whole: with only
+    ``lend_limit`` slots free, a slow client's large frame is not lent one, so another
+    client's complete frame is still queued (not answered ``queue full``)."""
+
+    async def run() -> None:
+        front = FrontEnd()
+        assert front.acceptor.lend_limit == 2
+        held = [front.queue.reserve() for _ in range(SLOTS - free)]
+        big = InferRequest(id=1, pixels=bytes(300 * 300), height=300, width=300)
+        small = InferRequest(id=2, pixels=bytes(16 * 16), height=16, width=16)
+        try:
+            a, _ = front.connect()
+            b, b_transport = front.connect()
+            deliver(a, bytes(wire.encode_frame(big))[:20_000], [])  # A stalls mid-frame
+            deliver(b, bytes(wire.encode_frame(small)), [])  # B's frame is whole
+            await asyncio.sleep(0)
+            assert front.loans == (free > 2)  # lent only if that leaves lend_limit slots free
+            assert b_transport.written == []  # B is not answered: it is queued
+            assert front.queue.counts_by_state()[DescState.QUEUED] == 1
+            a.close()
+            b.close()
+        finally:
+            for h in held:
+                assert h is not None
+                front.queue.release(h)
             await front.close()
 
     asyncio.run(run())
