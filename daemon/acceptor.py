@@ -251,13 +251,13 @@ class Acceptor:
         whose only ``pixels`` are those; else handled as ``frame`` would, the slot with it."""
         try:
             message = raw_frames.decode_without_pixels(body)
-        except Exception:  # the frame path decodes the body as sent, for the same reason
-            message = None
-        if message is None:
-            return False
-        self.lent -= 1
-        try:
+            if message is None:
+                return False
             request = msgspec.structs.replace(message, pixels=loan.view)
+        except Exception:  # the frame path decodes the body as sent, for the same reason
+            return False
+        self.lent -= 1  # the slot is _admit's now: submitted or released there
+        try:
             self._admit(conn, request, received_ns, loan.handle)
         except Exception as exc:  # as in frame(): a bug costs one reply
             log_event("request_failed", logging.ERROR, error=repr(exc))
@@ -306,18 +306,20 @@ class Acceptor:
                 else:  # received in place
                     shape = request.height, request.width
                 self._submit(flight, admission, shape)
-            else:
-                self._start_conversion(flight, admission, request)
+                return
+            if request.pixels is not None:  # raw RGB: off the frame buffer (or slot) it is in
+                request = msgspec.structs.replace(request, pixels=memoryview(bytes(request.pixels)))
         except Exception as exc:  # not published: the slot is still ours to give back
             self.queue.release(handle)
             self.dispatcher.reject(flight, "error", f"could not queue the request: {exc}")
+            return
+        self._start_conversion(flight, admission, request)  # its task releases the slot now
 
     def _start_conversion(
         self, flight: InFlight, admission: Admission, request: wire.InferFrame
     ) -> None:
-        """Convert an encoded or raw RGB image into its slot in the decode pool, then submit."""
-        if request.pixels is not None:  # raw RGB: off the frame buffer (or slot) it is in
-            request = msgspec.structs.replace(request, pixels=memoryview(bytes(request.pixels)))
+        """Convert an encoded or raw RGB image (its pixels already copied off the frame) into
+        its slot in the decode pool, then submit."""
         task = asyncio.get_running_loop().create_task(
             self._convert_and_submit(flight, admission, request)
         )

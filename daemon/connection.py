@@ -52,12 +52,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import logging
 import time
 from dataclasses import dataclass
 from typing import Final, Protocol, cast
 
 from scratchd.daemon import raw_frames
 from scratchd.daemon.access import LINGER_BYTES, SupportsGetsockopt
+from scratchd.daemon.log import log_event
 from scratchd.ipc import wire
 from scratchd.ipc.queue import Handle
 
@@ -312,7 +314,11 @@ class Connection(asyncio.BufferedProtocol):
         end = at.start + at.length
         if not got <= end <= length or at.header + 2 + length - end > HEAD_BYTES:
             return False
-        loan = self.handler.lend_slot(self, at.length)
+        try:
+            loan = self.handler.lend_slot(self, at.length)
+        except Exception as exc:  # a bug in lending costs the in-place copy, not the frame
+            log_event("lend_slot_failed", logging.ERROR, error=repr(exc))
+            return False
         if loan is None:
             return False
         loan.view[: got - at.start] = view[start + at.start : start + got]
@@ -332,12 +338,12 @@ class Connection(asyncio.BufferedProtocol):
         received_ns = time.monotonic_ns()
         if self.handler.slot_frame(self, body, loan, received_ns):
             return
-        whole = self.handler.pool.take(length)  # handled as if it had come the usual way
+        try:  # handled as if it had come the usual way; the slot goes back whatever happens
+            whole = self.handler.pool.take(length)
+            raw_frames.rebuild_body(memoryview(whole), body, loan.view, at)
+        finally:
+            self.handler.return_slot(loan)
         try:
-            try:
-                raw_frames.rebuild_body(memoryview(whole), body, loan.view, at)
-            finally:
-                self.handler.return_slot(loan)
             self.handler.frame(self, memoryview(whole)[:length], received_ns)
         finally:
             self.handler.pool.give(whole)

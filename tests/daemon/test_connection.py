@@ -401,6 +401,39 @@ def test_a_connection_gone_mid_frame_returns_its_slot_once(sent: int, how: str) 
     asyncio.run(run())
 
 
+def test_a_failure_to_lend_costs_the_in_place_copy_not_the_frame() -> None:
+    async def run() -> None:
+        handler = Lender()
+
+        def broken(conn: Connection, nbytes: int) -> SlotLoan | None:
+            raise RuntimeError("reserve failed")
+
+        handler.lend_slot = broken  # type: ignore[method-assign]
+        conn, transport = open_connection(handler)
+        body = raw_body(2 * HEAD_BYTES, 4)
+        deliver(conn, framed([body]), [])
+        assert handler.frames == [body]  # the body path, whole
+        assert conn.state is ReadState.HEAD and not transport.closed
+
+    asyncio.run(run())
+
+
+def test_a_slot_frame_not_taken_returns_its_slot_even_if_no_body_buffer_can_be_had() -> None:
+    async def run() -> None:
+        handler = Lender(take=False)
+
+        def no_memory(n: int) -> bytearray:
+            raise MemoryError
+
+        handler.pool.take = no_memory  # type: ignore[method-assign]
+        conn, _ = open_connection(handler)
+        with pytest.raises(MemoryError):
+            deliver(conn, framed([raw_body(2 * HEAD_BYTES, 6)]), [])
+        assert handler.loans == 1 and handler.out == {}
+
+    asyncio.run(run())
+
+
 def test_a_frame_that_waits_for_its_first_bytes_is_still_served_and_timed() -> None:
     async def run() -> None:
         handler = Lender(timeout_s=0.05)
