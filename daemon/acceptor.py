@@ -216,11 +216,16 @@ class Acceptor:
     def frame(self, conn: Connection, body: memoryview, received_ns: int) -> None:
         try:
             self.handle_frame(conn, body, received_ns)
-        except Exception as exc:  # a bug must cost one reply, not the connection
-            log_event("request_failed", logging.ERROR, error=repr(exc))
-            rid = wire.salvage_request_id(body)
-            flight = InFlight(conn, rid, "unknown", 0, received_ns)
-            self.dispatcher.reject(flight, "error", f"internal error: {exc}")
+        except Exception as exc:
+            self._answer_bug(conn, wire.salvage_request_id(body), received_ns, exc)
+
+    def _answer_bug(
+        self, conn: Connection, request_id: int, received_ns: int, exc: Exception
+    ) -> None:
+        """A bug must cost one reply, not the connection: logged, answered ``error``."""
+        log_event("request_failed", logging.ERROR, error=repr(exc))
+        flight = InFlight(conn, request_id, "unknown", 0, received_ns)
+        self.dispatcher.reject(flight, "error", f"internal error: {exc}")
 
     def lend_slot(self, conn: Connection, nbytes: int) -> SlotLoan | None:
         """A slot for ``nbytes`` of raw pixels about to arrive on ``conn``, while lending one
@@ -259,10 +264,8 @@ class Acceptor:
         self.lent -= 1  # the slot is _admit's now: submitted or released there
         try:
             self._admit(conn, request, received_ns, loan.handle)
-        except Exception as exc:  # as in frame(): a bug costs one reply
-            log_event("request_failed", logging.ERROR, error=repr(exc))
-            flight = InFlight(conn, message.id, "unknown", 0, received_ns)
-            self.dispatcher.reject(flight, "error", f"internal error: {exc}")
+        except Exception as exc:
+            self._answer_bug(conn, request.id, received_ns, exc)
         return True
 
     def handle_frame(self, conn: Connection, body: memoryview | bytes, received_ns: int) -> None:
@@ -284,14 +287,16 @@ class Acceptor:
         (``request.pixels`` is a view of it); submitted or released here, whatever happens."""
         flight = InFlight(conn, request.id, "unknown", 0, received_ns, request.want_mask)
         try:
-            admission = self._admission(conn, request, flight)
-        except BaseException as exc:
-            if lent is not None:  # whatever went wrong, a lent slot goes back
+            admission = self._admission(request, flight)
+        except Refused as exc:
+            if lent is not None:
                 self.queue.release(lent)
-            if not isinstance(exc, Refused):
-                raise
             self.dispatcher.reject(flight, exc.status, str(exc))
             return
+        except BaseException:
+            if lent is not None:  # whatever went wrong, a lent slot goes back
+                self.queue.release(lent)
+            raise
         handle = self.queue.reserve() if lent is None else lent
         if handle is None:
             slots = self.config.queue.slots
@@ -328,7 +333,7 @@ class Acceptor:
         flight.conn.converting += 1
         task.add_done_callback(flight.conn.converted)
 
-    def _admission(self, conn: Connection, request: wire.InferFrame, flight: InFlight) -> Admission:
+    def _admission(self, request: wire.InferFrame, flight: InFlight) -> Admission:
         """Where ``request`` goes, or ``Refused``: in this order, an invalid class or image,
         a draining daemon, the connection's in-flight limit."""
         try:
@@ -340,7 +345,7 @@ class Acceptor:
         if self.draining:
             raise Refused("overloaded", "daemon is shutting down")
         limit = self.config.server.max_in_flight_per_connection
-        if conn.in_flight() >= limit:
+        if flight.conn.in_flight() >= limit:
             reason = f"{limit} requests already in flight on this connection (limit per connection)"
             raise Refused("overloaded", reason)
         return admission
