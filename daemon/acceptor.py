@@ -22,14 +22,15 @@ Per frame (see ``scratchd.ipc.wire`` for the format), in this order:
 
 Large raw frames skip the copy of step 5: the connection asks for a slot (``lend_slot``) as
 soon as it has read where the frame's pixels lie, and the kernel writes them straight into
-it; the frame then arrives through ``slot_frame`` with steps 1-6 as above, 4 already done
-(and, for raw grey, 5). Lending cannot change this frame's reply: no slot is lent when
-draining, nor to a connection at its in-flight limit, nor for more pixels than a slot holds
-(the frame then takes the usual path, which answers as before). While lent (at most
-``lend_limit`` = ``slots // 4`` at once, each for up to ``frame_timeout_ms``) a slot is not
-available to other frames, which may be answered ``queue full`` sooner; so a slot is lent
-only while more than ``lend_limit`` are free, and clients that stall mid-frame cannot take
-the last free slots from complete frames.
+it (those that arrived in the connection's head with the frame's start, up to ``HEAD_BYTES``,
+are copied from there once); the frame then arrives through ``slot_frame`` with steps 1-6
+as above, 4 already done (and, for raw grey, 5). Lending cannot change this frame's reply:
+no slot is lent when draining, nor to a connection at its in-flight limit, nor for more
+pixels than a slot holds (the frame then takes the usual path, which answers as before).
+While lent (at most ``lend_limit`` = ``slots // 4`` at once, each for up to
+``frame_timeout_ms``) a slot is not available to other frames, which may be answered
+``queue full`` sooner; so a slot is lent only while more than ``lend_limit`` are free, and
+clients that stall mid-frame cannot take the last free slots from complete frames.
 
 No slot leaks: a reserved descriptor is either submitted or released on every path
 (a decode failure, any exception, the client having left meanwhile); a lent one is the

@@ -3,10 +3,12 @@
 A :class:`Connection` is the connection's ``asyncio.BufferedProtocol``: the event loop
 ``recv``\\ s into memory this class lends it (``get_buffer``). A large raw image is
 received straight into the shared-memory payload slot it will be served from: the kernel's
-copy is the only one. Any other frame is copied once by the kernel into a buffer that is
-reused, and then, if it is an image, once more by the acceptor into its slot. Nothing in
-between (no stream buffer, no ``bytes`` per read, no copy of the body, no copy of ``pixels``
-when decoding: see ``wire.decode_client_frame``).
+copy is the only one, except for the pixels that arrived in ``head`` with the frame's start
+(up to ``HEAD_BYTES``), which ``_start_slot`` copies from there once. Any other frame is
+copied once by the kernel into a buffer that is reused, and then, if it is an image, once
+more by the acceptor into its slot. Nothing in between (no stream buffer, no ``bytes`` per
+read, no copy of the body, no copy of ``pixels`` when decoding: see
+``wire.decode_client_frame``).
 
 Reading is a small state machine (:class:`ReadState`); what is lent in each state::
 
