@@ -2,10 +2,11 @@
 
 A request names one of the configured part classes (``[classes.<name>]``, see
 ``daemon/config.py``) and may set its own priority and deadline, which then override the
-class's. What cannot be served as sent is :class:`~scratchd.daemon.images.Invalid` (the
-message goes back to the client in an ``invalid`` reply); the acceptor's other refusals at
-the door (draining, the per-connection limit, a full queue) are :class:`Refused` with their
-status.
+class's. What cannot be served as sent is :class:`~scratchd.daemon.images.Invalid`, which the
+acceptor turns into ``Refused("invalid", message)`` (the message goes back to the client in
+an ``invalid`` reply); its other refusals at the door (draining, the per-connection limit)
+are :class:`Refused` with status ``overloaded``. A full queue is not one of them: the
+acceptor answers that itself when ``reserve()`` finds no free slot.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ class Admission:
 
 
 class Refused(Exception):
-    """A request answered at the door: its status and why."""
+    """A request answered at the door, before a slot is reserved: its status and why
+    (``invalid`` for an :class:`Invalid` request; ``overloaded`` when draining or at the
+    per-connection limit)."""
 
     def __init__(self, status: wire.ReplyStatus, reason: str) -> None:
         super().__init__(reason)
