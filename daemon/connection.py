@@ -167,7 +167,6 @@ class Connection(asyncio.BufferedProtocol):
         self._got = 0  # bytes of it received
         self._loan: SlotLoan | None = None  # SLOT: where the pixels go
         self._at: raw_frames.PixelsAt | None = None  # SLOT: where they lie in the body
-        self._after_at = 0  # SLOT: where in head the bytes after the pixels go
         self._timer: asyncio.TimerHandle | None = None
         self._refused: asyncio.StreamReader | None = None
         self._fed = 0
@@ -234,9 +233,7 @@ class Connection(asyncio.BufferedProtocol):
             end = at.start + at.length
             if self._got < end:
                 return loan.view[self._got - at.start :]
-            return self._head_view[
-                self._after_at + self._got - end : self._after_at + self._length - end
-            ]
+            return self._head_view[at.hidden_end + self._got - end : at.hidden_length(self._length)]
         if self.state is ReadState.BODY:
             assert self._body is not None
             return memoryview(self._body)[self._got : self._length]
@@ -295,7 +292,7 @@ class Connection(asyncio.BufferedProtocol):
                 continue
             self._arm(length)
             if wire.PREFIX_BYTES + length > HEAD_BYTES:  # too big for head
-                if have - start < min(SCAN_BYTES, length):
+                if have - start < SCAN_BYTES:  # here length > HEAD_BYTES - 4 > SCAN_BYTES
                     break  # wait for enough of the body to find its pixels
                 if not self._start_slot(length, start):
                     self._start_body(length, view[start:have])
@@ -314,7 +311,7 @@ class Connection(asyncio.BufferedProtocol):
         if at is None:
             return False
         end = at.start + at.length
-        if not got <= end <= length or at.header + 2 + length - end > HEAD_BYTES:
+        if not got <= end <= length or at.hidden_length(length) > HEAD_BYTES:
             return False
         try:
             loan = self.handler.lend_slot(self, at.length)
@@ -325,7 +322,7 @@ class Connection(asyncio.BufferedProtocol):
             return False
         loan.view[: got - at.start] = view[start + at.start : start + got]
         view[: at.header] = view[start : start + at.header]  # the body's start to the front
-        self._after_at = raw_frames.hide_pixels(view, at)
+        raw_frames.hide_pixels(view, at)
         self._loan, self._at, self._length, self._got = loan, at, length, got
         self._enter(ReadState.SLOT)  # got < length: head holds less than a large frame
         return True
@@ -333,7 +330,7 @@ class Connection(asyncio.BufferedProtocol):
     def _finish_slot(self) -> None:
         loan, at, length = self._loan, self._at, self._length
         assert loan is not None and at is not None
-        body = self._head_view[: self._after_at + length - at.start - at.length]
+        body = self._head_view[: at.hidden_length(length)]
         self._loan = None  # the handler's now, or given back below
         self._disarm()
         self._enter(ReadState.HEAD)

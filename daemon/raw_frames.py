@@ -38,6 +38,15 @@ class PixelsAt(NamedTuple):
     length: int  # pixel bytes
     header_bytes: bytes  # the bin header as sent (for rebuild_body)
 
+    @property
+    def hidden_end(self) -> int:
+        """Where, in the body ``hide_pixels`` makes, the bytes that followed the pixels go."""
+        return self.header + len(_EMPTY_BIN)
+
+    def hidden_length(self, length: int) -> int:
+        """The length of the body ``hide_pixels`` makes of a body of ``length`` bytes."""
+        return self.hidden_end + length - (self.start + self.length)
+
 
 PIXELS_KEY: Final = b"pixels"
 _STAND_IN_KEY: Final = bytes(len(PIXELS_KEY))  # no field is named so: the decoder skips it
@@ -111,14 +120,13 @@ def locate_pixels(head: memoryview) -> PixelsAt | None:
     return None
 
 
-def hide_pixels(body: memoryview, at: PixelsAt) -> int:
+def hide_pixels(body: memoryview, at: PixelsAt) -> None:
     """Make ``body[: at.header]`` (a body's bytes before its pixels) the start of a body without
     them: the key renamed to one no field has, its value an empty bin (written at
-    ``at.header``). Returns where the bytes that followed the pixels must go. Decoded, the
+    ``at.header``); the bytes that followed the pixels go at ``at.hidden_end``. Decoded, the
     result is the request with ``pixels`` None, unless the map has a second ``pixels`` key."""
     body[at.key : at.key + len(PIXELS_KEY)] = _STAND_IN_KEY
-    body[at.header : at.header + len(_EMPTY_BIN)] = _EMPTY_BIN
-    return at.header + len(_EMPTY_BIN)
+    body[at.header : at.hidden_end] = _EMPTY_BIN
 
 
 def decode_without_pixels(body: memoryview) -> wire.InferFrame | None:
@@ -136,7 +144,7 @@ def decode_without_pixels(body: memoryview) -> wire.InferFrame | None:
 def rebuild_body(out: memoryview, hidden: memoryview, pixels: memoryview, at: PixelsAt) -> int:
     """Write into ``out`` the body as it was sent, from the one ``hide_pixels`` made of it and
     its pixels; returns its length."""
-    after = hidden[at.header + len(_EMPTY_BIN) :]
+    after = hidden[at.hidden_end :]
     end = at.start + at.length
     out[: at.header] = hidden[: at.header]
     out[at.key : at.key + len(PIXELS_KEY)] = PIXELS_KEY
