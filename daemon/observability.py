@@ -64,15 +64,14 @@ def read_model_reference(path: str) -> ModelReference:
     """The model's metadata only (the weights stay on disk; workers load those)."""
     import json
 
-    from scratchd.kernels.model import DEFAULT_PATH, META_KEY
+    from scratchd.kernels.model import DEFAULT_PATH, META_KEY, ModelMeta
 
     file = path or str(DEFAULT_PATH)
     try:
-        with np.load(file, allow_pickle=False) as data:
-            meta = json.loads(data[META_KEY].tobytes().decode())
-        histogram = np.asarray(meta["histogram"], dtype=np.float64)
-        views = tuple(str(v) for v in meta.get("views", ["identity"]))  # ModelMeta's default
-        return ModelReference(str(meta.get("version", "")), histogram, views=views)
+        with np.load(file, allow_pickle=False) as data:  # parsed as load_model parses it
+            meta = ModelMeta.from_json(json.loads(data[META_KEY].tobytes().decode()))
+        histogram = np.asarray(meta.histogram, dtype=np.float64)
+        return ModelReference(meta.version, histogram, views=tuple(meta.views))
     except Exception as exc:  # the workers report a broken model; here drift is just off
         return ModelReference("", None, f"{file}: {type(exc).__name__}: {exc}")
 

@@ -43,7 +43,7 @@ from scratchd.dataset.folders import scan_dataset, split_of
 from scratchd.ipc.image import decode_image, encode_png
 from scratchd.ipc.queue import Completion, Handle, Result, Status
 from scratchd.ipc.wire import Reply, Timings
-from scratchd.kernels.model import load_model
+from scratchd.kernels.model import DEFAULT_PATH, META_KEY, load_model
 from tests.daemon.harness import DaemonProcess
 
 WINDOW = 150
@@ -186,6 +186,29 @@ def test_status_names_the_views_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
     chosen = Config(model=ModelConfig(views=["identity", "transpose"]))
     obs.apply_config(chosen)  # a reload to a configured choice
     assert obs.status_fields()["model_views"] == ["identity", "transpose"]
+
+
+def _write_meta(path: Path, meta: dict[str, Any]) -> None:
+    """A model file of metadata only (all ``read_model_reference`` reads)."""
+    arrays: dict[str, Any] = {META_KEY: np.frombuffer(json.dumps(meta).encode(), np.uint8)}
+    np.savez(path, **arrays)
+
+
+def test_a_model_file_without_views_is_read_with_the_default_view(tmp_path: Path) -> None:
+    """The metadata is parsed as ``load_model`` parses it: what the file leaves out gets
+    ``ModelMeta``'s defaults; a file ``load_model`` would refuse gives no reference."""
+    with np.load(os.environ.get("SCRATCHD_TEST_MODEL") or DEFAULT_PATH) as data:
+        meta = json.loads(data[META_KEY].tobytes().decode())
+    del meta["views"]
+    path = tmp_path / "model.npz"
+    _write_meta(path, meta)
+    reference = read_model_reference(str(path))
+    assert reference.views == ("identity",) and reference.version == meta["version"]
+    assert reference.histogram is not None and reference.histogram.tolist() == meta["histogram"]
+    del meta["threshold"]  # a required field
+    _write_meta(path, meta)
+    broken = read_model_reference(str(path))
+    assert broken.histogram is None and "threshold" in broken.problem
 
 
 def test_accounting_never_raises_and_can_be_switched_off(
