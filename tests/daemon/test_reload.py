@@ -12,11 +12,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import msgspec
 import numpy as np
+import pytest
 from click.testing import CliRunner
 
 from scratchd.client import Client
@@ -24,7 +25,8 @@ from scratchd.daemon.cli import main
 from scratchd.daemon.config import Config, ConfigError, load_config
 from scratchd.daemon.notify import Notifier
 from scratchd.daemon.reload import Reloader, config_changes, effective_config, model_version
-from scratchd.kernels.model import load_model, save_model
+from scratchd.kernels import model as model_module
+from scratchd.kernels.model import ScratchNet, load_model, save_model
 
 from .live_daemon import (
     MODEL_PATH,
@@ -103,12 +105,19 @@ def test_a_reload_applies_then_replaces_workers() -> None:
     assert (reloader.count, reloader.last_error) == (1, "")
 
 
-def test_a_reload_keeps_the_configured_views() -> None:
+def test_a_reload_keeps_the_configured_views(monkeypatch: pytest.MonkeyPatch) -> None:
     """A reload reading ``model.views``: the model is checked with those views and the
     workers are replaced with them (the file's own four are not what gets served)."""
     pool = _Pool()
     new = _config(**{"model.path": "", "model.views": ["identity"]})
     checked: list[Config] = []
+    loaded_with: list[list[str] | None] = []
+
+    def recording(path: str | Path | None = None, views: Sequence[str] | None = None) -> ScratchNet:
+        loaded_with.append(None if views is None else list(views))
+        return load_model(path, views)
+
+    monkeypatch.setattr(model_module, "load_model", recording)  # model_version imports it late
 
     def check(config: Config) -> str:
         checked.append(config)
@@ -118,6 +127,7 @@ def test_a_reload_keeps_the_configured_views() -> None:
     outcome = asyncio.run(reloader.reload_once())
     assert outcome.ok and pool.restarts == 1
     assert checked[0].model.views == pool.configs[-1].model.views == ["identity"]
+    assert loaded_with == [["identity"]]  # model_version loaded the file with those views
     assert config_changes(_config(), new) == (["model"], [])  # views change live
 
 
