@@ -21,9 +21,10 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from PIL import Image
 
+from scratchd.daemon import raw_frames
 from scratchd.daemon.acceptor import Acceptor, Invalid, check_image, convert_into
 from scratchd.daemon.config import Config, QueueConfig, ServerConfig
-from scratchd.daemon.connection import Connection, SlotLoan
+from scratchd.daemon.connection import HEAD_BYTES, SCAN_BYTES, Connection, SlotLoan
 from scratchd.daemon.dispatch import Dispatcher
 from scratchd.ipc import wire
 from scratchd.ipc.image import ImageError
@@ -214,6 +215,19 @@ def large_frames(draw: st.DrawFn) -> bytes:
     return body + draw(st.sampled_from([b"", b"", b"\xc0"]))  # trailing bytes: malformed
 
 
+def _lendable(body: bytes) -> bool:
+    """Whether a frame is received into a slot when it starts a read of head (as each frame
+    does here: all are larger than head): its first SCAN_BYTES show where its pixels lie,
+    they fit a slot, what head holds of the body ends within them, and the rest of the body
+    without them fits in head."""
+    got = HEAD_BYTES - PREFIX.size
+    assert len(body) > got
+    at = raw_frames.locate_pixels(memoryview(body)[:SCAN_BYTES])
+    if at is None or not 0 < at.length <= SLOT_BYTES:
+        return False
+    return got <= at.start + at.length and at.hidden_length(len(body)) <= HEAD_BYTES
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.large_base_example])
 @given(st.lists(large_frames(), min_size=1, max_size=3))
 def test_a_frame_received_into_a_slot_is_answered_and_served_as_if_copied(
@@ -226,6 +240,7 @@ def test_a_frame_received_into_a_slot_is_answered_and_served_as_if_copied(
             assert front.loans == 0
             in_place = await front.serve(frames, lend=True)
             assert in_place == copied
+            assert front.loans == sum(map(_lendable, frames))  # and they did go through slots
         finally:
             await front.close()
 
