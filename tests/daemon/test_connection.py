@@ -434,13 +434,22 @@ def test_a_slot_frame_not_taken_returns_its_slot_even_if_no_body_buffer_can_be_h
     asyncio.run(run())
 
 
-def test_a_frame_that_waits_for_its_first_bytes_is_still_served_and_timed() -> None:
+@pytest.mark.parametrize("rest", ["sent", "never sent"])
+def test_a_frame_that_waits_for_its_first_bytes_is_still_served_and_timed(rest: str) -> None:
     async def run() -> None:
         handler = Lender(timeout_s=0.05)
         conn, _ = open_connection(handler)
-        frame = framed([raw_body(2 * HEAD_BYTES, 3)])
+        body = raw_body(2 * HEAD_BYTES, 3)
+        frame = framed([body])
         deliver(conn, frame[:20], [])  # the prefix and a few bytes: not enough to look
         assert conn.state is ReadState.HEAD and handler.loans == 0
+        if rest == "sent":  # the rest in time: through a slot, whole, and the timer is off
+            deliver(conn, frame[20:], [SCAN_BYTES])
+            assert handler.loans == 1 and handler.out == {}
+            assert handler.messages == [decoded(body)]
+            await asyncio.sleep(0.1)
+            assert handler.events == [] and conn.state is ReadState.HEAD
+            return
         await asyncio.sleep(0.1)  # the stall timer runs from the prefix, as for any frame
         assert handler.events == [("stalled", len(frame) - 4), ("closed", 1)]
 
