@@ -72,7 +72,7 @@ from scratchd.daemon.images import (
 from scratchd.daemon.log import log_event
 from scratchd.ipc import wire
 from scratchd.ipc.image import ImageError
-from scratchd.ipc.queue import DescState, Handle, RequestQueue
+from scratchd.ipc.queue import Handle, RequestQueue
 
 __all__ = [
     "Acceptor",
@@ -237,7 +237,7 @@ class Acceptor:
             return None
         if not 0 < nbytes <= self.config.queue.slot_bytes:
             return None
-        if self.queue.counts_by_state()[DescState.FREE] <= self.lend_limit:
+        if self.queue.free_count() <= self.lend_limit:
             return None  # scarce: the last free slots go to frames already whole
         handle = self.queue.reserve()
         if handle is None:

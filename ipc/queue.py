@@ -365,6 +365,11 @@ class RequestQueue(WorkerOps):
         names = ("repairs", "expired", "requeued", "quarantined", "abandoned")
         return {n: int(h[n]) for n in names}
 
+    def free_count(self) -> int:
+        """FREE descriptors now (a lock-free snapshot; counts_by_state's FREE entry without
+        the other states: the acceptor asks it per large frame)."""
+        return int(np.count_nonzero(self._seg.descs["state"] == FREE))
+
     def counts_by_state(self) -> dict[DescState, int]:
         """Descriptors per state (a lock-free snapshot)."""
         counts = np.bincount(self._seg.descs["state"], minlength=len(DescState))

@@ -268,7 +268,7 @@ class QueueModel(RuleBasedStateMachine):
     @invariant()
     def tables_agree(self) -> None:
         counts = self.q.counts_by_state()
-        assert counts[DescState.FREE] == SLOTS - self.used()
+        assert counts[DescState.FREE] == SLOTS - self.used() == self.q.free_count()
         assert counts[DescState.WRITTEN] == len(self.written)
         assert counts[DescState.QUEUED] == len(self.queued)
         assert counts[DescState.CLAIMED] == len(self.claimed)
