@@ -50,6 +50,11 @@ SWITCH_INTERVAL_S: Final = 0.0002
 # ---- schedules ----------------------------------------------------------------------------
 
 
+PARTS = ("queue_ms", "compute_ms", "daemon_ms")
+"""The daemon's own timings of an ok reply a row reports (wire.Timings: queue_ms, compute_ms,
+total_ms), each as ``<part>_p50`` and ``<part>_p99``."""
+
+
 def schedule(pattern: str, duration: float, rate: float, seed: int, burst: int = 23) -> list[float]:
     """Send offsets in seconds from the start, ascending, all in ``[0, duration)``.
 
@@ -156,7 +161,7 @@ async def run_client(args: argparse.Namespace) -> dict[str, Any]:
     latency = [float("nan")] * len(offsets)
     lateness = [float("nan")] * len(offsets)
     # the daemon's own account of each ok reply (wire.Timings): queue, compute, total
-    parts: dict[str, list[float]] = {"queue_ms": [], "compute_ms": [], "daemon_ms": []}
+    parts: dict[str, list[float]] = {key: [] for key in PARTS}
     statuses: Counter[str] = Counter()
     async with await AsyncClient.connect(args.socket) as client:
         loop = asyncio.get_running_loop()
@@ -173,9 +178,9 @@ async def run_client(args: argparse.Namespace) -> dict[str, Any]:
             statuses[reply.status] += 1
             if reply.status == "ok":
                 latency[i] = (time.perf_counter() - due) * 1000.0
-                parts["queue_ms"].append(reply.timings.queue_ms)
-                parts["compute_ms"].append(reply.timings.compute_ms)
-                parts["daemon_ms"].append(reply.timings.total_ms)
+                t = reply.timings
+                for key, value in zip(PARTS, (t.queue_ms, t.compute_ms, t.total_ms), strict=True):
+                    parts[key].append(value)
 
         def begin(i: int, due: float) -> None:
             tasks.append(loop.create_task(one(i, due)))
@@ -242,7 +247,7 @@ def summarize(results: list[dict[str, Any]], duration: float) -> dict[str, Any]:
             f"{key}_{q}": percentile(
                 np.array([x for r in results for x in r.get(key, [])], np.float64), pct
             )
-            for key in ("queue_ms", "compute_ms", "daemon_ms")
+            for key in PARTS
             for q, pct in (("p50", 50), ("p99", 99))
         },
     }

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Final
 
+import serve_load as sl
+
 SECTION: Final = "bench_serve_gpu"
 
 
@@ -39,10 +41,9 @@ def _main_cpu(row: dict[str, Any]) -> str:
 def _parts(row: dict[str, Any]) -> str:
     """The daemon's p50 queue / device / in-daemon times of the ok replies (ms)."""
     parts = row.get("parts") or {}
-    if parts.get("daemon_ms_p50") is None:
+    if parts.get(f"{sl.PARTS[-1]}_p50") is None:
         return "—"
-    keys = ("queue_ms_p50", "compute_ms_p50", "daemon_ms_p50")
-    return " / ".join(_ms(parts[k]) for k in keys)
+    return " / ".join(_ms(parts[f"{key}_p50"]) for key in sl.PARTS)
 
 
 def print_table(doc: dict[str, Any]) -> None:
