@@ -20,7 +20,8 @@ GEMM of ≥ 192x384 MACs a pixel) and the wide decoder joins (the shipped model'
 dec2.0 and dec1.0) run as two launches instead (``ds_split``: depthwise into
 ``Buffers.dw_scratch``, then a tiled GEMM), except at sizes where the block's depthwise
 output would pass the kernels' int32 indexing (``Buffers.split`` lists the blocks split at
-that size); a block can also run as ``ds_tiled`` (one launch on the GEMM's tiling). The path
+that size); a block can also run as ``ds_tiled`` (one launch on the GEMM's tiling) or
+``ds_halo`` (stride 1: input tiles staged in shared memory, ``ds_halo.py``). The path
 of each block is chosen once per model by ``ds_split.block_path`` (``CudaForward.path``).
 
 Buffers (:class:`Buffers`) are allocated once per (batch, height, width) and every launch
@@ -37,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from scratchd.kernels.ds_block import ds_block_cuda
+from scratchd.kernels.ds_halo import ds_halo_cuda
 from scratchd.kernels.ds_split import ds_split_cuda, ds_tiled_cuda, plan_paths
 from scratchd.kernels.net import BlockSpec, NetConfig, Weights, block_plan, check_weights
 from scratchd.kernels.normalize_pad import padded_size
@@ -91,8 +93,8 @@ class CudaForward:
             fp16 = name.endswith(".w") and not name.startswith("head.")
             self.w[name] = cp.asarray(arr.astype(np.float16 if fp16 else np.float32))
         self.head_block = self.plan[-1].name
-        # Each block's path (ds_split.block_path): fused, split or tiled; the latter two take
-        # the pointwise weight transposed (<block>.pw.wt).
+        # Each block's path (ds_split.block_path): fused, split, tiled or halo; all but fused
+        # take the pointwise weight transposed (<block>.pw.wt).
         self.path = plan_paths(cfg)
         for name, path in self.path.items():
             if path != "fused":
@@ -159,9 +161,11 @@ class CudaForward:
                 residual=b.residual, scratch=buf.dw_scratch, out=buf.acts[p],
             )  # fmt: skip
         head = p == self.head_block
-        tiled = self.path[p] == "tiled"
-        return (ds_tiled_cuda if tiled else ds_block_cuda)(
-            h, w[f"{p}.dw.w"], w[f"{p}.dw.b"], w[f"{p}.pw.wt" if tiled else f"{p}.pw.w"],
+        path = self.path[p]
+        launcher = {"tiled": ds_tiled_cuda, "halo": ds_halo_cuda}.get(path, ds_block_cuda)
+        transposed = path != "fused"  # tiled and halo take the weight transposed
+        return launcher(
+            h, w[f"{p}.dw.w"], w[f"{p}.dw.b"], w[f"{p}.pw.wt" if transposed else f"{p}.pw.w"],
             w[f"{p}.pw.b"],
             stride=b.stride, dilation=b.dilation,
             skip=None if b.join is None else skips[b.join],

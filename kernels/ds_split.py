@@ -31,12 +31,13 @@ from typing import Any, Literal
 import numpy as np
 
 from scratchd.kernels.ds_block import check_block, dw_schedule, dw_smem_bytes
+from scratchd.kernels.ds_halo import halo_shape_ok
 from scratchd.kernels.net import NetConfig, block_plan
 
-# The path of each block: "auto" (block_path's rule), "none" (all fused), "all" (all split)
-# or "tiled" (all tiled), wherever the path has tiles for the block's shape.
+# The path of each block: "auto" (block_path's rule), "none" (all fused), "all" (all split),
+# "tiled" (all tiled) or "halo" (all ds_halo), wherever the path has tiles for the block.
 SPLIT_ENV = "SCRATCHD_DS_SPLIT"
-BlockPath = Literal["fused", "split", "tiled"]
+BlockPath = Literal["fused", "split", "tiled", "halo"]
 GEMM_ENV = "SCRATCHD_DS_GEMM"  # "BK:STAGES" of pw_gemm, e.g. "32:3" (benchmarks compare them)
 DEFAULT_GEMM = "64:3"  # measured best on the H200 (docs/bench/ds-split.json)
 # The rule: split where the pointwise GEMM is at least this many MACs per pixel (the
@@ -59,7 +60,7 @@ def plan_paths(cfg: NetConfig) -> dict[str, BlockPath]:
     paths: dict[str, BlockPath] = {}
     for b in plan:
         cb = 0 if b.join is None else skip_width[b.join]
-        paths[b.name] = block_path(b.cin - cb, cb, b.cout, b is plan[-1], b.stride)
+        paths[b.name] = block_path(b.cin - cb, cb, b.cout, b is plan[-1], b.stride, b.dilation)
         if b.saves is not None:
             skip_width[b.saves] = b.cout
     return paths
@@ -79,9 +80,11 @@ def tiled_bn(cout: int) -> int:
     return next(b for b in (96, 64, 48, 32, 16) if cout % b == 0)
 
 
-def block_path(ca: int, cb: int, cout: int, head: bool = False, stride: int = 1) -> BlockPath:
+def block_path(
+    ca: int, cb: int, cout: int, head: bool = False, stride: int = 1, dilation: int = 1
+) -> BlockPath:
     """How the forward runs a DS block: ``fused`` (ds_block.cu), ``split`` (dw_stage +
-    pw_gemm) or ``tiled`` (ds_tiled).
+    pw_gemm), ``tiled`` (ds_tiled) or ``halo`` (ds_halo.cu).
 
     ``auto``, from the H200 measurements (docs/bench/ds-split.json, ``scripts/
     bench_ds_split.py``, fused/path time): **split** the wide blocks (≥ ``SPLIT_MIN_MACS``
@@ -93,13 +96,16 @@ def block_path(ca: int, cb: int, cout: int, head: bool = False, stride: int = 1)
     dec0.1: 1.45-1.48x; 96 channels and up ran 0.6-0.7x tiled); **fused** the rest (the
     split ran them 0.74-0.91x: the scratch tensor's bytes cost more there)."""
     mode = os.environ.get(SPLIT_ENV, "auto")
-    if mode not in ("auto", "none", "all", "tiled"):
-        raise ValueError(f"{SPLIT_ENV} must be auto, none, all or tiled, got {mode!r}")
+    if mode not in ("auto", "none", "all", "tiled", "halo"):
+        raise ValueError(f"{SPLIT_ENV} must be auto, none, all, tiled or halo, got {mode!r}")
     cin = ca + cb
     can_split = not head and split_shape_ok(cin, cout)
     can_tile = tiled_shape_ok(ca, cb, cout, head)
+    can_halo = halo_shape_ok(ca, cb, cout, stride, dilation)
     if mode == "none":
         return "fused"
+    if mode == "halo":
+        return "halo" if can_halo else "fused"
     if mode == "tiled":
         return "tiled" if can_tile else "fused"
     if mode == "all":

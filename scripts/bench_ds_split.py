@@ -6,9 +6,10 @@ so 16 view frames = a bucket of 4): device time from CUDA events around ``--reps
 launches of the block on the forward's own activations, median of ``--rounds`` rounds.
 A split block is also timed per ``--gemms`` pipeline (``BK:STAGES`` of ``pw_gemm``) and
 broken into its depthwise and GEMM launches, and timed on the tiled path (``ds_tiled``: one
-launch on the GEMM's tiling, the head included). Then the whole forward (stem → blocks →
+launch on the GEMM's tiling, the head included) and on the halo path (``ds_halo``: stride-1
+blocks with their input tiles staged in shared memory). Then the whole forward (stem → blocks →
 output path) captured as a CUDA graph with ``SCRATCHD_DS_SPLIT`` = none / auto / all /
-tiled: median graph time. The forward's rule (``ds_split.block_path``) should pick the
+tiled / halo: median graph time. The forward's rule (``ds_split.block_path``) should pick the
 fastest path per block; this is its evidence.
 
 Prints a table; writes ``--out`` (default ``docs/bench/ds-split.json``).
@@ -75,6 +76,7 @@ def per_block(
     from scratchd.kernels.stem import stem_cuda
 
     fused, split, tiled = forward("none"), forward("all"), forward("tiled")
+    halo = forward("halo")
     buf = split.buffers(batch, SIZE, SIZE)
     unsplit = replace(buf, split=frozenset())  # the same arrays, every block fused
     rng = np.random.default_rng(5)
@@ -93,6 +95,9 @@ def per_block(
         if tiled.path[b.name] == "tiled":
             run_tiled = partial(tiled._block, b, h, skips, unsplit)
             row["tiled_us"] = round(timed(cp, run_tiled, reps, rounds), 2)
+        if halo.path[b.name] == "halo":
+            run_halo = partial(halo._block, b, h, skips, unsplit)
+            row["halo_us"] = round(timed(cp, run_halo, reps, rounds), 2)
         if split.path[b.name] == "split":
             run = partial(split._block, b, h, skips, buf)
             for spec in gemms:
@@ -114,7 +119,7 @@ def whole(cp: Any, batch: int, reps: int, rounds: int) -> dict[str, float]:
     from scratchd.kernels.cuda_graph import capture
 
     result = {}
-    for mode in ("none", "auto", "all", "tiled"):
+    for mode in ("none", "auto", "all", "tiled", "halo"):
         fwd = forward(mode)
         buf = fwd.buffers(batch, SIZE, SIZE)
         stream = cp.cuda.Stream(non_blocking=True)
@@ -146,6 +151,7 @@ def main() -> None:
     print(
         f"{'block':10} {'cin→cout':>10} {'s':>2} {'d':>2} {'join':>5} "
         f"{'fused µs':>10} {'split µs':>10} {'x':>6} {'tiled µs':>10} {'x':>6}"
+        f" {'halo µs':>10} {'x':>6}"
         "  split = dw + gemm µs per BK:STAGES"
     )
     for r in rows:
@@ -153,10 +159,12 @@ def main() -> None:
         ratio = f"{r['fused_us'] / s:6.2f}" if s else "     -"
         t = r.get("tiled_us")
         tiled_ratio = f"{r['fused_us'] / t:6.2f}" if t else "     -"
+        hu = r.get("halo_us")
+        halo_ratio = f"{r['fused_us'] / hu:6.2f}" if hu else "     -"
         print(
             f"{r['block']:10} {r['cin']:>4}→{r['cout']:<5} {r['stride']:>2} {r['dilation']:>2} "
             f"{r['join']!s:>5} {r['fused_us']:>10.1f} {s if s else '-':>10} {ratio} "
-            f"{r.get('tiled_us', '-'):>10} {tiled_ratio}  "
+            f"{r.get('tiled_us', '-'):>10} {tiled_ratio} {r.get('halo_us', '-'):>10} {halo_ratio}  "
             + "  ".join(
                 f"{g}: {r[f'dw_us@{g}']:.0f}+{r[f'gemm_us@{g}']:.0f}"
                 for g in gemms

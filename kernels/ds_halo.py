@@ -1,0 +1,108 @@
+"""``ds_halo``: a stride-1 depthwise-separable block whose input tiles go through shared memory.
+
+The fourth path for :func:`scratchd.kernels.ds_block.ds_block_ref` (its reference), after the
+fused ``ds_block.cu``, ``ds_split`` and ``ds_tiled`` (``ds_split.py``). Those compute the
+depthwise stage from device memory, one thread loading the input vectors of its own output
+pixels, so every input byte passes L1 several times; at the high-resolution blocks ncu had
+them latency- and L1-bound. ``ds_halo.cu`` gives a block an output tile of ``TH x TW = 128``
+pixels, copies the tile's halo of input pixels into shared memory with ``cp.async`` while the
+previous tile computes (a persistent grid), computes the depthwise stage from there into the
+GEMM's A tile and multiplies it by the pointwise weight (staged once per block) on the tensor
+cores; the decoder join (the upsampled channels read once per source pixel) and the 1x1 head
+fuse as on the other paths. Stride 1 and dilation 1 only; any frame size (edge tiles are
+partial). Same rounding and summation order as the other paths, so the same bits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scratchd.kernels.ds_block import check_block
+
+THREADS = 256  # mma_tile.cuh's GEMM_THREADS
+TILE_PIXELS = 128  # GEMM_BM: the output tile, TH x TW
+TILE_W = 16  # TW (TH = 8): the smallest halo a 128-pixel tile has among 8, 16 and 32 wide
+MAX_COUT = 64  # more output channels take more accumulator registers than the block has
+
+
+def halo_pitch(c: int) -> int:
+    """Halves per halo pixel of a ``c``-channel plane: an odd number of 16-byte units."""
+    return c if (c // 8) % 2 == 1 else c + 8
+
+
+def halo_shape_ok(ca: int, cb: int, cout: int, stride: int = 1, dilation: int = 1) -> bool:
+    """Whether ``ds_halo`` has tiles for the block: stride 1, dilation 1, 8-channel groups,
+    ``Cin`` whole k16 steps, ``Cout`` whole warp columns of at most ``MAX_COUT`` and no more
+    than ``Cin`` (the epilogue's tile is staged over the A tile)."""
+    k = ca + cb
+    return (
+        stride == 1 and dilation == 1 and ca > 0 and ca % 8 == 0 and cb % 8 == 0
+        and k % 16 == 0 and cout % 16 == 0 and 0 < cout <= min(k, MAX_COUT)
+    )  # fmt: skip
+
+
+def halo_sweep(cin: int) -> int:
+    """P, output pixels a depthwise thread takes along a tile row: 4 (fewer loads a pixel)
+    where the tile's groups still give every thread two, else 2 (all threads busy)."""
+    return 4 if (TILE_PIXELS // 4) * (cin // 8) >= 2 * THREADS else 2
+
+
+def halo_smem_bytes(ca: int, cb: int, cout: int) -> int:
+    """Dynamic shared memory of one block: sDw, sW, sA and the halo planes."""
+    k, tw = ca + cb, TILE_W
+    th = TILE_PIXELS // tw
+    ks = k + 8
+    if cb == 0:
+        halo = (th + 2) * (tw + 2) * halo_pitch(ca)
+    else:
+        halo = (th // 2 + 2) * (tw // 2 + 2) * halo_pitch(ca)
+        halo += (th + 2) * (tw + 2) * halo_pitch(cb)
+    return 9 * k * 4 + (cout * ks + TILE_PIXELS * ks + halo) * 2
+
+
+def ds_halo_cuda(
+    x: Any,  # [N, H, W, CA] float16 (CuPy); with skip: [N, H/2, W/2, CA]
+    dw_w: Any,  # [3, 3, CA + CB] float16
+    dw_b: Any,  # [CA + CB] float32
+    pw_wt: Any,  # [Cout, CA + CB] float16: the pointwise weight, TRANSPOSED
+    pw_b: Any,  # [Cout] float32
+    stride: int = 1,
+    dilation: int = 1,
+    skip: Any | None = None,  # [N, H, W, CB] float16
+    residual: bool = False,
+    head_w: Any | None = None,  # [Cout, 1] float32
+    head_b: Any | None = None,  # [1] float32
+    *,
+    out: Any | None = None,  # the result's shape and dtype: written in place when given
+) -> Any:  # [N, H, W, Cout] float16, or [N, H, W, 1] float32 with the head
+    """CUDA twin of :func:`ds_block_ref` for stride-1, dilation-1 blocks, one persistent
+    launch with shared-memory input tiles (``ds_halo.cu``)."""
+    from scratchd.kernels import _cuda as cu
+
+    op = "ds_halo"
+    c = check_block(
+        op, x, skip, dw_w, dw_b, pw_wt, pw_b, stride=stride, dilation=dilation,
+        residual=residual, head_w=head_w, head_b=head_b, out=out, transposed=True,
+    )  # fmt: skip
+    n, ca, cb, cout, out = c.n, c.ca, c.cb, c.cout, c.out
+    head = head_w is not None
+    if not halo_shape_ok(ca, cb, cout, stride, dilation):
+        raise ValueError(
+            f"{op}: needs stride 1, dilation 1, CA and CB multiples of 8, Cin of 16, Cout a"
+            f" multiple of 16 up to min(Cin, {MAX_COUT}); got {ca}+{cb} -> {cout},"
+            f" stride {stride}, dilation {dilation}"
+        )
+    sweep = halo_sweep(ca + cb)
+    smem = halo_smem_bytes(ca, cb, cout)
+    name = cu.template_name(op, ca, cb, cout, TILE_W, sweep, residual, head)
+    func = cu.kernel("ds_halo.cu", name)
+    th = TILE_PIXELS // TILE_W
+    tiles = n * -(-c.ho // th) * -(-c.wo // TILE_W)
+    grid = cu.persistent_grid(func, THREADS, smem, tiles)
+    args = (
+        x, x if skip is None else skip, dw_w, dw_b, pw_wt, pw_b,
+        head_w if head else pw_b, head_b if head else pw_b, out,
+        *map(cu.i32, (n, c.ho, c.wo)),
+    )  # fmt: skip
+    cu.launch(func, (grid,), (THREADS,), args, smem)
+    return out

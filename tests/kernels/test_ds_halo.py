@@ -1,0 +1,126 @@
+"""ds_halo_cuda (a stride-1 DS block with shared-memory input tiles) against ds_block_ref and,
+bit for bit, against the fused ds_block_cuda; its shape rule and shared-memory sizing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scratchd.kernels.ds_block import ds_block_cuda, ds_block_ref
+from scratchd.kernels.ds_halo import (
+    MAX_COUT,
+    ds_halo_cuda,
+    halo_pitch,
+    halo_shape_ok,
+    halo_smem_bytes,
+    halo_sweep,
+)
+from scratchd.kernels.ds_split import SPLIT_ENV, block_path
+
+from .cuda_helpers import assert_close, cupy, dev, fresh_rng, half, poisoned
+
+
+def test_halo_shapes_are_stride_one_narrow_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert halo_shape_ok(48, 0, 48) and halo_shape_ok(96, 48, 48) and halo_shape_ok(96, 0, 64)
+    assert not halo_shape_ok(48, 0, 48, stride=2)  # stride 2 and dilation are other paths'
+    assert not halo_shape_ok(48, 0, 48, dilation=2)
+    assert not halo_shape_ok(24, 0, 24)  # Cin not whole k16 steps
+    assert not halo_shape_ok(20, 4, 48)  # channel groups of 8
+    assert not halo_shape_ok(192, 96, 96)  # Cout past MAX_COUT
+    assert not halo_shape_ok(16, 0, 32)  # Cout past Cin: the staged tile would not fit
+    monkeypatch.setenv(SPLIT_ENV, "halo")
+    assert block_path(48, 0, 48, head=True) == "halo"  # the head fuses on this path too
+    assert block_path(96, 48, 48) == "halo"
+    assert block_path(48, 0, 96, stride=2) == "fused"
+    assert block_path(384, 0, 384, dilation=2) == "fused"
+
+
+def test_halo_pitch_is_an_odd_number_of_16_byte_units() -> None:
+    for c in range(8, 400, 8):
+        p = halo_pitch(c)
+        assert p >= c and p % 8 == 0 and (p // 8) % 2 == 1 and p - c in (0, 8)
+
+
+def test_the_shipped_high_resolution_blocks_fit_two_blocks_an_sm() -> None:
+    """Shared memory per block for enc0.0/dec0.1 (48 -> 48) and dec0.0 (96 + 48 -> 48):
+    sDw + sW + sA + halo(s), at most half of the H200's 228 KB (minus 1 KB per block)."""
+    assert halo_smem_bytes(48, 0, 48) == 9 * 48 * 4 + (48 * 56 + 128 * 56 + 10 * 18 * 56) * 2
+    dec00 = 9 * 144 * 4 + (48 * 152 + 128 * 152 + 6 * 10 * 104 + 10 * 18 * 56) * 2
+    assert halo_smem_bytes(96, 48, 48) == dec00
+    assert 2 * (dec00 + 1024) <= 228 * 1024
+    assert halo_sweep(144) == 4 and halo_sweep(48) == 2
+
+
+# (N, H, W, CA, CB, Cout, residual, head): H, W the output size (with CB > 0, x is H/2 x W/2).
+# Sizes that are not whole 8 x 16 tiles exercise the partial edge tiles.
+CASES = [
+    (1, 8, 16, 48, 0, 48, True, False),  # one whole tile
+    (2, 19, 37, 48, 0, 48, True, False),  # partial tiles on both edges
+    (1, 1, 1, 16, 0, 16, False, False),
+    (3, 30, 34, 96, 48, 48, False, False),  # the shipped dec0.0's shape
+    (1, 2, 2, 32, 16, 48, False, False),
+    (2, 17, 23, 96, 0, 64, False, False),
+    (1, 34, 30, 48, 0, 48, True, True),  # the shipped dec0.1 (with the head)
+    (2, 12, 20, 64, 32, 32, False, True),
+]
+
+
+def _data(case: tuple[int, ...]) -> tuple[dict[str, np.ndarray], int]:
+    rng, seed = fresh_rng()
+    n, h, w, ca, cb, cout, _, head = case
+    cin = ca + cb
+    data = {
+        "x": half(rng, (n, h // 2, w // 2, ca) if cb else (n, h, w, ca)),
+        "dw_w": half(rng, (3, 3, cin), 0.4),
+        "dw_b": rng.normal(0, 0.3, cin).astype(np.float32),
+        "pw_w": half(rng, (cin, cout), 1.0 / np.sqrt(cin)),
+        "pw_b": rng.normal(0, 0.3, cout).astype(np.float32),
+    }
+    if cb:
+        data["skip"] = half(rng, (n, h, w, cb))
+    if head:
+        data["head_w"] = rng.normal(0, 0.3, (cout, 1)).astype(np.float32)
+        data["head_b"] = rng.normal(0, 0.3, 1).astype(np.float32)
+    return data, seed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda s: "x".join(str(int(v)) for v in s))
+def test_ds_halo_matches_ref_and_the_fused_kernel_bit_for_bit(case: tuple[int, ...]) -> None:
+    cp = cupy()
+    d, seed = _data(case)
+    residual = bool(case[6])
+    skip, head_w, head_b = d.get("skip"), d.get("head_w"), d.get("head_b")
+    ref = ds_block_ref(
+        d["x"], d["dw_w"], d["dw_b"], d["pw_w"], d["pw_b"], 1, 1, skip, residual, head_w, head_b
+    )
+    x, dw_w, dw_b = dev(d["x"]), dev(d["dw_w"]), dev(d["dw_b"], np.float32)
+    pw_w, pw_b = dev(d["pw_w"]), dev(d["pw_b"], np.float32)
+    skip_d = None if skip is None else dev(skip)
+    hw = None if head_w is None else dev(head_w, np.float32)
+    hb = None if head_b is None else dev(head_b, np.float32)
+    out = poisoned(ref.shape, np.float32 if hw is not None else np.float16)
+    got = ds_halo_cuda(
+        x, dw_w, dw_b, cp.ascontiguousarray(pw_w.T), pw_b, 1, 1, skip_d, residual, hw, hb,
+        out=out,
+    )  # fmt: skip
+    assert got is out
+    assert_close(got, ref, seed, "ds_halo")
+    fused = ds_block_cuda(x, dw_w, dw_b, pw_w, pw_b, 1, 1, skip_d, residual, hw, hb)
+    a, b = cp.asnumpy(got), cp.asnumpy(fused)
+    bits = np.uint32 if a.dtype == np.float32 else np.uint16
+    same = a.view(bits) == b.view(bits)
+    assert same.all(), f"seed={seed}: {np.count_nonzero(~same)} elements differ from ds_block"
+
+
+@pytest.mark.gpu
+def test_ds_halo_refuses_what_it_has_no_tiles_for() -> None:
+    cp = cupy()
+    rng = np.random.default_rng(0)
+    x = dev(half(rng, (1, 8, 8, 48)))
+    args = (x, dev(half(rng, (3, 3, 48))), dev(np.zeros(48), np.float32))
+    with pytest.raises(ValueError, match="stride 1, dilation 1"):
+        ds_halo_cuda(*args, dev(half(rng, (48, 48))), dev(np.zeros(48), np.float32), stride=2)
+    wide = cp.ascontiguousarray(dev(half(rng, (48, MAX_COUT + 16))).T)
+    with pytest.raises(ValueError, match=f"up to min\\(Cin, {MAX_COUT}\\)"):
+        ds_halo_cuda(*args, wide, dev(np.zeros(MAX_COUT + 16), np.float32))
