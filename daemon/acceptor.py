@@ -27,6 +27,8 @@ are copied from there once); the frame then arrives through ``slot_frame`` with 
 as above, 4 already done (and, for raw grey, 5). Lending cannot change this frame's reply:
 no slot is lent when draining, nor to a connection at its in-flight limit, nor for more
 pixels than a slot holds (the frame then takes the usual path, which answers as before).
+With ``[server] receive_threads`` > 0 the kernel's copy into the slot runs in this acceptor's
+receive threads (``daemon/receiver.py``), not on the loop's thread.
 While lent (at most ``lend_limit`` = ``slots // 4`` at once, each for up to
 ``frame_timeout_ms``) a slot is not available to other frames, which may be answered
 ``queue full`` sooner; so a slot is lent only while more than ``lend_limit`` are free, and
@@ -70,6 +72,7 @@ from scratchd.daemon.images import (
     write_raw_grey,
 )
 from scratchd.daemon.log import log_event
+from scratchd.daemon.receiver import ReceivePool
 from scratchd.ipc import wire
 from scratchd.ipc.image import ImageError
 from scratchd.ipc.queue import Handle, RequestQueue
@@ -110,6 +113,8 @@ class Acceptor:
         self.max_frame = 3 * config.queue.slot_bytes + wire.MAX_FRAME_OVERHEAD
         self.frame_timeout_s = config.server.frame_timeout_ms / 1000.0
         self.pool = BufferPool()
+        threads = config.server.receive_threads
+        self.receiver = ReceivePool(threads) if threads else None
         self.lent = 0  # payload slots lent to connections receiving pixels into them
         self.lend_limit = max(1, config.queue.slots // 4)
         self.connections: dict[int, Connection] = {}
@@ -155,13 +160,17 @@ class Acceptor:
             await asyncio.wait(list(self._decoding))
 
     async def close_connections(self) -> None:
-        """Wait for running decodes, then flush and close every connection."""
+        """Wait for running decodes, then flush and close every connection (which cancels its
+        receive thread's job), and wait for the receive threads to give their slots back."""
         await self.wait_for_decodes()
         conns = list(self.connections.values())
         for conn in conns:
             conn.close()
         for conn in conns:
             await conn.wait_closed(1.0)
+        if self.receiver is not None:
+            await self.receiver.wait_idle()
+            self.receiver.shutdown()
         self._pool.shutdown(wait=True)
 
     # ---- one connection (FrameHandler) ------------------------------------------------

@@ -56,6 +56,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     frame_timeout_ms: Positive = 30_000
     """A frame's body must arrive within this time of its length prefix, or the connection
     is answered ``invalid`` and closed (a stalled sender must not hold memory and a slot)."""
+    receive_threads: Annotated[int, msgspec.Meta(ge=0, le=64)] = 4
+    """Threads that receive large raw frames' pixels off the event loop's thread (the kernel's
+    socket copy, ~150-200 us per MiB; ``daemon/receiver.py``); 0: the loop receives them.
+    Read at start only (a reload does not resize the pool)."""
 
 
 class QueueConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -39,7 +39,17 @@ is the connection's from ``lend_slot`` until the frame is whole, then the handle
 not decode, a status request, a second ``pixels`` key) the body is rebuilt as it was sent
 (``raw_frames.rebuild_body``) into a pool buffer, the slot goes back (``return_slot``) and
 the frame takes the ``frame`` path, so every reply is what it would have been. A connection
-closed or lost mid-frame returns its slot at once.
+closed or lost mid-frame returns its slot at once (or, while a receive thread is filling it,
+once the thread has let go of it: below).
+
+Off the loop (``FrameHandler.receiver``, ``[server] receive_threads`` > 0): in SLOT, when at
+least ``receiver.min_bytes`` of pixels are still to come, the transport's reading is paused and a
+receive thread (``daemon/receiver.py``) fills the rest of the slot; ``_received`` then resumes
+reading and goes on exactly as ``buffer_updated`` would have with those bytes (the bytes after
+the pixels, the stall timer, ``slot_frame``). A short count (EOF, error, the thread's timeout)
+is simply fewer bytes: the loop's own read then meets the EOF or the error, and the stall
+timer, armed throughout, cuts off a frame that stops. Closed or lost meanwhile, the
+connection cancels the job and returns the slot in ``_received``, exactly once.
 
 Replies (``send``) are queued and written together at the end of the loop's turn
 (``loop.call_soon``): a batch of completions for one client costs one ``writelines``, not a
@@ -54,6 +64,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -62,6 +73,7 @@ from typing import Final, Protocol, cast
 from scratchd.daemon import raw_frames
 from scratchd.daemon.access import LINGER_BYTES, SupportsGetsockopt
 from scratchd.daemon.log import log_event
+from scratchd.daemon.receiver import ReceiveJob, ReceivePool
 from scratchd.ipc import wire
 from scratchd.ipc.queue import Handle
 
@@ -94,6 +106,7 @@ class FrameHandler(Protocol):
     """What the acceptor does for a connection (see ``daemon/acceptor.py``)."""
 
     pool: BufferPool
+    receiver: ReceivePool | None  # None: SLOT frames are received on the loop
     max_frame: int
     frame_timeout_s: float
 
@@ -158,7 +171,8 @@ class Connection(asyncio.BufferedProtocol):
         self.converting = 0  # images of this connection in the decode pool, not yet queued
         self.transport: asyncio.Transport | None = None
         self.state = ReadState.HEAD
-        self.gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self.gone: asyncio.Future[None] = self._loop.create_future()
         self._head = bytearray(HEAD_BYTES)
         self._head_view = memoryview(self._head)
         self._have = 0  # bytes of head in use, from its start
@@ -167,6 +181,7 @@ class Connection(asyncio.BufferedProtocol):
         self._got = 0  # bytes of it received
         self._loan: SlotLoan | None = None  # SLOT: where the pixels go
         self._at: raw_frames.PixelsAt | None = None  # SLOT: where they lie in the body
+        self._job: ReceiveJob | None = None  # SLOT: a receive thread is filling the slot
         self._timer: asyncio.TimerHandle | None = None
         self._refused: asyncio.StreamReader | None = None
         self._fed = 0
@@ -325,7 +340,40 @@ class Connection(asyncio.BufferedProtocol):
         raw_frames.hide_pixels(view, at)
         self._loan, self._at, self._length, self._got = loan, at, length, got
         self._enter(ReadState.SLOT)  # got < length: head holds less than a large frame
+        self._receive_off_loop()
         return True
+
+    def _receive_off_loop(self) -> None:
+        """SLOT: hand the pixels still to come to a receive thread, reading paused until
+        ``_received``; nothing changes (the loop receives them) if there is no pool, fewer
+        than its ``min_bytes`` are to come, or it takes no job."""
+        receiver, at, loan, timer = self.handler.receiver, self._at, self._loan, self._timer
+        assert at is not None and loan is not None
+        rest = at.start + at.length - self._got
+        if receiver is None or rest < receiver.min_bytes or self.transport is None:
+            return
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return
+        left_s = self.handler.frame_timeout_s if timer is None else timer.when() - self._loop.time()
+        self.transport.pause_reading()  # before the thread starts: one reader at a time
+        done = functools.partial(self._received, loan)
+        self._job = receiver.receive(sock.fileno(), loan.view[self._got - at.start :], left_s, done)
+        if self._job is None:
+            self.transport.resume_reading()
+
+    def _received(self, loan: SlotLoan, received: int) -> None:
+        """On the loop, once the receive thread has let go of the socket and of ``loan``:
+        ``received`` more pixels are in the slot, as if ``buffer_updated`` had seen them."""
+        self._job = None
+        if self.state is not ReadState.SLOT:  # closed or lost meanwhile (_enter kept the slot)
+            self.handler.return_slot(loan)
+            return
+        if self.transport is not None:
+            self.transport.resume_reading()
+        self._got += received
+        if self._got == self._length:
+            self._finish_slot()
 
     def _finish_slot(self) -> None:
         loan, at, length = self._loan, self._at, self._length
@@ -384,7 +432,9 @@ class Connection(asyncio.BufferedProtocol):
             self._disarm()
             if self._body is not None and self.state is ReadState.BODY:
                 self.handler.pool.give(self._body)
-            if self._loan is not None:  # closed mid-frame: the slot goes back at once
+            if self._job is not None:  # a thread is filling the slot: _received returns it
+                self._job.cancel()
+            elif self._loan is not None:  # closed mid-frame: the slot goes back at once
                 self.handler.return_slot(self._loan)
         if state is not ReadState.BODY:
             self._body = None

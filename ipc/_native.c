@@ -24,6 +24,10 @@
  *                       point's name where ipc/faults.py names a point, so SCRATCHD_IPC_FAULT
  *                       kills the process inside the native critical section.
  *
+ * And one function, recv_into_exact: a socket's bytes received into a buffer with the GIL
+ * released for the whole run, so the daemon's receive threads copy large frames off the event
+ * loop's thread (daemon/receiver.py).
+ *
  * Ordering: a SIGKILL can land between any two instructions, so the compiler must not move
  * the lifecycle write (``state``) before the link writes it publishes; state and the done
  * stack head are written with release stores (a plain store plus a compiler barrier on
@@ -34,9 +38,11 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdint.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -986,7 +992,74 @@ static PyObject *eventfd_drain(PyObject *mod, PyObject *arg) {
     return PyLong_FromUnsignedLongLong(count);
 }
 
+/* -------------------------------------------------------------------- recv_into_exact */
+/* recv_into_exact(fd, buf, timeout_ms, cancel) -> (received, why)
+ *
+ * Fill ``buf`` from the stream socket ``fd``: recv(MSG_DONTWAIT) while bytes are there,
+ * poll(POLLIN) when none are, until ``buf`` is full (why = RECV_FULL), the peer has closed
+ * (RECV_EOF), ``timeout_ms`` has passed (RECV_TIMEOUT), ``cancel[0]`` is non-zero
+ * (RECV_CANCELLED), or recv/poll fails (why = that errno, > 0). ``received`` counts the bytes
+ * written to the start of ``buf`` whatever the reason; nothing is raised for the socket's
+ * errors (the caller's transport meets them again). EINTR is retried.
+ *
+ * The GIL is released from the first recv to the last: the only state shared with other
+ * threads is ``buf`` (the caller must not touch it until this returns) and ``cancel``, which
+ * another thread sets and this one reads before every recv and after every poll. poll waits
+ * at most RECV_SLICE_MS at a time, so a cancel is seen within that even on a silent socket.
+ * Both buffers are held (exported) for the run: the caller keeps their objects alive. */
+#define RECV_SLICE_MS 2
+enum { RECV_FULL = 0, RECV_EOF = -1, RECV_TIMEOUT = -2, RECV_CANCELLED = -3 };
+
+static int recv_until(int fd, char *p, Py_ssize_t want, const uint8_t *stop, int64_t deadline,
+                      Py_ssize_t *got) {
+    while (*got < want) {
+        if (__atomic_load_n(stop, __ATOMIC_ACQUIRE)) return RECV_CANCELLED;
+        ssize_t n = recv(fd, p + *got, (size_t)(want - *got), MSG_DONTWAIT);
+        if (n > 0) {
+            *got += n;
+            continue;
+        }
+        if (n == 0) return RECV_EOF;
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) return errno;
+        int64_t left = deadline - now_ns();
+        if (left <= 0) return RECV_TIMEOUT;
+        int slice = left < RECV_SLICE_MS * 1000000LL ? (int)((left + 999999) / 1000000) : RECV_SLICE_MS;
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        int rc = poll(&pfd, 1, slice);
+        if (rc < 0 && errno != EINTR) return errno;
+        if (rc > 0 && (pfd.revents & POLLNVAL)) return EBADF;
+        /* POLLHUP / POLLERR: the next recv says which (0: EOF, -1: the error) */
+    }
+    return RECV_FULL;
+}
+
+static PyObject *recv_into_exact(PyObject *mod, PyObject *args) {
+    (void)mod;
+    int fd;
+    long long timeout_ms;
+    Py_buffer buf, cancel;
+    if (!PyArg_ParseTuple(args, "iw*Lw*", &fd, &buf, &timeout_ms, &cancel)) return NULL;
+    if (timeout_ms < 0 || cancel.len < 1) {
+        PyBuffer_Release(&buf);
+        PyBuffer_Release(&cancel);
+        return PyErr_Format(PyExc_ValueError, "recv_into_exact: timeout_ms %lld must be >= 0 "
+                            "and cancel at least one byte (got %zd)", timeout_ms, cancel.len);
+    }
+    Py_ssize_t got = 0;
+    int why;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t deadline = now_ns() + (int64_t)timeout_ms * 1000000;
+    why = recv_until(fd, (char *)buf.buf, buf.len, (const uint8_t *)cancel.buf, deadline, &got);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&buf);
+    PyBuffer_Release(&cancel);
+    return Py_BuildValue("(ni)", got, why);
+}
+
 static PyMethodDef module_functions[] = {
+    {"recv_into_exact", recv_into_exact, METH_VARARGS,
+     "fill a writable buffer from a socket, GIL released: (received, why)"},
     {"eventfd_ring", eventfd_ring, METH_O, "add 1 to a non-blocking eventfd (full: ignored)"},
     {"eventfd_drain", eventfd_drain, METH_O, "read and reset a non-blocking eventfd; 0 if unset"},
     {NULL, NULL, 0, NULL},
@@ -1013,7 +1086,12 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0 ||
         PyModule_AddObject(m, "Contended", (PyObject *)&ContendedType) < 0 ||
         PyModule_AddObjectRef(m, "BUSY", BUSY) < 0 ||
-        PyModule_AddObjectRef(m, "OWNER_DIED", OWNER_DIED) < 0) {
+        PyModule_AddObjectRef(m, "OWNER_DIED", OWNER_DIED) < 0 ||
+        PyModule_AddIntConstant(m, "RECV_FULL", RECV_FULL) < 0 ||
+        PyModule_AddIntConstant(m, "RECV_EOF", RECV_EOF) < 0 ||
+        PyModule_AddIntConstant(m, "RECV_TIMEOUT", RECV_TIMEOUT) < 0 ||
+        PyModule_AddIntConstant(m, "RECV_CANCELLED", RECV_CANCELLED) < 0 ||
+        PyModule_AddIntConstant(m, "RECV_SLICE_MS", RECV_SLICE_MS) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -74,3 +74,16 @@ class Core:
 
 def eventfd_ring(fd: int) -> None: ...
 def eventfd_drain(fd: int) -> int: ...
+
+# recv_into_exact's ``why``: the buffer is full, the peer closed, the time ran out, the
+# caller cancelled; a positive value is the errno recv or poll failed with.
+RECV_FULL: Final[int]
+RECV_EOF: Final[int]
+RECV_TIMEOUT: Final[int]
+RECV_CANCELLED: Final[int]
+RECV_SLICE_MS: Final[int]  # the longest a cancel waits to be seen
+
+def recv_into_exact(
+    fd: int, buf: WriteableBuffer, timeout_ms: int, cancel: WriteableBuffer
+) -> tuple[int, int]:
+    """Fill ``buf`` from the socket ``fd`` with the GIL released: (bytes received, why)."""

@@ -26,6 +26,7 @@ from scratchd.daemon.connection import (
     ReadState,
     SlotLoan,
 )
+from scratchd.daemon.receiver import ReceivePool
 from scratchd.ipc import wire
 from scratchd.ipc.queue import Handle
 
@@ -63,6 +64,7 @@ class Recorder:
 
     def __init__(self, max_frame: int = 1 << 22, timeout_s: float = 30.0) -> None:
         self.pool = BufferPool()
+        self.receiver: ReceivePool | None = None  # these tests' fake transport has no socket
         self.max_frame = max_frame
         self.frame_timeout_s = timeout_s
         self.frames: list[bytes] = []

@@ -1,0 +1,174 @@
+"""Receive threads: a large raw frame's pixels copied out of the socket off the loop's thread.
+
+Per 1 MiB frame, most of the main process's CPU is the kernel's AF_UNIX receive copy, done by
+``recv`` on whichever thread calls it (``docs/bench/frontend.json``). With receive threads
+(``[server] receive_threads`` > 0) a connection in state SLOT (``daemon/connection.py``) does
+not lend its slot to the event loop: it pauses the transport's reading and hands the pixels
+still to come to this pool, and the loop serves other connections meanwhile::
+
+    loop thread                               receive thread (one of ``threads``)
+    ───────────                               ───────────────────────────────────
+    _start_slot: pause_reading()
+    receive(fd, slot[got:], ...)  ──job──▶    recv_into_exact(dup, slot[got:], timeout, cancel)
+      dup(fd), the job queued                   (C, GIL released: poll + recv until full,
+    ... other connections ...                    EOF, error, timeout or cancel)
+                                              close(dup)
+    _received(n): resume_reading()  ◀──────   loop.call_soon_threadsafe(done, n)
+      the state machine goes on as if
+      buffer_updated had seen those n bytes
+
+Who owns what: from ``receive`` until ``done`` runs, the slot's bytes ``into`` and the duplicate
+descriptor are the thread's; the loop touches neither (the connection keeps the slot lent and
+returns it only in ``done``: ``return_slot`` then, never before). The thread reads its own
+``dup`` of the socket, never the transport's descriptor: uvloop closes that one itself after a
+write error (``connection_lost`` while a job runs), and a descriptor number closed under a
+thread could be reused at once by the next ``accept``, whose bytes the thread would then read
+into this slot. A duplicate keeps the socket open until the thread closes it, which it does
+within ``RECV_SLICE_MS`` of ``ReceiveJob.cancel`` (the connection cancels when it is closed or
+lost, including by the stall timer: ``frame_timeout_ms`` still cuts a stalled frame off).
+
+``done`` always runs once per job, on the loop, whatever the thread met (a short count: the
+loop resumes reading and meets the EOF or the error itself; its stall timer is still armed).
+``wait_idle`` awaits every job's ``done``; ``shutdown`` then ends the threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import math
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Final
+
+from scratchd.daemon.log import log_event
+from scratchd.ipc._native import recv_into_exact
+
+MIN_BYTES: Final = 64 * 1024
+"""Pixels still to come for which a thread is worth its hand-offs (~64 KiB: the kernel's copy
+of that many costs about what the loop spends handing a job over and taking it back)."""
+
+
+class PoolState(enum.Enum):
+    NEW = "new"  # no thread started yet (started by the first job)
+    RUNNING = "running"
+    STOPPED = "stopped"  # shut down: receive() takes no more jobs
+
+
+class ReceiveJob:
+    """One receive in a thread: ``into`` filled from ``fd`` (a duplicate the thread closes)."""
+
+    __slots__ = ("_cancel", "done", "fd", "into", "loop", "timeout_ms")
+
+    def __init__(
+        self,
+        fd: int,
+        into: memoryview,
+        timeout_ms: int,
+        loop: asyncio.AbstractEventLoop,
+        done: Callable[[int], None],
+    ) -> None:
+        self.fd, self.into, self.timeout_ms = fd, into, timeout_ms
+        self.loop, self.done = loop, done
+        self._cancel = bytearray(1)  # byte 0 read by the thread before each recv and poll
+
+    def cancel(self) -> None:
+        """Stop the receive (the thread lets go within ``RECV_SLICE_MS``); ``done`` still runs."""
+        self._cancel[0] = 1
+
+    def run(self) -> int:
+        """In a receive thread: the bytes received; then the duplicate descriptor is closed."""
+        try:
+            received, _why = recv_into_exact(self.fd, self.into, self.timeout_ms, self._cancel)
+            return received
+        except Exception as exc:  # a bug here must still end in done(): the slot goes back
+            log_event("receive_failed", logging.ERROR, error=repr(exc))
+            return 0
+        finally:
+            os.close(self.fd)
+
+
+class ReceivePool:
+    """``threads`` receive threads, one per daemon (the acceptor's), started on first use."""
+
+    def __init__(self, threads: int) -> None:
+        if threads < 1:
+            raise ValueError(f"a receive pool needs at least one thread, not {threads}")
+        self.threads = threads
+        self.min_bytes = MIN_BYTES  # fewer pixels than this to come: the loop receives them
+        self.state = PoolState.NEW
+        self.in_flight = 0  # jobs whose done() has not run yet (loop thread only)
+        self._jobs: queue.SimpleQueue[ReceiveJob | None] = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
+        self._idle: list[asyncio.Future[None]] = []
+
+    def receive(
+        self, fd: int, into: memoryview, timeout_s: float, done: Callable[[int], None]
+    ) -> ReceiveJob | None:
+        """On the loop: fill ``into`` from the socket ``fd`` in a thread, for at most
+        ``timeout_s``; ``done(received)`` runs on the loop after the thread has let go of the
+        socket and of ``into``. None (nothing started) if the pool is stopped or the
+        descriptor cannot be duplicated: the caller then receives on the loop."""
+        if self.state is PoolState.STOPPED:
+            return None
+        try:
+            dup = os.dup(fd)
+        except OSError as exc:  # out of descriptors, say: this frame is received on the loop
+            log_event("receive_dup_failed", logging.WARNING, error=repr(exc))
+            return None
+        if self.state is PoolState.NEW:
+            self._start()
+        timeout_ms = max(0, math.ceil(timeout_s * 1000))
+        job = ReceiveJob(dup, into, timeout_ms, asyncio.get_running_loop(), done)
+        self.in_flight += 1
+        self._jobs.put(job)
+        return job
+
+    def _start(self) -> None:
+        for k in range(self.threads):
+            worker = threading.Thread(target=self._work, name=f"scratchd-recv-{k}", daemon=True)
+            worker.start()
+            self._workers.append(worker)
+        self.state = PoolState.RUNNING
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            received = job.run()
+            # a closed loop (RuntimeError) has nobody left to take the slot back
+            with contextlib.suppress(RuntimeError):
+                job.loop.call_soon_threadsafe(self._finished, job, received)
+
+    def _finished(self, job: ReceiveJob, received: int) -> None:
+        self.in_flight -= 1
+        try:
+            job.done(received)
+        finally:
+            if self.in_flight == 0:
+                for waiter in self._idle:
+                    if not waiter.done():
+                        waiter.set_result(None)
+                self._idle.clear()
+
+    async def wait_idle(self) -> None:
+        """Until every job so far has run its ``done`` (cancel them first to be quick)."""
+        if self.in_flight:
+            waiter = asyncio.get_running_loop().create_future()
+            self._idle.append(waiter)
+            await waiter
+
+    def native_ids(self) -> list[int]:
+        """The threads' kernel ids (``/proc/<pid>/task/<id>``), for CPU accounting."""
+        return [w.native_id for w in self._workers if w.native_id is not None]
+
+    def shutdown(self) -> None:
+        """End the threads once their jobs are done (``wait_idle`` first); no more jobs."""
+        self.state = PoolState.STOPPED
+        for _ in self._workers:
+            self._jobs.put(None)
+        for worker in self._workers:
+            worker.join()
+        self._workers.clear()
