@@ -1,0 +1,233 @@
+"""Large raw frames received by a receive thread (``daemon/receiver.py``), over real sockets on
+uvloop as the daemon runs: every frame reaches the handler as the same message the on-loop
+path gives, the slot goes back exactly once whatever ends a receive (the peer leaving, the loop
+closing the connection, the transport aborting, the stall timer), the thread lets go of the
+socket (the peer sees the close) and frame_timeout_ms still cuts off a stalled frame."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import socket
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import uvloop
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scratchd.daemon.connection import HEAD_BYTES, SCAN_BYTES, Connection, ReadState, SlotLoan
+from scratchd.daemon.receiver import PoolState, ReceiveJob, ReceivePool
+
+from .test_connection import Lender, decoded, framed, raw_body, raw_sizes, sizes
+
+
+def run_uvloop(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())
+
+
+class Counting(Lender):
+    """A Lender with a receive pool (or none) that counts jobs and slot returns."""
+
+    def __init__(self, threads: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.returned: list[int] = []
+        self.jobs = 0
+        if threads:
+            pool = ReceivePool(threads)
+            pool.min_bytes = 1  # every lent frame with pixels still to come goes to a thread
+            receive = pool.receive
+
+            def counting(
+                fd: int, into: memoryview, timeout_s: float, done: Callable[[int], None]
+            ) -> ReceiveJob | None:
+                job = receive(fd, into, timeout_s, done)
+                self.jobs += job is not None
+                return job
+
+            pool.receive = counting  # type: ignore[method-assign]
+            self.receiver = pool
+
+    def return_slot(self, loan: SlotLoan) -> None:
+        self.returned.append(loan.handle.index)
+        super().return_slot(loan)
+
+
+async def connect(handler: Lender) -> tuple[Connection, socket.socket]:
+    """A Connection on one end of a socketpair (as the acceptor's server makes them); the
+    test is the client on the other end."""
+    daemon_end, client = socket.socketpair()
+    loop = asyncio.get_running_loop()
+    _, conn = await loop.connect_accepted_socket(lambda: Connection(1, handler), daemon_end)
+    client.setblocking(False)
+    return conn, client
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    stop = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < stop, "timed out"
+        await asyncio.sleep(0.001)
+
+
+async def send(client: socket.socket, data: bytes, cuts: list[int]) -> None:
+    """Send ``data`` in pieces split at ``cuts``, each given a moment to arrive on its own."""
+    loop = asyncio.get_running_loop()
+    edges = [0, *sorted({c % (len(data) + 1) for c in cuts}), len(data)]
+    for lo, hi in itertools.pairwise(edges):
+        await loop.sock_sendall(client, data[lo:hi])
+        await asyncio.sleep(0.0005)
+
+
+async def receive_all(
+    bodies: list[bytes], cuts: list[int], threads: int, lend: bool, take: bool
+) -> Counting:
+    handler = Counting(threads, lend=lend, take=take)
+    conn, client = await connect(handler)
+    try:
+        await send(client, framed(bodies), cuts)
+        await until(lambda: len(handler.messages) == len(bodies))
+        assert handler.events == [] and conn.state is ReadState.HEAD
+    finally:
+        client.close()
+        await conn.wait_closed(5.0)
+        if handler.receiver is not None:
+            await handler.receiver.wait_idle()
+            handler.receiver.shutdown()
+    return handler
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    frames=st.lists(
+        st.one_of(st.tuples(st.just("raw"), raw_sizes), st.tuples(st.just("opaque"), sizes)),
+        min_size=1,
+        max_size=5,
+    ),
+    cuts=st.lists(st.integers(0, 1 << 20), max_size=8),
+    lend=st.booleans(),
+    take=st.booleans(),
+    seed=st.integers(0, 255),
+)
+def test_frames_received_by_threads_arrive_as_on_the_loop(
+    frames: list[tuple[str, int]], cuts: list[int], lend: bool, take: bool, seed: int
+) -> None:
+    bodies = [
+        raw_body(n, seed + i) if kind == "raw" else bytes([seed]) * n
+        for i, (kind, n) in enumerate(frames)
+    ]
+    expected = [decoded(b) for b in bodies]
+
+    async def main() -> None:
+        on_loop = await receive_all(bodies, cuts, 0, lend, take)
+        threaded = await receive_all(bodies, cuts, 2, lend, take)
+        assert on_loop.messages == threaded.messages == expected
+        if not take:  # not taken: the body reaches frame() exactly as it was sent
+            assert on_loop.frames == threaded.frames == bodies
+        for handler in (on_loop, threaded):
+            assert handler.out == {}  # every slot taken or returned ...
+            assert len(handler.returned) == len(set(handler.returned))  # ... once
+            assert handler.events == [("closed", 1)]
+        # A lent frame's pixels outlast the head: the rest of them went to a thread.
+        big = sum(kind == "raw" and n >= HEAD_BYTES for kind, n in frames)
+        assert on_loop.jobs == 0
+        assert threaded.jobs >= big if lend else threaded.jobs == 0
+
+    run_uvloop(main)
+
+
+def test_a_frame_stalled_in_a_receive_thread_is_cut_off_and_its_slot_returned_once() -> None:
+    async def main() -> None:
+        handler = Counting(2, timeout_s=0.1)
+        _conn, client = await connect(handler)
+        frame = framed([raw_body(4 * HEAD_BYTES, 2)])
+        await send(client, frame[: 2 * HEAD_BYTES], [SCAN_BYTES])
+        await until(lambda: handler.jobs == 1)
+        assert handler.receiver is not None and handler.receiver.in_flight == 1
+        await until(lambda: handler.events != [], 2.0)  # the loop's stall timer, not the thread's
+        assert handler.events == [("stalled", len(frame) - 4), ("closed", 1)]
+        await until(lambda: handler.receiver is not None and handler.receiver.in_flight == 0, 0.5)
+        assert handler.returned == [1] and handler.out == {}
+        assert await peer_sees_close(client)
+        handler.receiver.shutdown()
+
+    run_uvloop(main)
+
+
+async def peer_sees_close(client: socket.socket) -> bool:
+    """Whether the daemon's end is closed (no descriptor of it left open, the thread's dup
+    included): the client reads the reply sent before the close, then EOF."""
+    loop = asyncio.get_running_loop()
+    try:
+        while await asyncio.wait_for(loop.sock_recv(client, 1 << 16), 2.0):
+            pass
+    except ConnectionResetError:
+        pass
+    client.close()
+    return True
+
+
+def open_sockets() -> int:
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return count
+
+
+def test_a_connection_gone_mid_receive_returns_its_slot_once_after_the_thread() -> None:
+    for how in ["peer closed", "loop closed", "transport aborted"]:
+
+        async def main(how: str = how) -> None:
+            handler = Counting(2)
+            sockets_before = open_sockets()
+            conn, client = await connect(handler)
+            frame = framed([raw_body(4 * HEAD_BYTES, 3)])
+            await send(client, frame[: HEAD_BYTES + 5000], [])
+            await until(lambda: handler.jobs == 1)
+            assert handler.receiver is not None and handler.receiver.in_flight == 1
+            assert handler.returned == []  # the thread may be writing into it
+            if how == "peer closed":
+                client.close()
+            elif how == "loop closed":
+                conn.close()
+            else:
+                assert conn.transport is not None
+                conn.transport.abort()
+            await until(lambda: conn.gone.done() and handler.returned != [])
+            await handler.receiver.wait_idle()
+            assert handler.returned == [1] and handler.out == {} and handler.messages == []
+            assert ("closed", 1) in handler.events
+            if how != "peer closed":
+                assert await peer_sees_close(client)
+            handler.receiver.shutdown()
+            await until(lambda: open_sockets() == sockets_before, 1.0)  # the dup is closed
+
+        run_uvloop(main)
+
+
+def test_the_pool_refuses_jobs_it_cannot_run_and_ends_its_threads() -> None:
+    async def main() -> None:
+        pool = ReceivePool(2)
+        done: list[int] = []
+        assert pool.state is PoolState.NEW and pool.native_ids() == []
+        assert pool.receive(-1, memoryview(bytearray(4)), 1.0, done.append) is None  # no dup
+        assert pool.state is PoolState.NEW and pool.in_flight == 0
+        a, b = socket.socketpair()
+        b.sendall(b"abcd")
+        buf = bytearray(4)
+        assert pool.receive(a.fileno(), memoryview(buf), 1.0, done.append) is not None
+        assert pool.state is PoolState.RUNNING and len(pool.native_ids()) == 2
+        await pool.wait_idle()
+        assert done == [4] and buf == b"abcd"
+        pool.shutdown()
+        assert pool.state is PoolState.STOPPED and pool.native_ids() == []
+        assert pool.receive(a.fileno(), memoryview(buf), 1.0, done.append) is None
+        a.close()
+        b.close()
+
+    run_uvloop(main)
