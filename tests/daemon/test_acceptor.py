@@ -9,13 +9,16 @@ import io
 import itertools
 import os
 import re
+import socket
 import struct
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Final
 
 import msgspec
 import numpy as np
 import pytest
+import uvloop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
@@ -26,6 +29,7 @@ from scratchd.daemon.acceptor import Acceptor, Invalid, check_image, convert_int
 from scratchd.daemon.config import Config, QueueConfig, ServerConfig
 from scratchd.daemon.connection import HEAD_BYTES, SCAN_BYTES, Connection, SlotLoan
 from scratchd.daemon.dispatch import Dispatcher
+from scratchd.daemon.receiver import ReceiveJob
 from scratchd.ipc import wire
 from scratchd.ipc.image import ImageError
 from scratchd.ipc.queue import DescState, Geometry, RequestQueue, Result, Status
@@ -108,7 +112,8 @@ SLOTS = 8
 
 class FrontEnd:
     """An acceptor with its queue and dispatcher, in this process; the test is the worker
-    (it claims, reads the pixels and completes) and the client (a fake transport)."""
+    (it claims, reads the pixels and completes) and the client (a fake transport, or the other
+    end of a socketpair: then large frames' pixels are received by the receive threads)."""
 
     def __init__(self, **server: Any) -> None:
         self.queue = RequestQueue.create(
@@ -130,6 +135,19 @@ class FrontEnd:
             return loan
 
         self.acceptor.lend_slot = counting  # type: ignore[method-assign]
+        self.jobs = 0
+        if self.acceptor.receiver is not None:
+            receiver, receive = self.acceptor.receiver, self.acceptor.receiver.receive
+            receiver.min_bytes = 1  # every lent frame with pixels still to come: a thread
+
+            def counting_jobs(
+                fd: int, into: memoryview, timeout_s: float, done: Callable[[int], None]
+            ) -> ReceiveJob | None:
+                job = receive(fd, into, timeout_s, done)
+                self.jobs += job is not None
+                return job
+
+            receiver.receive = counting_jobs  # type: ignore[method-assign]
         self._ids = itertools.count(1)
 
     @staticmethod
@@ -143,13 +161,29 @@ class FrontEnd:
         conn.connection_made(transport)  # type: ignore[arg-type]
         return conn, transport
 
-    async def serve(self, frames: list[bytes], *, lend: bool) -> tuple[list[object], list[object]]:
+    async def connect_socket(self) -> tuple[Connection, socket.socket]:
+        daemon_end, client = socket.socketpair()
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.connect_accepted_socket(
+            lambda: Connection(next(self._ids), self.acceptor), daemon_end
+        )
+        client.setblocking(False)
+        return conn, client
+
+    async def serve(
+        self, frames: list[bytes], *, lend: bool, via_socket: bool = False
+    ) -> tuple[list[object], list[object]]:
         """Send ``frames`` on one connection, serve what was queued; (replies, what the
         worker saw). Replies: id, status, error, verdict; the worker: the claim's fields
         and its pixels."""
         self.acceptor.lend_limit = SLOTS // 4 if lend else 0
-        conn, transport = self.connect()
-        deliver(conn, b"".join(PREFIX.pack(len(f)) + f for f in frames), [])
+        data = b"".join(PREFIX.pack(len(f)) + f for f in frames)
+        if via_socket:
+            conn, client = await self.connect_socket()
+            received = await self._send_until_handled(client, data)
+        else:
+            conn, transport = self.connect()
+            deliver(conn, data, [])
         await self.acceptor.wait_for_decodes()
         seen: list[object] = []
         for c in self.queue.claim_batch(0, SLOTS, time.monotonic_ns()):
@@ -159,8 +193,14 @@ class FrontEnd:
         self.dispatcher.collect()
         await asyncio.sleep(0)  # replies leave at the end of the loop's turn
         conn.close()
+        if via_socket:  # what is left: the replies sent since the marker's, then EOF
+            loop = asyncio.get_running_loop()
+            while more := await asyncio.wait_for(loop.sock_recv(client, 1 << 16), 5.0):
+                received += more
+            client.close()
+        written = [received] if via_socket else transport.written
         replies: list[object] = []
-        for data in transport.written:
+        for data in written:
             while data:
                 n = wire.frame_length(data[:4])
                 reply = wire.decode_daemon_message(data[4 : 4 + n])
@@ -170,14 +210,30 @@ class FrontEnd:
                 else:
                     replies.append((reply.id, "status_reply"))
                 data = data[4 + n :]
+        if via_socket:
+            assert replies.pop(replies.index((MARKER, "status_reply"))) is not None
         assert self.acceptor.lent == 0
         free = self.queue.counts_by_state()[DescState.FREE]
         assert free == SLOTS, f"{SLOTS - free} slots kept"
         return replies, seen
 
+    async def _send_until_handled(self, client: socket.socket, data: bytes) -> bytes:
+        """Send ``data`` and a status request (the marker) after it; return what the daemon
+        wrote up to the marker's reply, which comes once every frame before it was handled."""
+        loop = asyncio.get_running_loop()
+        marker = wire.encode_frame(wire.StatusRequest(id=MARKER))
+        await loop.sock_sendall(client, data + bytes(marker))
+        received, tag = b"", bytes(wire.encode_frame(self._status(MARKER))[4:])
+        while tag not in received:
+            received += await asyncio.wait_for(loop.sock_recv(client, 1 << 16), 5.0)
+        return received
+
     async def close(self) -> None:
         await self.acceptor.close_connections()
         self.queue.close()
+
+
+MARKER: Final = 987_654  # the status request that ends a socket run
 
 
 PREFIX = struct.Struct(">I")
@@ -233,18 +289,28 @@ def _lendable(body: bytes) -> bool:
 def test_a_frame_received_into_a_slot_is_answered_and_served_as_if_copied(
     frames: list[bytes],
 ) -> None:
+    """Copied, received into a slot by the loop, received into a slot by a receive thread
+    (over a socket, on uvloop as the daemon runs): the same replies, the same pixels served."""
+
     async def run() -> None:
-        front = FrontEnd()
+        front = FrontEnd(receive_threads=2)
         try:
             copied = await front.serve(frames, lend=False)
             assert front.loans == 0
             in_place = await front.serve(frames, lend=True)
             assert in_place == copied
             assert front.loans == sum(map(_lendable, frames))  # and they did go through slots
+            loans = front.loans
+            threaded = await front.serve(frames, lend=True, via_socket=True)
+            assert threaded == copied
+            # Every pixel lent a slot ends past what one read of head holds: each rest went
+            # to a thread.
+            assert front.jobs == front.loans - loans
         finally:
             await front.close()
 
-    asyncio.run(run())
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(run())
 
 
 @pytest.mark.parametrize("shape", [(300, 310), (160, 170, 3)], ids=["grey", "rgb"])
