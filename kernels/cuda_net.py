@@ -163,7 +163,7 @@ class CudaForward:
         head = p == self.head_block
         path = self.path[p]
         launcher = {"tiled": ds_tiled_cuda, "halo": ds_halo_cuda}.get(path, ds_block_cuda)
-        transposed = path != "fused"  # tiled and halo take the weight transposed
+        transposed = path in ("tiled", "halo")  # (a split block not in buf.split runs fused)
         return launcher(
             h, w[f"{p}.dw.w"], w[f"{p}.dw.b"], w[f"{p}.pw.wt" if transposed else f"{p}.pw.w"],
             w[f"{p}.pw.b"],

@@ -15,6 +15,7 @@ partial). Same rounding and summation order as the other paths, so the same bits
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from scratchd.kernels.ds_block import check_block
@@ -41,10 +42,17 @@ def halo_shape_ok(ca: int, cb: int, cout: int, stride: int = 1, dilation: int = 
     )  # fmt: skip
 
 
-def halo_sweep(cin: int) -> int:
-    """P, output pixels a depthwise thread takes along a tile row: 4 (fewer loads a pixel)
-    where the tile's groups still give every thread two, else 2 (all threads busy)."""
-    return 4 if (TILE_PIXELS // 4) * (cin // 8) >= 2 * THREADS else 2
+SWEEP_ENV = "SCRATCHD_HALO_SWEEP"  # P of the depthwise stage: "2" or "4" (benchmarks)
+DEFAULT_SWEEP = "4"
+
+
+def halo_sweep() -> int:
+    """P, output pixels a depthwise thread takes along a tile row (``SWEEP_ENV``, read at
+    each call). 4: each loaded input vector and tap weight serves more outputs."""
+    mode = os.environ.get(SWEEP_ENV, DEFAULT_SWEEP)
+    if mode not in ("2", "4"):
+        raise ValueError(f"{SWEEP_ENV} must be 2 or 4, got {mode!r}")
+    return int(mode)
 
 
 def halo_smem_bytes(ca: int, cb: int, cout: int) -> int:
@@ -92,7 +100,7 @@ def ds_halo_cuda(
             f" multiple of 16 up to min(Cin, {MAX_COUT}); got {ca}+{cb} -> {cout},"
             f" stride {stride}, dilation {dilation}"
         )
-    sweep = halo_sweep(ca + cb)
+    sweep = halo_sweep()
     smem = halo_smem_bytes(ca, cb, cout)
     name = cu.template_name(op, ca, cb, cout, TILE_W, sweep, residual, head)
     func = cu.kernel("ds_halo.cu", name)

@@ -9,6 +9,7 @@ import pytest
 from scratchd.kernels.ds_block import ds_block_cuda, ds_block_ref
 from scratchd.kernels.ds_halo import (
     MAX_COUT,
+    SWEEP_ENV,
     ds_halo_cuda,
     halo_pitch,
     halo_shape_ok,
@@ -48,7 +49,16 @@ def test_the_shipped_high_resolution_blocks_fit_two_blocks_an_sm() -> None:
     dec00 = 9 * 144 * 4 + (48 * 152 + 128 * 152 + 6 * 10 * 104 + 10 * 18 * 56) * 2
     assert halo_smem_bytes(96, 48, 48) == dec00
     assert 2 * (dec00 + 1024) <= 228 * 1024
-    assert halo_sweep(144) == 4 and halo_sweep(48) == 2
+
+
+def test_the_sweep_is_2_or_4(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SWEEP_ENV, raising=False)
+    assert halo_sweep() == 4
+    monkeypatch.setenv(SWEEP_ENV, "2")
+    assert halo_sweep() == 2
+    monkeypatch.setenv(SWEEP_ENV, "8")
+    with pytest.raises(ValueError, match=SWEEP_ENV):
+        halo_sweep()
 
 
 # (N, H, W, CA, CB, Cout, residual, head): H, W the output size (with CB > 0, x is H/2 x W/2).
@@ -85,8 +95,12 @@ def _data(case: tuple[int, ...]) -> tuple[dict[str, np.ndarray], int]:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sweep", ["2", "4"])
 @pytest.mark.parametrize("case", CASES, ids=lambda s: "x".join(str(int(v)) for v in s))
-def test_ds_halo_matches_ref_and_the_fused_kernel_bit_for_bit(case: tuple[int, ...]) -> None:
+def test_ds_halo_matches_ref_and_the_fused_kernel_bit_for_bit(
+    case: tuple[int, ...], sweep: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(SWEEP_ENV, sweep)
     cp = cupy()
     d, seed = _data(case)
     residual = bool(case[6])
