@@ -44,9 +44,10 @@ once the thread has let go of it: below).
 
 Off the loop (``FrameHandler.receiver``, ``[server] receive_threads`` > 0): in SLOT, when at
 least ``receiver.min_bytes`` of pixels are still to come, the transport's reading is paused and a
-receive thread (``daemon/receiver.py``) fills the rest of the slot; ``_received`` then resumes
-reading and goes on exactly as ``buffer_updated`` would have with those bytes (the bytes after
-the pixels, the stall timer, ``slot_frame``). A short count (EOF, error, the thread's timeout)
+receive thread (``daemon/receiver.py``) fills the rest of the slot and then the frame's tail in
+head (the bytes after the pixels, where SLOT's ``get_buffer`` would have put them);
+``_received`` then resumes reading and goes on exactly as ``buffer_updated`` would have with
+those bytes (the stall timer, ``slot_frame``). A short count (EOF, error, the thread's timeout)
 is simply fewer bytes: the loop's own read then meets the EOF or the error, and the stall
 timer, armed throughout, cuts off a frame that stops. Closed or lost meanwhile, the
 connection cancels the job and returns the slot in ``_received``, exactly once.
@@ -345,7 +346,8 @@ class Connection(asyncio.BufferedProtocol):
 
     def _receive_off_loop(self) -> None:
         """SLOT: hand the pixels still to come to a receive thread, reading paused until
-        ``_received``; nothing changes (the loop receives them) if there is no pool, fewer
+        ``_received``, and the frame's tail after them; nothing changes (the loop receives
+        them) if there is no pool, fewer
         than its ``min_bytes`` are to come, or it takes no job."""
         receiver, at, loan, timer = self.handler.receiver, self._at, self._loan, self._timer
         assert at is not None and loan is not None
@@ -358,7 +360,9 @@ class Connection(asyncio.BufferedProtocol):
         left_s = self.handler.frame_timeout_s if timer is None else timer.when() - self._loop.time()
         self.transport.pause_reading()  # before the thread starts: one reader at a time
         done = functools.partial(self._received, loan)
-        self._job = receiver.receive(sock.fileno(), loan.view[self._got - at.start :], left_s, done)
+        pixels = loan.view[self._got - at.start :]
+        tail = self._head_view[at.hidden_end : at.hidden_length(self._length)]
+        self._job = receiver.receive(sock.fileno(), pixels, left_s, done, tail)
         if self._job is None:
             self.transport.resume_reading()
 

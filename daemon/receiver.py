@@ -9,15 +9,19 @@ still to come to this pool, and the loop serves other connections meanwhile::
     loop thread                               receive thread (one of ``threads``)
     ───────────                               ───────────────────────────────────
     _start_slot: pause_reading()
-    receive(fd, slot[got:], ...)  ──job──▶    recv_into_exact(dup, slot[got:], timeout, cancel)
-      dup(fd), the job queued                   (C, GIL released: poll + recv until full,
-    ... other connections ...                    EOF, error, timeout or cancel)
+    receive(fd, slot[got:], ...,  ──job──▶    recv_into_exact(dup, slot[got:], timeout, cancel,
+            after=head[tail])                                 after=head[tail])
+      dup(fd), the job queued                   (C, GIL released: poll + recvmsg into both
+    ... other connections ...                    until full, EOF, error, timeout or cancel)
                                               close(dup)
     _received(n): resume_reading()  ◀──────   loop.call_soon_threadsafe(done, n)
       the state machine goes on as if
       buffer_updated had seen those n bytes
 
-Who owns what: from ``receive`` until ``done`` runs, the slot's bytes ``into`` and the duplicate
+The bytes after the pixels (the frame's tail, a few dozen) go into the connection's head in the
+same recvmsg, so the loop has nothing left to read of the frame when ``done`` runs.
+
+Who owns what: from ``receive`` until ``done`` runs, ``into``, ``after`` and the duplicate
 descriptor are the thread's; the loop touches neither (the connection keeps the slot lent and
 returns it only in ``done``: ``return_slot`` then, never before). The thread reads its own
 ``dup`` of the socket, never the transport's descriptor: uvloop closes that one itself after a
@@ -62,17 +66,18 @@ class PoolState(enum.Enum):
 class ReceiveJob:
     """One receive in a thread: ``into`` filled from ``fd`` (a duplicate the thread closes)."""
 
-    __slots__ = ("_cancel", "done", "fd", "into", "loop", "timeout_ms")
+    __slots__ = ("_cancel", "after", "done", "fd", "into", "loop", "timeout_ms")
 
     def __init__(
         self,
         fd: int,
         into: memoryview,
+        after: memoryview | None,
         timeout_ms: int,
         loop: asyncio.AbstractEventLoop,
         done: Callable[[int], None],
     ) -> None:
-        self.fd, self.into, self.timeout_ms = fd, into, timeout_ms
+        self.fd, self.into, self.after, self.timeout_ms = fd, into, after, timeout_ms
         self.loop, self.done = loop, done
         self._cancel = bytearray(1)  # byte 0 read by the thread before each recv and poll
 
@@ -83,7 +88,9 @@ class ReceiveJob:
     def run(self) -> int:
         """In a receive thread: the bytes received; then the duplicate descriptor is closed."""
         try:
-            received, _why = recv_into_exact(self.fd, self.into, self.timeout_ms, self._cancel)
+            received, _why = recv_into_exact(
+                self.fd, self.into, self.timeout_ms, self._cancel, self.after
+            )
             return received
         except Exception as exc:  # a bug here must still end in done(): the slot goes back
             log_event("receive_failed", logging.ERROR, error=repr(exc))
@@ -107,12 +114,17 @@ class ReceivePool:
         self._idle: list[asyncio.Future[None]] = []
 
     def receive(
-        self, fd: int, into: memoryview, timeout_s: float, done: Callable[[int], None]
+        self,
+        fd: int,
+        into: memoryview,
+        timeout_s: float,
+        done: Callable[[int], None],
+        after: memoryview | None = None,
     ) -> ReceiveJob | None:
-        """On the loop: fill ``into`` from the socket ``fd`` in a thread, for at most
-        ``timeout_s``; ``done(received)`` runs on the loop after the thread has let go of the
-        socket and of ``into``. None (nothing started) if the pool is stopped or the
-        descriptor cannot be duplicated: the caller then receives on the loop."""
+        """On the loop: fill ``into``, then ``after``, from the socket ``fd`` in a thread, for
+        at most ``timeout_s``; ``done(received)`` runs on the loop after the thread has let go
+        of the socket and of both buffers. None (nothing started) if the pool is stopped or
+        the descriptor cannot be duplicated: the caller then receives on the loop."""
         if self.state is PoolState.STOPPED:
             return None
         try:
@@ -123,7 +135,7 @@ class ReceivePool:
         if self.state is PoolState.NEW:
             self._start()
         timeout_ms = max(0, math.ceil(timeout_s * 1000))
-        job = ReceiveJob(dup, into, timeout_ms, asyncio.get_running_loop(), done)
+        job = ReceiveJob(dup, into, after, timeout_ms, asyncio.get_running_loop(), done)
         self.in_flight += 1
         self._jobs.put(job)
         return job

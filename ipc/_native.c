@@ -43,6 +43,7 @@
 #include <sched.h>
 #include <stdint.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -993,30 +994,50 @@ static PyObject *eventfd_drain(PyObject *mod, PyObject *arg) {
 }
 
 /* -------------------------------------------------------------------- recv_into_exact */
-/* recv_into_exact(fd, buf, timeout_ms, cancel) -> (received, why)
+/* recv_into_exact(fd, buf, timeout_ms, cancel, after=None) -> (received, why)
  *
- * Fill ``buf`` from the stream socket ``fd``: recv(MSG_DONTWAIT) while bytes are there,
- * poll(POLLIN) when none are, until ``buf`` is full (why = RECV_FULL), the peer has closed
- * (RECV_EOF), ``timeout_ms`` has passed (RECV_TIMEOUT), ``cancel[0]`` is non-zero
- * (RECV_CANCELLED), or recv/poll fails (why = that errno, > 0). ``received`` counts the bytes
- * written to the start of ``buf`` whatever the reason; nothing is raised for the socket's
- * errors (the caller's transport meets them again). EINTR is retried.
+ * Fill ``buf`` and then ``after`` (if given) from the stream socket ``fd``: recvmsg
+ * (MSG_DONTWAIT, both buffers in one call) while bytes are there, poll(POLLIN) when none are,
+ * until both are full (why = RECV_FULL), the peer has closed (RECV_EOF), ``timeout_ms`` has
+ * passed (RECV_TIMEOUT), ``cancel[0]`` is non-zero (RECV_CANCELLED), or recvmsg/poll fails
+ * (why = that errno, > 0). ``received`` counts the bytes written, ``buf``'s first, whatever
+ * the reason; nothing is raised for the socket's errors (the caller's transport meets them
+ * again). EINTR is retried. Nothing past the two buffers is read from the socket.
  *
- * The GIL is released from the first recv to the last: the only state shared with other
- * threads is ``buf`` (the caller must not touch it until this returns) and ``cancel``, which
- * another thread sets and this one reads before every recv and after every poll. poll waits
- * at most RECV_SLICE_MS at a time, so a cancel is seen within that even on a silent socket.
- * Both buffers are held (exported) for the run: the caller keeps their objects alive. */
+ * The GIL is released from the first recvmsg to the last: the only state shared with other
+ * threads is the buffers (the caller must not touch them until this returns) and ``cancel``,
+ * which another thread sets and this one reads before every recvmsg and after every poll.
+ * poll waits at most RECV_SLICE_MS at a time, so a cancel is seen within that even on a
+ * silent socket. The buffers are held (exported) for the run: the caller keeps them alive. */
 #define RECV_SLICE_MS 2
 enum { RECV_FULL = 0, RECV_EOF = -1, RECV_TIMEOUT = -2, RECV_CANCELLED = -3 };
 
-static int recv_until(int fd, char *p, Py_ssize_t want, const uint8_t *stop, int64_t deadline,
-                      Py_ssize_t *got) {
-    while (*got < want) {
+/* The part of iov[0..1] (lengths ``lens``) not yet filled after ``got`` bytes. */
+static int unfilled(struct iovec *iov, char *const bases[2], const size_t lens[2], size_t got) {
+    int n = 0;
+    for (int k = 0; k < 2; k++) {
+        if (got >= lens[k]) {
+            got -= lens[k];
+            continue;
+        }
+        iov[n].iov_base = bases[k] + got;
+        iov[n].iov_len = lens[k] - got;
+        got = 0;
+        n++;
+    }
+    return n;
+}
+
+static int recv_until(int fd, char *const bases[2], const size_t lens[2], const uint8_t *stop,
+                      int64_t deadline, size_t *got) {
+    struct iovec iov[2];
+    int parts;
+    while ((parts = unfilled(iov, bases, lens, *got)) > 0) {
         if (__atomic_load_n(stop, __ATOMIC_ACQUIRE)) return RECV_CANCELLED;
-        ssize_t n = recv(fd, p + *got, (size_t)(want - *got), MSG_DONTWAIT);
+        struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)parts};
+        ssize_t n = recvmsg(fd, &msg, MSG_DONTWAIT);
         if (n > 0) {
-            *got += n;
+            *got += (size_t)n;
             continue;
         }
         if (n == 0) return RECV_EOF;
@@ -1029,7 +1050,7 @@ static int recv_until(int fd, char *p, Py_ssize_t want, const uint8_t *stop, int
         int rc = poll(&pfd, 1, slice);
         if (rc < 0 && errno != EINTR) return errno;
         if (rc > 0 && (pfd.revents & POLLNVAL)) return EBADF;
-        /* POLLHUP / POLLERR: the next recv says which (0: EOF, -1: the error) */
+        /* POLLHUP / POLLERR: the next recvmsg says which (0: EOF, -1: the error) */
     }
     return RECV_FULL;
 }
@@ -1038,28 +1059,37 @@ static PyObject *recv_into_exact(PyObject *mod, PyObject *args) {
     (void)mod;
     int fd;
     long long timeout_ms;
-    Py_buffer buf, cancel;
-    if (!PyArg_ParseTuple(args, "iw*Lw*", &fd, &buf, &timeout_ms, &cancel)) return NULL;
+    Py_buffer buf, cancel, after = {.buf = NULL, .obj = NULL, .len = 0};
+    PyObject *after_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "iw*Lw*|O", &fd, &buf, &timeout_ms, &cancel, &after_obj))
+        return NULL;
+    PyObject *result = NULL;
+    if (after_obj != Py_None && PyObject_GetBuffer(after_obj, &after, PyBUF_WRITABLE) < 0)
+        goto done;
     if (timeout_ms < 0 || cancel.len < 1) {
-        PyBuffer_Release(&buf);
-        PyBuffer_Release(&cancel);
-        return PyErr_Format(PyExc_ValueError, "recv_into_exact: timeout_ms %lld must be >= 0 "
-                            "and cancel at least one byte (got %zd)", timeout_ms, cancel.len);
+        PyErr_Format(PyExc_ValueError, "recv_into_exact: timeout_ms %lld must be >= 0 and cancel "
+                     "at least one byte (got %zd)", timeout_ms, cancel.len);
+        goto done;
     }
-    Py_ssize_t got = 0;
+    char *const bases[2] = {(char *)buf.buf, (char *)after.buf};
+    const size_t lens[2] = {(size_t)buf.len, (size_t)after.len};
+    size_t got = 0;
     int why;
     Py_BEGIN_ALLOW_THREADS
     int64_t deadline = now_ns() + (int64_t)timeout_ms * 1000000;
-    why = recv_until(fd, (char *)buf.buf, buf.len, (const uint8_t *)cancel.buf, deadline, &got);
+    why = recv_until(fd, bases, lens, (const uint8_t *)cancel.buf, deadline, &got);
     Py_END_ALLOW_THREADS
+    result = Py_BuildValue("(ni)", (Py_ssize_t)got, why);
+done:
     PyBuffer_Release(&buf);
     PyBuffer_Release(&cancel);
-    return Py_BuildValue("(ni)", got, why);
+    if (after.obj) PyBuffer_Release(&after);
+    return result;
 }
 
 static PyMethodDef module_functions[] = {
     {"recv_into_exact", recv_into_exact, METH_VARARGS,
-     "fill a writable buffer from a socket, GIL released: (received, why)"},
+     "fill writable buffers from a socket, GIL released: (received, why)"},
     {"eventfd_ring", eventfd_ring, METH_O, "add 1 to a non-blocking eventfd (full: ignored)"},
     {"eventfd_drain", eventfd_drain, METH_O, "read and reset a non-blocking eventfd; 0 if unset"},
     {NULL, NULL, 0, NULL},

@@ -84,6 +84,11 @@ RECV_CANCELLED: Final[int]
 RECV_SLICE_MS: Final[int]  # the longest a cancel waits to be seen
 
 def recv_into_exact(
-    fd: int, buf: WriteableBuffer, timeout_ms: int, cancel: WriteableBuffer
+    fd: int,
+    buf: WriteableBuffer,
+    timeout_ms: int,
+    cancel: WriteableBuffer,
+    after: WriteableBuffer | None = None,
 ) -> tuple[int, int]:
-    """Fill ``buf`` from the socket ``fd`` with the GIL released: (bytes received, why)."""
+    """Fill ``buf``, then ``after``, from the socket ``fd`` with the GIL released:
+    (bytes received, why)."""

@@ -7,6 +7,7 @@ with a worker that computes nothing, so the main process's own cost is what is m
     python scripts/bench_frontend.py --sizes 1024 --accounting            # + the daemon's metrics
     python scripts/bench_frontend.py --sizes 1024 --accounting --rate 1000 # open loop, 1000 req/s
     python scripts/bench_frontend.py --sizes 1024 --accounting --profile /tmp/fe.pstats
+    python scripts/bench_frontend.py --sizes 1024 --receive-threads 0     # pixels on the loop
 
 This process runs the front end exactly as the daemon wires it (``Acceptor`` +
 ``Dispatcher`` + ``RequestQueue`` on uvloop) and nothing else, so its CPU time
@@ -27,6 +28,12 @@ turn of the loop). Frames are real-image mosaics built as ``bench_serve`` builds
 frames against tiny ones separates the cost per byte from the cost per request.
 ``client_cpu_us_per_request`` (the client processes' CPU, from ``RUSAGE_CHILDREN``) says how
 many client processes a load generator needs for a rate.
+
+``--receive-threads`` is ``[server] receive_threads`` (large frames' pixels received by that
+many threads; 0: by the loop). The main process's CPU is split per thread: ``loop`` (the event
+loop's thread, ``time.thread_time``), and from ``/proc/self/task/*/stat`` (10 ms ticks) the
+``receive`` threads and every ``other`` thread (the decode pool, ...). ``latency_ms`` are the
+clients' percentiles, send to reply (the closed loop's include waiting behind the window).
 
 ``--profile PATH`` runs the first size under cProfile (the loop's Python side; the numbers
 it prints are inflated by the profiler) and writes the pstats there; the kernel's side
@@ -101,16 +108,18 @@ async def closed_loop(args: argparse.Namespace) -> dict[str, Any]:
     statuses: dict[str, int] = {}
     async with await AsyncClient.connect(args.socket) as client:
         stop_at = time.perf_counter() + args.duration
+        latencies: list[float] = []
 
         async def lane(k: int) -> None:
             i = k
-            while time.perf_counter() < stop_at:
+            while (sent := time.perf_counter()) < stop_at:
                 reply = await client.infer(payloads[i % len(payloads)])
+                latencies.append(time.perf_counter() - sent)
                 statuses[reply.status] = statuses.get(reply.status, 0) + 1
                 i += args.window
 
         await asyncio.gather(*(lane(k) for k in range(args.window)))
-    return {"statuses": statuses}
+    return {"statuses": statuses, "latencies_ms": [round(x * 1e3, 3) for x in latencies]}
 
 
 async def open_loop(args: argparse.Namespace) -> dict[str, Any]:
@@ -119,10 +128,13 @@ async def open_loop(args: argparse.Namespace) -> dict[str, Any]:
     payloads = [np.asarray(frames[k]) for k in range(frames.shape[0])]
     statuses: dict[str, int] = {}
     due = sl.schedule("poisson", args.duration, args.rate, seed=os.getpid())
+    latencies: list[float] = []
     async with await AsyncClient.connect(args.socket) as client:
 
         async def one(i: int) -> None:
+            sent = time.perf_counter()
             reply = await client.infer(payloads[i % len(payloads)])
+            latencies.append(time.perf_counter() - sent)
             statuses[reply.status] = statuses.get(reply.status, 0) + 1
 
         tasks = []
@@ -133,7 +145,7 @@ async def open_loop(args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(i)))
         await asyncio.gather(*tasks)
-    return {"statuses": statuses}
+    return {"statuses": statuses, "latencies_ms": [round(x * 1e3, 3) for x in latencies]}
 
 
 # ---- the front end ------------------------------------------------------------------------
@@ -170,6 +182,41 @@ def daemon_accounting(config: Config) -> Accountant:
     return account
 
 
+def thread_ticks() -> dict[int, int]:
+    """CPU ticks (user + system) of each thread of this process, by kernel thread id."""
+    ticks = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        ticks[int(task.name)] = int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks
+
+
+def split_threads(
+    before: dict[int, int], after: dict[int, int], receivers: set[int]
+) -> dict[str, float]:
+    """Seconds of CPU per kind of thread between two ``thread_ticks``: the event loop's
+    (this process's main thread), the receive threads', the others'."""
+    split = {"loop": 0.0, "receive": 0.0, "other": 0.0}
+    hz = os.sysconf("SC_CLK_TCK")
+    for tid, ticks in after.items():
+        kind = "loop" if tid == os.getpid() else "receive" if tid in receivers else "other"
+        split[kind] += (ticks - before.get(tid, 0)) / hz
+    return split
+
+
+def percentiles(latencies: list[float]) -> dict[str, float]:
+    if not latencies:
+        return {}
+    qs = np.percentile(np.asarray(latencies), [50, 90, 99, 99.9])
+    return {
+        **{k: round(float(v), 2) for k, v in zip(["p50", "p90", "p99", "p99.9"], qs, strict=True)},
+        "max": round(max(latencies), 2),
+    }
+
+
 def no_accounting(flight: InFlight, reply: wire.Reply, completion: Completion | None) -> None:
     return None
 
@@ -181,7 +228,7 @@ async def measure(
     np.save(frames_path, sl.build_frames(sl.image_paths(Path(args.data)), size, 16, 0))
     slots = max(args.clients * args.window + 16, 256)  # open loop: room for a backlog
     config = Config(
-        server=ServerConfig(socket=str(tmp / "fe.sock")),
+        server=ServerConfig(socket=str(tmp / "fe.sock"), receive_threads=args.receive_threads),
         queue=QueueConfig(slots=slots, slot_bytes=max(64, size * size)),
     )
     queue = RequestQueue.create(f"/sdbench-fe-{os.getpid()}-{size}", Geometry(slots, size * size))
@@ -197,6 +244,7 @@ async def measure(
             profile.enable()
         before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         kids_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        ticks_before, loop_before = thread_ticks(), time.thread_time()
         clients = [
             spawn_client(args, config.server.socket, frames_path) for _ in range(args.clients)
         ]
@@ -204,8 +252,10 @@ async def measure(
         if any(p.returncode for p in clients):
             raise SystemExit("a client process failed (its error is above)")
         wall = time.perf_counter() - t0
+        loop_cpu, ticks_after = time.thread_time() - loop_before, thread_ticks()
         after = resource.getrusage(resource.RUSAGE_SELF)
         kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # the clients, reaped; not the stub
+        receivers = set(acceptor.receiver.native_ids()) if acceptor.receiver else set()
     finally:
         if profile is not None:
             profile.disable()
@@ -216,22 +266,32 @@ async def measure(
         dispatcher.stop()
         queue.close()
     statuses: dict[str, int] = {}
+    latencies: list[float] = []
     for out, _ in outs:
-        for k, v in json.loads(out)["statuses"].items():
+        result = json.loads(out)
+        for k, v in result["statuses"].items():
             statuses[k] = statuses.get(k, 0) + v
+        latencies += result["latencies_ms"]
     replies = sum(statuses.values())
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    split = split_threads(ticks_before, ticks_after, receivers)
+    per_request = {k: round(v / max(replies, 1) * 1e6, 1) for k, v in split.items()}
     return {
         "size": size,
         "frame_bytes": size * size,
         "accounting": args.accounting,
         "rate": args.rate or None,
+        "receive_threads": args.receive_threads,
         "replies": replies,
         "statuses": statuses,
         "requests_per_s": round(replies / wall, 1),
         "mib_per_s": round(replies * size * size / wall / 2**20, 1),
         "main_cpu_us_per_request": round(cpu / max(replies, 1) * 1e6, 1),
         "main_cpu_share": round(cpu / wall, 3),
+        "loop_cpu_us_per_request": round(loop_cpu / max(replies, 1) * 1e6, 1),
+        "loop_cpu_share": round(loop_cpu / wall, 3),
+        "thread_cpu_us_per_request": per_request,  # /proc ticks: loop, receive, other
+        "latency_ms": percentiles(latencies),
         "client_cpu_us_per_request": round(
             (kids.ru_utime - kids_before.ru_utime + kids.ru_stime - kids_before.ru_stime)
             / max(replies, 1)
@@ -296,6 +356,10 @@ def main() -> None:
     p.add_argument("--window", type=int, default=16, help="requests in flight per client")
     p.add_argument("--rate", type=float, default=0.0, help="open loop: total req/s (0: closed)")
     p.add_argument("--accounting", action="store_true", help="the daemon's per-reply metrics")
+    p.add_argument(
+        "--receive-threads", type=int, default=ServerConfig().receive_threads,
+        help="[server] receive_threads (0: large frames' pixels received on the loop)",
+    )  # fmt: skip
     p.add_argument("--profile", default="", help="cProfile the first size into this file")
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
     p.add_argument("--json", default=None)
@@ -325,18 +389,23 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     rows = uvloop.run(run_all(args))
     head = f"{'size':>6}{'req/s':>10}{'MiB/s':>9}{'CPU us/req':>12}{'CPU share':>11}"
-    print(head + f"{'client us/req':>15}  statuses")
+    head += f"{'loop us/req':>13}{'recv us/req':>13}{'loop share':>12}"
+    print(head + f"{'client us/req':>15}{'p50 ms':>9}{'p99 ms':>9}  statuses")
     for r in rows:
+        lat = r["latency_ms"]
         print(
             f"{r['size']:>6}{r['requests_per_s']:>10}{r['mib_per_s']:>9}"
             f"{r['main_cpu_us_per_request']:>12}{r['main_cpu_share']:>11}"
-            f"{r['client_cpu_us_per_request']:>15}  {r['statuses']}"
+            f"{r['loop_cpu_us_per_request']:>13}{r['thread_cpu_us_per_request']['receive']:>13}"
+            f"{r['loop_cpu_share']:>12}{r['client_cpu_us_per_request']:>15}"
+            f"{lat.get('p50', 0):>9}{lat.get('p99', 0):>9}  {r['statuses']}"
         )
     load = {"loadavg_1m_before": round(load_before, 2), "loadavg_1m_after": os.getloadavg()[0]}
     print(f"load average {load}")
     if args.json:
         doc = {"machine": {"cpus": os.cpu_count(), **load}, "clients": args.clients,
                "window": args.window, "rate": args.rate or None, "accounting": args.accounting,
+               "receive_threads": args.receive_threads,
                "duration_s": args.duration, "rows": rows}  # fmt: skip
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")

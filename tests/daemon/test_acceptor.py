@@ -141,9 +141,13 @@ class FrontEnd:
             receiver.min_bytes = 1  # every lent frame with pixels still to come: a thread
 
             def counting_jobs(
-                fd: int, into: memoryview, timeout_s: float, done: Callable[[int], None]
+                fd: int,
+                into: memoryview,
+                timeout_s: float,
+                done: Callable[[int], None],
+                after: memoryview | None = None,
             ) -> ReceiveJob | None:
-                job = receive(fd, into, timeout_s, done)
+                job = receive(fd, into, timeout_s, done, after)
                 self.jobs += job is not None
                 return job
 

@@ -43,9 +43,13 @@ class Counting(Lender):
             receive = pool.receive
 
             def counting(
-                fd: int, into: memoryview, timeout_s: float, done: Callable[[int], None]
+                fd: int,
+                into: memoryview,
+                timeout_s: float,
+                done: Callable[[int], None],
+                after: memoryview | None = None,
             ) -> ReceiveJob | None:
-                job = receive(fd, into, timeout_s, done)
+                job = receive(fd, into, timeout_s, done, after)
                 self.jobs += job is not None
                 return job
 

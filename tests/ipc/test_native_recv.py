@@ -50,23 +50,28 @@ def send_later(sock: socket.socket, chunks: list[bytes], pause_s: float, close: 
 @settings(max_examples=25, deadline=None)
 @given(
     size=st.integers(1, 600_000),
+    split=st.integers(0, 600_000),
     cuts=st.lists(st.integers(0, 600_000), max_size=6),
     extra=st.integers(0, 100),
 )
-def test_the_buffer_is_filled_exactly_and_nothing_past_it_is_read(
-    size: int, cuts: list[int], extra: int
+def test_the_buffers_are_filled_exactly_and_nothing_past_them_is_read(
+    size: int, split: int, cuts: list[int], extra: int
 ) -> None:
     a, b = socket.socketpair()
     try:
         data = os.urandom(size + extra)
         edges = [0, *sorted({c % size for c in cuts}), size + extra]
         send_later(b, [data[lo:hi] for lo, hi in itertools.pairwise(edges)], 0.001, False)
-        buf = bytearray(size + 8)
-        got, why = recv_into_exact(a.fileno(), memoryview(buf)[:size], 5000, bytearray(1))
+        first = split % (size + 1)  # buf, then the rest into after (either may be empty)
+        buf, after = bytearray(first + 8), bytearray(size - first + 8)
+        got, why = recv_into_exact(
+            a.fileno(), memoryview(buf)[:first], 5000, bytearray(1), memoryview(after)[:-8]
+        )
         assert (got, why) == (size, RECV_FULL)
-        assert buf[:size] == data[:size] and buf[size:] == bytes(8)
+        assert buf[:first] + after[: size - first] == data[:size]
+        assert buf[first:] == after[size - first :] == bytes(8)
         rest = b""
-        while len(rest) < extra:  # the bytes after it are still the socket's, in order
+        while len(rest) < extra:  # the bytes after them are still the socket's, in order
             rest += a.recv(extra)
         assert rest == data[size:]
     finally:
@@ -80,8 +85,9 @@ def test_a_peer_that_closes_early_gives_what_it_sent_and_eof(
     a, b = pair
     send_later(b, [b"x" * 70_000, b"y" * 30_000], 0.01, close=True)
     buf = bytearray(1 << 20)
-    assert recv_into_exact(a.fileno(), buf, 5000, bytearray(1)) == (100_000, RECV_EOF)
-    assert buf[:100_000] == b"x" * 70_000 + b"y" * 30_000
+    after = bytearray(10)
+    assert recv_into_exact(a.fileno(), buf, 5000, bytearray(1), after) == (100_000, RECV_EOF)
+    assert buf[:100_000] == b"x" * 70_000 + b"y" * 30_000 and after == bytes(10)
 
 
 def test_a_silent_peer_times_out_with_what_it_sent(
@@ -170,3 +176,5 @@ def test_a_read_only_buffer_and_bad_arguments_are_refused(
         recv_into_exact(a.fileno(), bytearray(4), -1, bytearray(1))
     with pytest.raises(ValueError, match="cancel"):
         recv_into_exact(a.fileno(), bytearray(4), 10, bytearray(0))
+    with pytest.raises(BufferError):
+        recv_into_exact(a.fileno(), bytearray(4), 10, bytearray(1), b"read only")
