@@ -43,14 +43,18 @@ closed or lost mid-frame returns its slot at once (or, while a receive thread is
 once the thread has let go of it: below).
 
 Off the loop (``FrameHandler.receiver``, ``[server] receive_threads`` > 0): in SLOT, when at
-least ``receiver.min_bytes`` of pixels are still to come, the transport's reading is paused and a
-receive thread (``daemon/receiver.py``) fills the rest of the slot and then the frame's tail in
-head (the bytes after the pixels, where SLOT's ``get_buffer`` would have put them);
+least ``receiver.min_bytes`` of pixels are still to come, the transport's reading is paused
+and a receive thread (``daemon/receiver.py``) fills the rest of the slot and then the frame's
+tail in head (the bytes after the pixels, where SLOT's ``get_buffer`` would have put them);
 ``_received`` then resumes reading and goes on exactly as ``buffer_updated`` would have with
-those bytes (the stall timer, ``slot_frame``). A short count (EOF, error, the thread's timeout)
-is simply fewer bytes: the loop's own read then meets the EOF or the error, and the stall
-timer, armed throughout, cuts off a frame that stops. Closed or lost meanwhile, the
-connection cancels the job and returns the slot in ``_received``, exactly once.
+those bytes (the stall timer, ``slot_frame``). A short count (EOF, error, the thread's
+timeout) is simply fewer bytes: the loop's own read then meets the EOF or the error, and the
+stall timer, armed throughout, cuts off a frame that stops. Closed or lost meanwhile, the
+connection cancels the job and returns the slot in ``_received``, exactly once. After such a
+frame the next read of head asks for only ``PEEK_BYTES`` (``_peek``): a client that sent one
+large frame likely sends another, whose first 64 KiB of pixels had better not be copied on
+the loop (kernel to head, head to slot) before a thread takes over; once a frame in head has
+been dealt with, reads take all of head again.
 
 Replies (``send``) are queued and written together at the end of the loop's turn
 (``loop.call_soon``): a batch of completions for one client costs one ``writelines``, not a
@@ -84,6 +88,8 @@ SCAN_BYTES: Final = 1024
 BODY_ROUND: Final = 64 * 1024
 """Body buffers are sized in multiples of this, so frames of nearly one size share them."""
 POOL_KEEP: Final = 8
+PEEK_BYTES: Final = wire.PREFIX_BYTES + SCAN_BYTES
+"""How much the read after a frame received off the loop asks for: enough to lend a slot."""
 REFUSED_FEED_BYTES: Final = LINGER_BYTES + HEAD_BYTES
 """What a refused peer may still send into ``linger``'s reader (it reads LINGER_BYTES)."""
 
@@ -183,6 +189,7 @@ class Connection(asyncio.BufferedProtocol):
         self._loan: SlotLoan | None = None  # SLOT: where the pixels go
         self._at: raw_frames.PixelsAt | None = None  # SLOT: where they lie in the body
         self._job: ReceiveJob | None = None  # SLOT: a receive thread is filling the slot
+        self._peek = False  # HEAD: read only PEEK_BYTES (the last frame came off the loop)
         self._timer: asyncio.TimerHandle | None = None
         self._refused: asyncio.StreamReader | None = None
         self._fed = 0
@@ -255,6 +262,8 @@ class Connection(asyncio.BufferedProtocol):
             return memoryview(self._body)[self._got : self._length]
         if self.state is ReadState.CLOSED:
             return self._head_view
+        if self._peek and self._have < PEEK_BYTES:
+            return self._head_view[self._have : PEEK_BYTES]
         return self._head_view[self._have :]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -303,6 +312,7 @@ class Connection(asyncio.BufferedProtocol):
             start = pos + wire.PREFIX_BYTES
             if have - start >= length:
                 self._disarm()
+                self._peek = False  # not a large frame after all: read all of head again
                 self.handler.frame(self, view[start : start + length], time.monotonic_ns())
                 pos = start + length
                 continue
@@ -310,6 +320,7 @@ class Connection(asyncio.BufferedProtocol):
             if wire.PREFIX_BYTES + length > HEAD_BYTES:  # too big for head
                 if have - start < SCAN_BYTES:  # here length > HEAD_BYTES - 4 > SCAN_BYTES
                     break  # wait for enough of the body to find its pixels
+                self._peek = False
                 if not self._start_slot(length, start):
                     self._start_body(length, view[start:have])
                 return
@@ -377,6 +388,7 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.resume_reading()
         self._got += received
         if self._got == self._length:
+            self._peek = True
             self._finish_slot()
 
     def _finish_slot(self) -> None:

@@ -37,6 +37,7 @@ class Counting(Lender):
         super().__init__(**kwargs)
         self.returned: list[int] = []
         self.jobs = 0
+        self.job_bytes: list[int] = []  # pixels each job was given to receive
         if threads:
             pool = ReceivePool(threads)
             pool.min_bytes = 1  # every lent frame with pixels still to come goes to a thread
@@ -51,6 +52,7 @@ class Counting(Lender):
             ) -> ReceiveJob | None:
                 job = receive(fd, into, timeout_s, done, after)
                 self.jobs += job is not None
+                self.job_bytes.append(len(into))
                 return job
 
             pool.receive = counting  # type: ignore[method-assign]
@@ -140,6 +142,36 @@ def test_frames_received_by_threads_arrive_as_on_the_loop(
         big = sum(kind == "raw" and n >= HEAD_BYTES for kind, n in frames)
         assert on_loop.jobs == 0
         assert threaded.jobs >= big if lend else threaded.jobs == 0
+
+    run_uvloop(main)
+
+
+def test_after_a_frame_received_off_the_loop_the_next_ones_pixels_are_left_to_a_thread() -> None:
+    """The first large frame's first read fills head (64 KiB, its pixels copied on the loop);
+    after a frame received off the loop, the next read asks for PEEK_BYTES only, so all but
+    the first SCAN_BYTES of the next frame's body go to a thread; after a small frame, reads
+    take all of head again."""
+
+    async def main() -> None:
+        handler = Counting(2)
+        n = 8 * HEAD_BYTES
+        bodies = [raw_body(n, 1), raw_body(n, 2), b"small", raw_body(n, 3)]
+        conn, client = await connect(handler)
+        loop = asyncio.get_running_loop()
+        # Each sendall's first send() queues 200 KiB or so before the loop reads: full reads.
+        await loop.sock_sendall(client, framed(bodies[:2]))
+        await until(lambda: len(handler.messages) == 2)
+        await loop.sock_sendall(client, framed(bodies[2:]))
+        await until(lambda: len(handler.messages) == len(bodies))
+        assert handler.messages == [decoded(b) for b in bodies]
+        first, second, after_small = handler.job_bytes
+        assert first < n - HEAD_BYTES + 100  # head's worth went through the loop
+        assert second > n - SCAN_BYTES  # only what the peek read
+        assert after_small < n - HEAD_BYTES + 100  # a small frame between: head is read whole
+        client.close()
+        await conn.wait_closed(5.0)
+        assert handler.receiver is not None
+        handler.receiver.shutdown()
 
     run_uvloop(main)
 
