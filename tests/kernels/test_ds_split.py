@@ -33,8 +33,13 @@ def test_the_shipped_plan_splits_exactly_its_wide_blocks(monkeypatch: pytest.Mon
     assert list(paths) == [b.name for b in plan]
     split = [name for name, path in paths.items() if path == "split"]
     assert split == ["enc3.0", "enc3.d0", "enc3.d1", "dec2.0", "dec1.0"]
-    assert paths["dec0.0"] == "fused"  # the narrow join: fused ran it 1.18x faster
-    assert [name for name, path in paths.items() if path == "tiled"] == ["enc0.0", "dec0.1"]
+    # The 512² blocks (the narrow join dec0.0 included) run on ds_halo; none is left tiled.
+    assert [name for name, path in paths.items() if path == "halo"] == [
+        "enc0.0",
+        "dec0.0",
+        "dec0.1",
+    ]
+    assert "tiled" not in paths.values()
     monkeypatch.setenv(SPLIT_ENV, "all")
     every = [name for name, path in plan_paths(SHIPPED).items() if path == "split"]
     assert every == [b.name for b in plan[:-1]]  # never the head block
@@ -247,7 +252,7 @@ def test_the_shipped_forward_gives_the_same_bits_split_or_fused(
     rng, seed = fresh_rng()
     images = rng.integers(0, 256, (3, 72, 104), dtype=np.uint8)
     outs, split = {}, {}
-    for mode in ("none", "auto", "all", "tiled", "auto-limited"):
+    for mode in ("none", "auto", "all", "tiled", "halo", "auto-limited"):
         monkeypatch.setenv(SPLIT_ENV, mode.removesuffix("-limited"))
         if mode == "auto-limited":  # dec1.0's scratch: 4 x 20 x 28 x 288 = 645120 halves
             monkeypatch.setattr(cu, "INT32_LIMIT", 500_000)  # (bucket 4); the rest ≤ 430080
@@ -257,9 +262,11 @@ def test_the_shipped_forward_gives_the_same_bits_split_or_fused(
         outs[mode]["logits"] = cupy().asnumpy(buf.logits)[:3]
         split[mode] = len(buf.split)
     blocks = len(block_plan(SHIPPED))
-    assert split == {"none": 0, "auto": 5, "all": blocks - 1, "tiled": 0, "auto-limited": 4}
-    assert set(net.fwd.path.values()) == {"fused", "split", "tiled"}
-    for mode in ("auto", "all", "tiled", "auto-limited"):
+    assert split == {
+        "none": 0, "auto": 5, "all": blocks - 1, "tiled": 0, "halo": 0, "auto-limited": 4
+    }  # fmt: skip
+    assert set(net.fwd.path.values()) == {"fused", "split", "halo"}
+    for mode in ("auto", "all", "tiled", "halo", "auto-limited"):
         for key in ("logits", "prob", "score"):
             np.testing.assert_array_equal(
                 outs[mode][key], outs["none"][key], f"{mode} {key} {seed}"
