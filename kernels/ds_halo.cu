@@ -23,7 +23,7 @@
 //   dynamic shared memory
 //   ┌──────────────┬────────────────────┬──────────────────┬───────────────────────────────┐
 //   │ sDw [9][K]   │ sW [COUT][KS] half │ sA [BM][KS] half │ sX: halo A [AR][AQ][PSA] half │
-//   │ fp32         │ Wᵀ, k contiguous   │ (then sC)        │     halo B [BR][BQ][PSB] half │
+//   │ half         │ Wᵀ, k contiguous   │ (then sC)        │     halo B [BR][BQ][PSB] half │
 //   └──────────────┴────────────────────┴──────────────────┴───────────────────────────────┘
 //   A halo pixel is PS halves (its channels, padded to an odd number of 16-byte units, so the
 //   16-byte reads of consecutive channel groups and pixels spread over the banks).
@@ -62,13 +62,15 @@ __device__ __forceinline__ RawH<8> smem_raw(const __half* p) {
 }
 
 // acc[q] += the taps of input row `row` (P + 2 raw vectors, the group's columns) for tap row
-// ky: column j feeds output q through tap kx = j - q. Weights from sDw row ky.
+// ky: column j feeds output q through tap kx = j - q. The weights stay fp16 in shared memory
+// (half the bytes of fp32: the depthwise stage is bound by shared-memory reads) and widen
+// exactly when loaded.
 template <int P, int K>
 __device__ __forceinline__ void add_row(
-    const RawH<8> (&raw)[P + 2], const float* sDw, int ky, int c, float (&acc)[P][8]) {
+    const RawH<8> (&raw)[P + 2], const __half* sDw, int ky, int c, float (&acc)[P][8]) {
     float w[3][8];
 #pragma unroll
-    for (int kx = 0; kx < 3; ++kx) load_f_smem<8>(sDw + (ky * 3 + kx) * K + c, w[kx]);
+    for (int kx = 0; kx < 3; ++kx) load_h_smem<8>(sDw + (ky * 3 + kx) * K + c, w[kx]);
 #pragma unroll
     for (int j = 0; j < P + 2; ++j) {
         float v[8];
@@ -81,7 +83,7 @@ __device__ __forceinline__ void add_row(
 // plane at the tile's own resolution: halo rows ty..ty+2, columns tx..tx+P+1.
 template <int P, int K, int Q, int PS>
 __device__ __forceinline__ void dw_full(
-    const __half* halo, const float* sDw, int ty, int tx, int c, int ch, float (&acc)[P][8]) {
+    const __half* halo, const __half* sDw, int ty, int tx, int c, int ch, float (&acc)[P][8]) {
 #pragma unroll
     for (int ky = 0; ky < 3; ++ky) {
         RawH<8> raw[P + 2];
@@ -97,7 +99,7 @@ __device__ __forceinline__ void dw_full(
 // 2 x (P/2 + 2) loads (ky 1 reads the first source row when ty is odd, else the second).
 template <int P, int K, int Q, int PS>
 __device__ __forceinline__ void dw_up(
-    const __half* halo, const float* sDw, int ty, int tx, int c, float (&acc)[P][8]) {
+    const __half* halo, const __half* sDw, int ty, int tx, int c, float (&acc)[P][8]) {
     constexpr int NS = P / 2 + 2;
     const int s0 = (ty + 1) >> 1, x0 = tx >> 1;
     RawH<8> s[2][NS];
@@ -120,8 +122,9 @@ __device__ __forceinline__ void dw_up(
 
 }  // namespace sd
 
-template <int CA, int CB, int COUT, int TW, int P, bool RES, bool HEAD>
-__global__ void __launch_bounds__(sd::GEMM_THREADS, 2) ds_halo(
+// MINB: blocks an SM must hold (the register cap: 2 -> 128 a thread, 3 -> 80).
+template <int CA, int CB, int COUT, int TW, int P, bool RES, bool HEAD, int MINB>
+__global__ void __launch_bounds__(sd::GEMM_THREADS, MINB) ds_halo(
     const __half* __restrict__ x,     // [N, H, W, CA]; with CB > 0: [N, H/2, W/2, CA]
     const __half* __restrict__ skip,  // [N, H, W, CB] (CB > 0 only)
     const __half* __restrict__ dw_w,  // [3, 3, CA + CB]
@@ -144,8 +147,8 @@ __global__ void __launch_bounds__(sd::GEMM_THREADS, 2) ds_halo(
     static_assert(BM % TW == 0 && TW % P == 0 && TH % 2 == 0 && P % 2 == 0, "even tiles, groups");
     static_assert(!RES || (CB == 0 && CA == COUT), "residual needs matching shapes");
     extern __shared__ __align__(16) unsigned char smem[];
-    float* sDw = reinterpret_cast<float*>(smem);            // [9][K]
-    __half* sW = reinterpret_cast<__half*>(sDw + 9 * K);     // [COUT][KS]
+    __half* sDw = reinterpret_cast<__half*>(smem);           // [9][K]
+    __half* sW = sDw + 9 * K;                                 // [COUT][KS]
     __half* sA = sW + COUT * KS;                              // [BM][KS], then sC [BM][COUT + 8]
     __half* sXa = sA + BM * KS;                               // [AR * AQ][PSA]
     __half* sXb = sXa + AR * AQ * PSA;                        // [BR * BQ][PSB] (CB > 0)
@@ -179,13 +182,15 @@ __global__ void __launch_bounds__(sd::GEMM_THREADS, 2) ds_halo(
         const int r = i / (K / 8), c = (i - r * (K / 8)) * 8;
         sd::cp_async16(sW + r * KS + c, wt + r * K + c, true);
     }
-    for (int i = threadIdx.x; i < 9 * K; i += sd::GEMM_THREADS) sDw[i] = __half2float(dw_w[i]);
+    for (int i = threadIdx.x; i < 9 * K / 8; i += sd::GEMM_THREADS) {
+        sd::cp_async16(sDw + i * 8, dw_w + i * 8, true);
+    }
     stage(blockIdx.x);
 
     for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
         int n, oy0, ox0;
         origin(t, n, oy0, ox0);
-        sd::cp_async_wait<0>();  // this tile's halo (and, the first time, sW) has landed
+        sd::cp_async_wait<0>();  // this tile's halo (and, the first time, sDw, sW) has landed
         __syncthreads();         // ... everyone's; the previous tile's epilogue is done
 
         // 2. The depthwise stage: items [0, ITEMS_A) are the A plane's channel groups (whole

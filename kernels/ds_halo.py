@@ -42,6 +42,9 @@ def halo_shape_ok(ca: int, cb: int, cout: int, stride: int = 1, dilation: int = 
     )  # fmt: skip
 
 
+BLOCKS_ENV = "SCRATCHD_HALO_BLOCKS"  # resident blocks an SM asks for: "auto", "2" or "3"
+DEFAULT_BLOCKS = "auto"
+SM_SMEM = 228 * 1024  # shared memory of an H200 SM, 1 KB of it reserved per block
 SWEEP_ENV = "SCRATCHD_HALO_SWEEP"  # P of the depthwise stage: "2" or "4" (benchmarks)
 DEFAULT_SWEEP = "4"
 
@@ -55,8 +58,18 @@ def halo_sweep() -> int:
     return int(mode)
 
 
+def halo_blocks(smem: int) -> int:
+    """Blocks per SM the kernel is compiled for (``__launch_bounds__``' minimum, which caps
+    its registers): ``auto`` asks for 3 where their shared memory fits, else 2."""
+    mode = os.environ.get(BLOCKS_ENV, DEFAULT_BLOCKS)
+    if mode not in ("auto", "2", "3"):
+        raise ValueError(f"{BLOCKS_ENV} must be auto, 2 or 3, got {mode!r}")
+    fits = 3 if 3 * (smem + 1024) <= SM_SMEM else 2
+    return fits if mode == "auto" else min(int(mode), fits)
+
+
 def halo_smem_bytes(ca: int, cb: int, cout: int) -> int:
-    """Dynamic shared memory of one block: sDw, sW, sA and the halo planes."""
+    """Dynamic shared memory of one block: sDw, sW, sA and the halo planes (all fp16)."""
     k, tw = ca + cb, TILE_W
     th = TILE_PIXELS // tw
     ks = k + 8
@@ -65,7 +78,7 @@ def halo_smem_bytes(ca: int, cb: int, cout: int) -> int:
     else:
         halo = (th // 2 + 2) * (tw // 2 + 2) * halo_pitch(ca)
         halo += (th + 2) * (tw + 2) * halo_pitch(cb)
-    return 9 * k * 4 + (cout * ks + TILE_PIXELS * ks + halo) * 2
+    return (9 * k + cout * ks + TILE_PIXELS * ks + halo) * 2
 
 
 def ds_halo_cuda(
@@ -102,7 +115,7 @@ def ds_halo_cuda(
         )
     sweep = halo_sweep()
     smem = halo_smem_bytes(ca, cb, cout)
-    name = cu.template_name(op, ca, cb, cout, TILE_W, sweep, residual, head)
+    name = cu.template_name(op, ca, cb, cout, TILE_W, sweep, residual, head, halo_blocks(smem))
     func = cu.kernel("ds_halo.cu", name)
     th = TILE_PIXELS // TILE_W
     tiles = n * -(-c.ho // th) * -(-c.wo // TILE_W)

@@ -8,9 +8,11 @@ import pytest
 
 from scratchd.kernels.ds_block import ds_block_cuda, ds_block_ref
 from scratchd.kernels.ds_halo import (
+    BLOCKS_ENV,
     MAX_COUT,
     SWEEP_ENV,
     ds_halo_cuda,
+    halo_blocks,
     halo_pitch,
     halo_shape_ok,
     halo_smem_bytes,
@@ -44,11 +46,26 @@ def test_halo_pitch_is_an_odd_number_of_16_byte_units() -> None:
 
 def test_the_shipped_high_resolution_blocks_fit_two_blocks_an_sm() -> None:
     """Shared memory per block for enc0.0/dec0.1 (48 -> 48) and dec0.0 (96 + 48 -> 48):
-    sDw + sW + sA + halo(s), at most half of the H200's 228 KB (minus 1 KB per block)."""
-    assert halo_smem_bytes(48, 0, 48) == 9 * 48 * 4 + (48 * 56 + 128 * 56 + 10 * 18 * 56) * 2
-    dec00 = 9 * 144 * 4 + (48 * 152 + 128 * 152 + 6 * 10 * 104 + 10 * 18 * 56) * 2
+    sDw + sW + sA + halo(s), all fp16, at most half of the H200's 228 KB (minus 1 KB per block)."""
+    assert halo_smem_bytes(48, 0, 48) == (9 * 48 + 48 * 56 + 128 * 56 + 10 * 18 * 56) * 2
+    dec00 = (9 * 144 + 48 * 152 + 128 * 152 + 6 * 10 * 104 + 10 * 18 * 56) * 2
     assert halo_smem_bytes(96, 48, 48) == dec00
     assert 2 * (dec00 + 1024) <= 228 * 1024
+
+
+def test_three_blocks_an_sm_where_their_shared_memory_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(BLOCKS_ENV, raising=False)
+    assert halo_blocks(halo_smem_bytes(48, 0, 48)) == 3  # enc0.0, dec0.1: ~40 KB
+    assert halo_blocks(halo_smem_bytes(96, 48, 48)) == 2  # dec0.0: ~88 KB
+    monkeypatch.setenv(BLOCKS_ENV, "2")
+    assert halo_blocks(halo_smem_bytes(48, 0, 48)) == 2
+    monkeypatch.setenv(BLOCKS_ENV, "3")
+    assert halo_blocks(halo_smem_bytes(96, 48, 48)) == 2  # never more than fit
+    monkeypatch.setenv(BLOCKS_ENV, "4")
+    with pytest.raises(ValueError, match=BLOCKS_ENV):
+        halo_blocks(1024)
 
 
 def test_the_sweep_is_2_or_4(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,12 +112,14 @@ def _data(case: tuple[int, ...]) -> tuple[dict[str, np.ndarray], int]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("sweep", ["2", "4"])
+@pytest.mark.parametrize("schedule", ["4:auto", "2:auto", "4:2"])
 @pytest.mark.parametrize("case", CASES, ids=lambda s: "x".join(str(int(v)) for v in s))
 def test_ds_halo_matches_ref_and_the_fused_kernel_bit_for_bit(
-    case: tuple[int, ...], sweep: str, monkeypatch: pytest.MonkeyPatch
+    case: tuple[int, ...], schedule: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    sweep, blocks = schedule.split(":")
     monkeypatch.setenv(SWEEP_ENV, sweep)
+    monkeypatch.setenv(BLOCKS_ENV, blocks)
     cp = cupy()
     d, seed = _data(case)
     residual = bool(case[6])
