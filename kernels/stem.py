@@ -9,6 +9,7 @@ is ever written: per 1024² frame that saves a 2 MB write and its read, and one 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,18 @@ def stem_ref(
 ) -> np.ndarray:  # [N, Hp/2, Wp/2, Cout] float32
     """Normalise and pad the frames, then the stride-2 3x3 stem convolution with ReLU."""
     return conv3x3_ref(normalize_pad_ref(images, mean, std, MULTIPLE), w, b, 2, "relu")
+
+
+SWEEP_ENV = "SCRATCHD_STEM_SWEEP"  # output pixels a thread takes along a row: 1, 2 or 4
+DEFAULT_SWEEP = "2"
+
+
+def stem_sweep() -> int:
+    """P of ``stem.cu`` (``SWEEP_ENV``, read at each call; a row of odd width takes fewer)."""
+    mode = os.environ.get(SWEEP_ENV, DEFAULT_SWEEP)
+    if mode not in ("1", "2", "4"):
+        raise ValueError(f"{SWEEP_ENV} must be 1, 2 or 4, got {mode!r}")
+    return int(mode)
 
 
 def stem_cuda(
@@ -58,7 +71,8 @@ def stem_cuda(
     hp, wp = padded_size(h, MULTIPLE), padded_size(wd, MULTIPLE)
     ho, wo = hp // 2, wp // 2
     out = cu.output("stem", out, (n, ho, wo, cout), np.float16)
-    func = cu.kernel("stem.cu", cu.template_name("stem", cout))
+    sweep = next(q for q in (stem_sweep(), 2, 1) if wo % q == 0)
+    func = cu.kernel("stem.cu", cu.template_name("stem", cout, sweep))
     sizes = map(cu.i32, (n, h, wd, hp, wp, ho, wo))
     scale, shift = cu.f32(1.0 / (255.0 * std)), cu.f32(-mean / std)
     args = (images, w, b, out, *sizes, scale, shift)
@@ -66,5 +80,6 @@ def stem_cuda(
     if n * ho * wo * groups >= 2**31:
         raise ValueError(f"stem: {n}x{ho}x{wo} outputs in {groups} groups pass int32 indexing")
     threads = groups * (256 // groups)  # whole pixels a block: a thread keeps its group
-    cu.launch(func, (cu.grid_size(n * ho * wo * groups, threads),), (threads,), args)
+    items = n * ho * wo // sweep * groups
+    cu.launch(func, (cu.grid_size(items, threads),), (threads,), args)
     return out

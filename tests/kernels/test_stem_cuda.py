@@ -5,20 +5,34 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scratchd.kernels.stem import stem_cuda, stem_ref
+from scratchd.kernels.stem import SWEEP_ENV, stem_cuda, stem_ref, stem_sweep
 
 from .cuda_helpers import assert_close, cupy, dev, fresh_rng, half, poisoned
 
-pytestmark = pytest.mark.gpu
+
+def test_the_sweep_is_1_2_or_4(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SWEEP_ENV, raising=False)
+    assert stem_sweep() == 2
+    for mode in ("1", "2", "4"):
+        monkeypatch.setenv(SWEEP_ENV, mode)
+        assert stem_sweep() == int(mode)
+    monkeypatch.setenv(SWEEP_ENV, "3")
+    with pytest.raises(ValueError, match=SWEEP_ENV):
+        stem_sweep()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("sweep", ["1", "2", "4"])
 @pytest.mark.parametrize(
     "case",
     [(1, 1, 1, 24), (2, 17, 33, 24), (1, 200, 200, 24), (3, 31, 16, 5), (1, 64, 48, 8),
      (2, 70, 90, 48), (1, 37, 53, 64)],
     ids=lambda s: "x".join(map(str, s)),
 )  # fmt: skip
-def test_stem_cuda_matches_ref(case: tuple[int, int, int, int]) -> None:
+def test_stem_cuda_matches_ref(
+    case: tuple[int, int, int, int], sweep: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(SWEEP_ENV, sweep)
     rng, seed = fresh_rng()
     n, h, w, cout = case
     images = rng.integers(0, 256, (n, h, w), dtype=np.uint8)
@@ -29,8 +43,13 @@ def test_stem_cuda_matches_ref(case: tuple[int, int, int, int]) -> None:
     out = poisoned(ref.shape, np.float16)
     got = stem_cuda(cupy().asarray(images), mean, std, dev(wt), dev(b, np.float32), out=out)
     assert_close(got, ref, seed, "stem")
+    monkeypatch.setenv(SWEEP_ENV, "1")  # one pixel a thread: the same sums, so the same bits
+    one = stem_cuda(cupy().asarray(images), mean, std, dev(wt), dev(b, np.float32))
+    same = cupy().asnumpy(got).view(np.uint16) == cupy().asnumpy(one).view(np.uint16)
+    assert same.all(), f"seed={seed}: {np.count_nonzero(~same)} elements differ from P=1"
 
 
+@pytest.mark.gpu
 def test_stem_cuda_rejects_bad_arguments() -> None:
     images = cupy().zeros((1, 8, 8), np.uint8)
     w, b = dev(np.zeros((3, 3, 1, 8))), dev(np.zeros(8), np.float32)
