@@ -22,8 +22,9 @@ from scratchd.kernels.ds_block import check_block
 
 THREADS = 256  # mma_tile.cuh's GEMM_THREADS
 TILE_PIXELS = 128  # GEMM_BM: the output tile, TH x TW
-TILE_W = 16  # TW (TH = 8): the smallest halo a 128-pixel tile has among 8, 16 and 32 wide
-MAX_COUT = 64  # more output channels take more accumulator registers than the block has
+TILE_W_ENV = "SCRATCHD_HALO_TILE_W"  # TW of the 128-pixel output tile: "8", "16" or "32"
+DEFAULT_TILE_W = "16"  # TH = 8: the smallest halo of the three
+MAX_COUT = 96  # more output channels take more accumulator registers than the block has
 
 
 def halo_pitch(c: int) -> int:
@@ -58,6 +59,14 @@ def halo_sweep() -> int:
     return int(mode)
 
 
+def tile_w() -> int:
+    """TW of the output tile (``TILE_W_ENV``, read at each call; TH = 128 / TW)."""
+    mode = os.environ.get(TILE_W_ENV, DEFAULT_TILE_W)
+    if mode not in ("8", "16", "32"):
+        raise ValueError(f"{TILE_W_ENV} must be 8, 16 or 32, got {mode!r}")
+    return int(mode)
+
+
 def halo_blocks(smem: int) -> int:
     """Blocks per SM the kernel is compiled for (``__launch_bounds__``' minimum, which caps
     its registers: 128 for 2, 80 for 3), as ``BLOCKS_ENV`` asks where their shared memory
@@ -70,7 +79,7 @@ def halo_blocks(smem: int) -> int:
 
 def halo_smem_bytes(ca: int, cb: int, cout: int) -> int:
     """Dynamic shared memory of one block: sDw, sW, sA and the halo planes (all fp16)."""
-    k, tw = ca + cb, TILE_W
+    k, tw = ca + cb, tile_w()
     th = TILE_PIXELS // tw
     ks = k + 8
     if cb == 0:
@@ -115,10 +124,11 @@ def ds_halo_cuda(
         )
     sweep = halo_sweep()
     smem = halo_smem_bytes(ca, cb, cout)
-    name = cu.template_name(op, ca, cb, cout, TILE_W, sweep, residual, head, halo_blocks(smem))
+    tw = tile_w()
+    name = cu.template_name(op, ca, cb, cout, tw, sweep, residual, head, halo_blocks(smem))
     func = cu.kernel("ds_halo.cu", name)
-    th = TILE_PIXELS // TILE_W
-    tiles = n * -(-c.ho // th) * -(-c.wo // TILE_W)
+    th = TILE_PIXELS // tw
+    tiles = n * -(-c.ho // th) * -(-c.wo // tw)
     grid = cu.persistent_grid(func, THREADS, smem, tiles)
     args = (
         x, x if skip is None else skip, dw_w, dw_b, pw_wt, pw_b,

@@ -45,6 +45,7 @@ DEFAULT_GEMM = "64:3"  # measured best on the H200 (docs/bench/ds-split.json)
 SPLIT_MIN_MACS = 192 * 384
 JOIN_SPLIT_MIN_MACS = 288 * 96  # a decoder join: dec2.0 and dec1.0 split, dec0.0 (144 x 48) not
 HALO_MAX_CIN = 144  # ... run the stride-1 blocks up to dec0.0's 144 channels on ds_halo
+HALO_MAX_COUT = 48  # (and 48 out)
 TILED_MAX_CIN = 64  # ... and the other narrow stride-1 blocks tiled (see block_path)
 GEMM_BM = 128  # rows of A per block (ds_split.cu: GEMM_BM)
 
@@ -116,7 +117,7 @@ def block_path(
         return "split" if can_split else "fused"
     if can_split and cin * cout >= (JOIN_SPLIT_MIN_MACS if cb > 0 else SPLIT_MIN_MACS):
         return "split"
-    if can_halo and cin <= HALO_MAX_CIN:
+    if can_halo and cin <= HALO_MAX_CIN and cout <= HALO_MAX_COUT:
         return "halo"
     if can_tile and cb == 0 and stride == 1 and cin <= TILED_MAX_CIN:
         return "tiled"

@@ -11,12 +11,14 @@ from scratchd.kernels.ds_halo import (
     BLOCKS_ENV,
     MAX_COUT,
     SWEEP_ENV,
+    TILE_W_ENV,
     ds_halo_cuda,
     halo_blocks,
     halo_pitch,
     halo_shape_ok,
     halo_smem_bytes,
     halo_sweep,
+    tile_w,
 )
 from scratchd.kernels.ds_split import SPLIT_ENV, block_path
 
@@ -29,7 +31,7 @@ def test_halo_shapes_are_stride_one_narrow_blocks(monkeypatch: pytest.MonkeyPatc
     assert not halo_shape_ok(48, 0, 48, dilation=2)
     assert not halo_shape_ok(24, 0, 24)  # Cin not whole k16 steps
     assert not halo_shape_ok(20, 4, 48)  # channel groups of 8
-    assert not halo_shape_ok(192, 96, 96)  # Cout past MAX_COUT
+    assert halo_shape_ok(192, 96, 96) and not halo_shape_ok(192, 0, 192)  # Cout past MAX_COUT
     assert not halo_shape_ok(16, 0, 32)  # Cout past Cin: the staged tile would not fit
     monkeypatch.setenv(SPLIT_ENV, "halo")
     assert block_path(48, 0, 48, head=True) == "halo"  # the head fuses on this path too
@@ -66,6 +68,19 @@ def test_three_blocks_an_sm_where_their_shared_memory_fits(
         halo_blocks(1024)
 
 
+def test_the_tile_is_8_16_or_32_wide(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TILE_W_ENV, raising=False)
+    assert tile_w() == 16
+    monkeypatch.setenv(TILE_W_ENV, "32")
+    assert (
+        tile_w() == 32
+        and halo_smem_bytes(48, 0, 48) == (9 * 48 + 48 * 56 + 128 * 56 + 6 * 34 * 56) * 2
+    )
+    monkeypatch.setenv(TILE_W_ENV, "12")
+    with pytest.raises(ValueError, match=TILE_W_ENV):
+        tile_w()
+
+
 def test_the_sweep_is_2_or_4(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(SWEEP_ENV, raising=False)
     assert halo_sweep() == 4
@@ -87,6 +102,8 @@ CASES = [
     (2, 17, 23, 96, 0, 64, False, False),
     (1, 34, 30, 48, 0, 48, True, True),  # the shipped dec0.1 (with the head)
     (2, 12, 20, 64, 32, 32, False, True),
+    (1, 20, 36, 96, 0, 96, True, False),  # the shipped enc1.1 and dec1.1
+    (2, 12, 18, 192, 96, 96, False, False),  # the shipped dec1.0
 ]
 
 
@@ -110,14 +127,15 @@ def _data(case: tuple[int, ...]) -> tuple[dict[str, np.ndarray], int]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["4:2", "2:2", "4:3"])
+@pytest.mark.parametrize("schedule", ["4:2:16", "2:2:16", "4:3:16", "4:2:32", "4:2:8"])
 @pytest.mark.parametrize("case", CASES, ids=lambda s: "x".join(str(int(v)) for v in s))
 def test_ds_halo_matches_ref_and_the_fused_kernel_bit_for_bit(
     case: tuple[int, ...], schedule: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sweep, blocks = schedule.split(":")
+    sweep, blocks, tw = schedule.split(":")
     monkeypatch.setenv(SWEEP_ENV, sweep)
     monkeypatch.setenv(BLOCKS_ENV, blocks)
+    monkeypatch.setenv(TILE_W_ENV, tw)
     cp = cupy()
     d, seed = _data(case)
     residual = bool(case[6])
