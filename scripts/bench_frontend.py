@@ -39,8 +39,9 @@ clients' percentiles, send to reply (the closed loop's include waiting behind th
 it prints are inflated by the profiler) and writes the pstats there; the kernel's side
 (recv copies, skb frees) needs ``perf record -g -p <pid>`` on this process. On a shared
 machine these numbers move with the load: ``bench_frontend_loop.py`` measures the loop's
-own user-space CPU without sockets, and ``docs/bench/frontend.json`` has both, before and
-after receiving large raw frames straight into their slot, with a perf breakdown.
+own user-space CPU without sockets, and ``docs/bench/frontend.json`` has alternating rounds of
+``--receive-threads 0`` and ``4`` (its ``history``: both, before and after receiving large raw
+frames straight into their slot, with a perf breakdown).
 """
 
 from __future__ import annotations
