@@ -317,6 +317,25 @@ def test_a_frame_received_into_a_slot_is_answered_and_served_as_if_copied(
         runner.run(run())
 
 
+@pytest.mark.parametrize("threads", [0, 2])
+def test_receive_threads_0_receives_on_the_loop_and_more_in_threads(threads: int) -> None:
+    async def run() -> None:
+        front = FrontEnd(receive_threads=threads)
+        try:
+            assert (front.acceptor.receiver is None) == (threads == 0)
+            request = InferRequest(id=4, pixels=bytes(300 * 310), height=300, width=310)
+            body = bytes(wire.encode_frame(request)[4:])
+            replies, seen = await front.serve([body], lend=True, via_socket=True)
+            assert replies == [(4, "ok", "", "clean")] and len(seen) == 1
+            assert front.loans == 1 and front.jobs == (1 if threads else 0)
+        finally:
+            await front.close()
+        assert front.acceptor.receiver is None or not front.acceptor.receiver.native_ids()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(run())
+
+
 @pytest.mark.parametrize("shape", [(300, 310), (160, 170, 3)], ids=["grey", "rgb"])
 def test_a_valid_raw_frame_is_served_from_the_slot_it_was_received_into(
     shape: tuple[int, ...],

@@ -65,6 +65,8 @@ def test_the_design_skeleton_decodes(tmp_path: Path) -> None:
         ("[classes.safety]\npriority = 7\ndeadline = 5\n", "unknown key 'classes.safety.deadline'"),
         ("[queue]\nslots = 'many'\n", "'queue.slots'"),
         ("[queue]\nslots = 0\n", "'queue.slots'"),
+        ("[server]\nreceive_threads = -1\n", "'server.receive_threads': Expected `int` >= 0"),
+        ("[server]\nreceive_threads = 65\n", "'server.receive_threads': Expected `int` <= 64"),
         ("[classes.fast]\npriority = 8\n", "'classes.fast.priority'"),
         ("[workers]\nbackend = 'gpu'\n", "'workers.backend'"),
         ("queue = 3\n", "'queue'"),
