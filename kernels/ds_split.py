@@ -45,7 +45,6 @@ DEFAULT_GEMM = "64:3"  # measured best on the H200 (docs/bench/ds-split.json)
 SPLIT_MIN_MACS = 192 * 384
 JOIN_SPLIT_MIN_MACS = 288 * 96  # a decoder join: dec2.0 and dec1.0 split, dec0.0 (144 x 48) not
 HALO_MAX_CIN = 144  # ... run the stride-1 blocks up to dec0.0's 144 channels on ds_halo
-HALO_MAX_COUT = 48  # (and 48 out)
 TILED_MAX_CIN = 64  # ... and the other narrow stride-1 blocks tiled (see block_path)
 GEMM_BM = 128  # rows of A per block (ds_split.cu: GEMM_BM)
 
@@ -94,9 +93,10 @@ def block_path(
     (dec2.0 2.4x, dec1.0 1.1x; dec0.0 ran 0.85x split: loading each upsampled source pixel
     once, dw_group.cuh's up_rows, sped its fused kernel up 1.36x and its split depthwise only
     1.1x); **halo** the stride-1, dilation-1 blocks of ≤ ``HALO_MAX_CIN`` channels that
-    ``ds_halo`` has tiles for (≤ 64 output channels: the shipped model's 512² blocks enc0.0,
-    dec0.0 and dec0.1, the head included: 1.48x, 1.16x and 1.47x over fused; dec0.0 is
-    1.40x over tiled, the other two tie with tiled, 631 vs 634 and 765 vs 787 µs);
+    ``ds_halo`` has tiles for (≤ 96 output channels: the shipped model's 512² blocks enc0.0,
+    dec0.0 and dec0.1, the head included, 1.52x, 1.19x and 1.57x over fused, and 1.05x,
+    1.49x and 1.09x over tiled; the 256² enc1.1 and dec1.1, 1.05x over fused; dec1.0's
+    288-channel join ran 0.96x its split, so it stays split);
     **tiled** the other narrow stride-1 blocks of ≤ ``TILED_MAX_CIN`` channels (96 channels
     and up ran 0.6-0.7x tiled); **fused** the rest (the split ran them 0.74-0.91x: the
     scratch tensor's bytes cost more there)."""
@@ -117,7 +117,7 @@ def block_path(
         return "split" if can_split else "fused"
     if can_split and cin * cout >= (JOIN_SPLIT_MIN_MACS if cb > 0 else SPLIT_MIN_MACS):
         return "split"
-    if can_halo and cin <= HALO_MAX_CIN and cout <= HALO_MAX_COUT:
+    if can_halo and cin <= HALO_MAX_CIN:
         return "halo"
     if can_tile and cb == 0 and stride == 1 and cin <= TILED_MAX_CIN:
         return "tiled"

@@ -33,12 +33,10 @@ def test_the_shipped_plan_splits_exactly_its_wide_blocks(monkeypatch: pytest.Mon
     assert list(paths) == [b.name for b in plan]
     split = [name for name, path in paths.items() if path == "split"]
     assert split == ["enc3.0", "enc3.d0", "enc3.d1", "dec2.0", "dec1.0"]
-    # The 512² blocks (the narrow join dec0.0 included) run on ds_halo; none is left tiled.
-    assert [name for name, path in paths.items() if path == "halo"] == [
-        "enc0.0",
-        "dec0.0",
-        "dec0.1",
-    ]
+    # The stride-1 blocks of up to 144 channels (the narrow join dec0.0 included) run on
+    # ds_halo; none is left tiled.
+    halo = ["enc0.0", "enc1.1", "dec1.1", "dec0.0", "dec0.1"]
+    assert [name for name, path in paths.items() if path == "halo"] == halo
     assert "tiled" not in paths.values()
     monkeypatch.setenv(SPLIT_ENV, "all")
     every = [name for name, path in plan_paths(SHIPPED).items() if path == "split"]
