@@ -32,7 +32,8 @@ within ``RECV_SLICE_MS`` of ``ReceiveJob.cancel`` (the connection cancels when i
 lost, including by the stall timer: ``frame_timeout_ms`` still cuts a stalled frame off).
 
 ``done`` always runs once per job, on the loop, whatever the thread met (a short count: the
-loop resumes reading and meets the EOF or the error itself; its stall timer is still armed).
+loop resumes reading and meets the EOF or the error itself, or receives the rest of a frame
+whose sender stalled past ``max_wait_s``; its stall timer is still armed).
 ``wait_idle`` awaits every job's ``done``; ``shutdown`` then ends the threads.
 """
 
@@ -55,6 +56,10 @@ from scratchd.ipc._native import recv_into_exact
 MIN_BYTES: Final = 64 * 1024
 """Pixels still to come for which a thread is worth its hand-offs (~64 KiB: the kernel's copy
 of that many costs about what the loop spends handing a job over and taking it back)."""
+MAX_WAIT_S: Final = 0.02
+"""The longest one job holds its thread (a 1 MiB frame streams in well under 1 ms). A sender
+that stalls mid-frame gets the rest received on the loop, where waiting costs nothing, so a
+few slow or hostile clients cannot take every thread from the others' frames."""
 
 
 class PoolState(enum.Enum):
@@ -107,6 +112,7 @@ class ReceivePool:
             raise ValueError(f"a receive pool needs at least one thread, not {threads}")
         self.threads = threads
         self.min_bytes = MIN_BYTES  # fewer pixels than this to come: the loop receives them
+        self.max_wait_s = MAX_WAIT_S  # a job gives its thread back after this, done or not
         self.state = PoolState.NEW
         self.in_flight = 0  # jobs whose done() has not run yet (loop thread only)
         self._jobs: queue.SimpleQueue[ReceiveJob | None] = queue.SimpleQueue()
@@ -122,9 +128,10 @@ class ReceivePool:
         after: memoryview | None = None,
     ) -> ReceiveJob | None:
         """On the loop: fill ``into``, then ``after``, from the socket ``fd`` in a thread, for
-        at most ``timeout_s``; ``done(received)`` runs on the loop after the thread has let go
-        of the socket and of both buffers. None (nothing started) if the pool is stopped or
-        the descriptor cannot be duplicated: the caller then receives on the loop."""
+        at most ``timeout_s`` (and ``max_wait_s``); ``done(received)`` runs on the loop after
+        the thread has let go of the socket and of both buffers. None (nothing started) if the
+        pool is stopped or the descriptor cannot be duplicated: the caller then receives on the
+        loop."""
         if self.state is PoolState.STOPPED:
             return None
         try:
@@ -134,7 +141,7 @@ class ReceivePool:
             return None
         if self.state is PoolState.NEW:
             self._start()
-        timeout_ms = max(0, math.ceil(timeout_s * 1000))
+        timeout_ms = max(0, math.ceil(min(timeout_s, self.max_wait_s) * 1000))
         job = ReceiveJob(dup, into, after, timeout_ms, asyncio.get_running_loop(), done)
         self.in_flight += 1
         self._jobs.put(job)

@@ -41,6 +41,7 @@ class Counting(Lender):
         if threads:
             pool = ReceivePool(threads)
             pool.min_bytes = 1  # every lent frame with pixels still to come goes to a thread
+            pool.max_wait_s = 10.0  # a job keeps its thread until its frame stalls out (below)
             receive = pool.receive
 
             def counting(
@@ -171,6 +172,31 @@ def test_after_a_frame_received_off_the_loop_the_next_ones_pixels_are_left_to_a_
         client.close()
         await conn.wait_closed(5.0)
         assert handler.receiver is not None
+        handler.receiver.shutdown()
+
+    run_uvloop(main)
+
+
+def test_a_sender_that_pauses_past_max_wait_has_the_rest_received_on_the_loop() -> None:
+    async def main() -> None:
+        handler = Counting(2)
+        assert handler.receiver is not None
+        handler.receiver.max_wait_s = 0.05
+        conn, client = await connect(handler)
+        body = raw_body(4 * HEAD_BYTES, 4)
+        frame = framed([body])
+        await send(client, frame[: 2 * HEAD_BYTES], [])
+        await until(lambda: handler.jobs == 1)
+        start = time.monotonic()
+        await until(lambda: handler.receiver is not None and handler.receiver.in_flight == 0)
+        assert time.monotonic() - start < 1.0  # the thread is free long before the frame
+        assert conn.state is ReadState.SLOT and len(handler.out) == 1  # still lent, not cut off
+        await send(client, frame[2 * HEAD_BYTES :], [HEAD_BYTES])  # the rest, through the loop
+        await until(lambda: len(handler.messages) == 1)
+        assert handler.messages == [decoded(body)] and handler.jobs == 1
+        assert handler.out == {} and handler.returned == [] and handler.events == []
+        client.close()
+        await conn.wait_closed(5.0)
         handler.receiver.shutdown()
 
     run_uvloop(main)
