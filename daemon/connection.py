@@ -47,9 +47,10 @@ least ``receiver.min_bytes`` of pixels are still to come, the transport's readin
 and a receive thread (``daemon/receiver.py``) fills the rest of the slot and then the frame's
 tail in head (the bytes after the pixels, where SLOT's ``get_buffer`` would have put them);
 ``_received`` then resumes reading and goes on exactly as ``buffer_updated`` would have with
-those bytes (the stall timer, ``slot_frame``). A short count (EOF, error, the thread's
-timeout) is simply fewer bytes: the loop's own read then meets the EOF or the error, and the
-stall timer, armed throughout, cuts off a frame that stops. Closed or lost meanwhile, the
+those bytes (the stall timer, ``slot_frame``). A short count (EOF, error, a sender paused
+past the pool's ``max_wait_s``) is simply fewer bytes: the loop's own reads then meet the EOF
+or the error or receive the rest, and the stall timer, armed throughout, cuts off a frame
+that stops. Closed or lost meanwhile, the
 connection cancels the job and returns the slot in ``_received``, exactly once. After such a
 frame the next read of head asks for only ``PEEK_BYTES`` (``_peek``): a client that sent one
 large frame likely sends another, whose first 64 KiB of pixels had better not be copied on
