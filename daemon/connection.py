@@ -390,7 +390,11 @@ class Connection(asyncio.BufferedProtocol):
         self._got += received
         if self._got == self._length:
             self._peek = True
-            self._finish_slot()
+            try:
+                self._finish_slot()
+            except Exception as exc:  # what uvloop does when buffer_updated raises: close
+                log_event("frame_failed", logging.ERROR, error=repr(exc))
+                self.close()
 
     def _finish_slot(self) -> None:
         loan, at, length = self._loan, self._at, self._length

@@ -34,7 +34,8 @@ lost, including by the stall timer: ``frame_timeout_ms`` still cuts a stalled fr
 ``done`` always runs once per job, on the loop, whatever the thread met (a short count: the
 loop resumes reading and meets the EOF or the error itself, or receives the rest of a frame
 whose sender stalled past ``max_wait_s``; its stall timer is still armed).
-``wait_idle`` awaits every job's ``done``; ``shutdown`` then ends the threads.
+``wait_idle`` awaits every job's ``done``; ``shutdown`` then ends the threads. A thread holds
+the GIL only to take a job and to hand it back (microseconds), never while it waits or copies.
 """
 
 from __future__ import annotations

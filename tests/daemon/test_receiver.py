@@ -202,6 +202,28 @@ def test_a_sender_that_pauses_past_max_wait_has_the_rest_received_on_the_loop() 
     run_uvloop(main)
 
 
+def test_a_frame_that_fails_after_its_receive_closes_the_connection_and_returns_the_slot() -> None:
+    """As uvloop closes a connection whose buffer_updated raises (the on-loop path)."""
+
+    async def main() -> None:
+        handler = Counting(2, take=False)
+
+        def no_memory(n: int) -> bytearray:
+            raise MemoryError
+
+        handler.pool.take = no_memory  # type: ignore[method-assign]
+        conn, client = await connect(handler)
+        await send(client, framed([raw_body(4 * HEAD_BYTES, 5)]), [])
+        await until(lambda: conn.gone.done())
+        assert handler.jobs == 1 and handler.returned == [1] and handler.out == {}
+        assert handler.events == [("closed", 1)]
+        assert await peer_sees_close(client)
+        assert handler.receiver is not None
+        handler.receiver.shutdown()
+
+    run_uvloop(main)
+
+
 def test_a_frame_stalled_in_a_receive_thread_is_cut_off_and_its_slot_returned_once() -> None:
     async def main() -> None:
         handler = Counting(2, timeout_s=0.1)
