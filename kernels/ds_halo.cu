@@ -11,8 +11,9 @@
 //      outside the frame; for the decoder join, the (TH/2 + 2) x (TW/2 + 2) low-resolution
 //      pixels and the skip's halo), copied by cp.async while the previous tile computed;
 //   2. computes relu(dw3x3 + b) of the tile from shared memory into sA [BM][KS] (fp16): one
-//      thread per (P pixels of a tile row, 8 channels), the upsampled channels of a join
-//      loaded once per source pixel (as dw_group.cuh's up_rows);
+//      thread per (R x P block of outputs, 4 channels) with the 9 taps' weights in
+//      registers, each input vector read once per block (dw_block), the upsampled channels
+//      of a join once per source pixel;
 //   3. issues the cp.async copies of its next tile's halo, then multiplies sA by the
 //      pointwise weight (staged once per block) on the tensor cores: mma_tile.cuh's
 //      warp_mma_step over the whole K (one k step, KS = K + 8);
@@ -25,14 +26,13 @@
 //   │ sDw [9][K]   │ sW [COUT][KS] half │ sA [BM][KS] half │ sX: halo A [AR][AQ][PSA] half │
 //   │ half         │ Wᵀ, k contiguous   │ (then sC)        │     halo B [BR][BQ][PSB] half │
 //   └──────────────┴────────────────────┴──────────────────┴───────────────────────────────┘
-//   A halo pixel is PS halves (its channels, padded to an odd number of 16-byte units, so the
-//   16-byte reads of consecutive channel groups and pixels spread over the banks).
+//   A halo pixel is PS halves (its channels, padded to an odd number of 16-byte units, so
+//   the reads of consecutive channel groups and pixels spread over the banks).
 //
 // Numerics are the other paths': taps summed in (ky, kx) order after the bias in fp32 (the
 // padding as zeros, like the hoisted schedule), fp16 depthwise output, products summed over
 // k in ascending 16-steps, half(acc + bias), then residual and ReLU in fp32; the head's dot
 // product in store_tile_head's order. So the four paths give the same bits.
-#include "dw_group.cuh"
 #include "mma_tile.cuh"
 
 namespace sd {
@@ -57,73 +57,76 @@ __device__ __forceinline__ void stage_halo(
     }
 }
 
-__device__ __forceinline__ RawH<8> smem_raw(const __half* p) {
-    return RawH<8>{*reinterpret_cast<const uint4*>(p)};
+// 4 halves of shared memory (8 bytes, aligned) <-> 4 floats, exactly / rounded to nearest.
+__device__ __forceinline__ void unpack4(uint2 u, float (&f)[4]) {
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
 }
 
-// acc[q] += the taps of input row `row` (P + 2 raw vectors, the group's columns) for tap row
-// ky: column j feeds output q through tap kx = j - q. The weights stay fp16 in shared memory
-// (half the bytes of fp32: the depthwise stage is bound by shared-memory reads) and widen
-// exactly when loaded.
-template <int P, int K>
-__device__ __forceinline__ void add_row(
-    const RawH<8> (&raw)[P + 2], const __half* sDw, int ky, int c, float (&acc)[P][8]) {
-    float w[3][8];
-#pragma unroll
-    for (int kx = 0; kx < 3; ++kx) load_h_smem<8>(sDw + (ky * 3 + kx) * K + c, w[kx]);
-#pragma unroll
-    for (int j = 0; j < P + 2; ++j) {
-        float v[8];
-        unpack<8>(raw[j], v);
-        add_column<8, P, 1, 1>(j, v, w, acc);
-    }
+__device__ __forceinline__ uint2 smem4(const __half* p) { return *reinterpret_cast<const uint2*>(p); }
+
+__device__ __forceinline__ void store4(__half* p, const float (&f)[4]) {
+    uint2 u;
+    *reinterpret_cast<__half2*>(&u.x) = __floats2half2_rn(f[0], f[1]);
+    *reinterpret_cast<__half2*>(&u.y) = __floats2half2_rn(f[2], f[3]);
+    *reinterpret_cast<uint2*>(p) = u;
 }
 
-// relu(b + dw3x3) of P pixels (tile row ty, columns tx..tx+P-1) for channels [c, c + 8) of a
-// plane at the tile's own resolution: halo rows ty..ty+2, columns tx..tx+P+1.
-template <int P, int K, int Q, int PS>
-__device__ __forceinline__ void dw_full(
-    const __half* halo, const __half* sDw, int ty, int tx, int c, int ch, float (&acc)[P][8]) {
+// acc[o][q] += b + dw3x3 of an R x P block of outputs (tile rows ty + o, columns tx + q;
+// ty a multiple of R, tx of P) for 4 channels: c indexes sDw (and the bias, already in acc),
+// ch the halo plane. A thread holds the block's 9 x 4 tap weights in registers and walks the
+// R + 2 input rows once: input row r feeds output row o through tap row ky = r - o, column j
+// output q through tap kx = j - q. So every output still sums its taps in (ky, kx) order,
+// while each input vector and weight is read from shared memory once per block instead of
+// once per output row (the stage is bound by shared-memory reads). UP: the join's upsampled
+// plane, whose halo is at half resolution: input row r is source row (ty + r + 1) >> 1 and
+// column j source column tx/2 + (j + 1) >> 1 (tx even), each source vector loaded once.
+template <int P, int R, int K, int Q, int PS, bool UP>
+__device__ __forceinline__ void dw_block(
+    const __half* halo, const __half* sDw, int ty, int tx, int c, int ch, float (&acc)[R][P][4]) {
+    float w[9][4];
 #pragma unroll
-    for (int ky = 0; ky < 3; ++ky) {
-        RawH<8> raw[P + 2];
+    for (int t = 0; t < 9; ++t) unpack4(smem4(sDw + t * K + c), w[t]);
+    constexpr int NS = UP ? P / 2 + 2 : P + 2;  // loads an input row takes
+    uint2 s[NS];
 #pragma unroll
-        for (int j = 0; j < P + 2; ++j) raw[j] = smem_raw(halo + ((ty + ky) * Q + tx + j) * PS + ch);
-        add_row<P, K>(raw, sDw, ky, c, acc);
-    }
-}
-
-// The same for the join's upsampled plane, whose halo is at half resolution: virtual halo
-// row ty + ky is source row (ty + ky + 1) >> 1 and virtual column tx + j source column
-// (tx + j + 1) >> 1 (tile origins are even), so the 3 x (P + 2) virtual vectors come from
-// 2 x (P/2 + 2) loads (ky 1 reads the first source row when ty is odd, else the second).
-template <int P, int K, int Q, int PS>
-__device__ __forceinline__ void dw_up(
-    const __half* halo, const __half* sDw, int ty, int tx, int c, float (&acc)[P][8]) {
-    constexpr int NS = P / 2 + 2;
-    const int s0 = (ty + 1) >> 1, x0 = tx >> 1;
-    RawH<8> s[2][NS];
+    for (int r = 0; r < R + 2; ++r) {
+        if constexpr (UP) {
+            const int gy = (ty + r + 1) >> 1;  // the source row; a new one every other r
+            if (r == 0 || gy != ((ty + r) >> 1)) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
+                for (int k = 0; k < NS; ++k) s[k] = smem4(halo + (gy * Q + (tx >> 1) + k) * PS + ch);
+            }
+        } else {
 #pragma unroll
-        for (int k = 0; k < NS; ++k) s[r][k] = smem_raw(halo + ((s0 + r) * Q + x0 + k) * PS + c);
-    const bool odd = ty & 1;
-#pragma unroll
-    for (int ky = 0; ky < 3; ++ky) {
-        RawH<8> raw[P + 2];
+            for (int j = 0; j < NS; ++j) s[j] = smem4(halo + ((ty + r) * Q + tx + j) * PS + ch);
+        }
 #pragma unroll
         for (int j = 0; j < P + 2; ++j) {
-            const int k = (j + 1) >> 1;
-            raw[j] = ky == 0 ? s[0][k] : ky == 2 ? s[1][k] : (odd ? s[0][k] : s[1][k]);
+            float v[4];
+            unpack4(s[UP ? (j + 1) >> 1 : j], v);
+#pragma unroll
+            for (int o = 0; o < R; ++o) {
+                const int ky = r - o;
+                if (ky < 0 || ky > 2) continue;
+#pragma unroll
+                for (int q = 0; q < P; ++q) {
+                    const int kx = j - q;
+                    if (kx < 0 || kx > 2) continue;
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[o][q][e] = fmaf(v[e], w[ky * 3 + kx][e], acc[o][q][e]);
+                }
+            }
         }
-        add_row<P, K>(raw, sDw, ky, c, acc);
     }
 }
 
 }  // namespace sd
 
-// MINB: blocks an SM must hold (the register cap: 2 -> 128 a thread, 3 -> 80).
-template <int CA, int CB, int COUT, int TW, int P, bool RES, bool HEAD, int MINB>
+// P x R: a depthwise thread's block of outputs (columns x rows). MINB: blocks an SM must
+// hold (the register cap: 2 -> 128 a thread, 3 -> 80).
+template <int CA, int CB, int COUT, int TW, int P, int R, bool RES, bool HEAD, int MINB>
 __global__ void __launch_bounds__(sd::GEMM_THREADS, MINB) ds_halo(
     const __half* __restrict__ x,     // [N, H, W, CA]; with CB > 0: [N, H/2, W/2, CA]
     const __half* __restrict__ skip,  // [N, H, W, CB] (CB > 0 only)
@@ -140,11 +143,13 @@ __global__ void __launch_bounds__(sd::GEMM_THREADS, MINB) ds_halo(
     constexpr int AR = CB == 0 ? TH + 2 : TH / 2 + 2, AQ = CB == 0 ? TW + 2 : TW / 2 + 2;
     constexpr int BR = TH + 2, BQ = TW + 2;
     constexpr int PSA = sd::HaloPitch<CA>::value, PSB = CB > 0 ? sd::HaloPitch<CB>::value : 8;
-    constexpr int GA = CA / 8, GB = CB / 8, ITEMS_A = (BM / P) * GA, ITEMS = (BM / P) * (GA + GB);
+    constexpr int GA = CA / 4, GB = CB / 4, BX = TW / P, BLOCKS = (TH / R) * BX;
+    constexpr int ITEMS_A = BLOCKS * GA, ITEMS = BLOCKS * (GA + GB);
     static_assert(CA % 8 == 0 && CB % 8 == 0 && K % 16 == 0, "8-channel groups, k16 steps");
+    static_assert(TH % R == 0, "whole row blocks");
     static_assert(COUT % 16 == 0 && COUT <= K, "whole warp columns; sC fits over sA");
     static_assert((KS / 8) % 2 == 1, "odd 16-byte units per row: conflict-free ldmatrix");
-    static_assert(BM % TW == 0 && TW % P == 0 && TH % 2 == 0 && P % 2 == 0, "even tiles, groups");
+    static_assert(BM % TW == 0 && TW % P == 0 && TH % 2 == 0 && P % 2 == 0, "even tiles, blocks");
     static_assert(!RES || (CB == 0 && CA == COUT), "residual needs matching shapes");
     extern __shared__ __align__(16) unsigned char smem[];
     __half* sDw = reinterpret_cast<__half*>(smem);           // [9][K]
@@ -193,33 +198,36 @@ __global__ void __launch_bounds__(sd::GEMM_THREADS, MINB) ds_halo(
         sd::cp_async_wait<0>();  // this tile's halo (and, the first time, sDw, sW) has landed
         __syncthreads();         // ... everyone's; the previous tile's epilogue is done
 
-        // 2. The depthwise stage: items [0, ITEMS_A) are the A plane's channel groups (whole
-        // warps at the shipped widths, so the two kinds rarely share a warp), then B's.
+        // 2. The depthwise stage: items [0, ITEMS_A) are the A plane's 4-channel groups of
+        // each R x P block (whole warps at the shipped widths, so the two kinds rarely share
+        // a warp), then B's.
         for (int i = threadIdx.x; i < ITEMS; i += sd::GEMM_THREADS) {
             const bool in_a = i < ITEMS_A;
             const int j = in_a ? i : i - ITEMS_A, groups = in_a ? GA : GB;
-            const int g = j / groups, ch = (j - g * groups) * 8, c = in_a ? ch : CA + ch;
-            const int r0 = g * P, ty = r0 / TW, tx = r0 - ty * TW;
-            float b[8], acc[P][8];
+            const int blk = j / groups, ch = (j - blk * groups) * 4, c = in_a ? ch : CA + ch;
+            const int by = blk / BX, ty = by * R, tx = (blk - by * BX) * P;
+            float b[4], acc[R][P][4];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) b[e] = __ldg(dw_b + c + e);
+            for (int e = 0; e < 4; ++e) b[e] = __ldg(dw_b + c + e);
 #pragma unroll
-            for (int q = 0; q < P; ++q)
+            for (int o = 0; o < R; ++o)
 #pragma unroll
-                for (int e = 0; e < 8; ++e) acc[q][e] = b[e];
+                for (int q = 0; q < P; ++q)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[o][q][e] = b[e];
             if (!in_a) {
-                sd::dw_full<P, K, BQ, PSB>(sXb, sDw, ty, tx, c, ch, acc);
-            } else if constexpr (CB > 0) {
-                sd::dw_up<P, K, AQ, PSA>(sXa, sDw, ty, tx, c, acc);
+                sd::dw_block<P, R, K, BQ, PSB, false>(sXb, sDw, ty, tx, c, ch, acc);
             } else {
-                sd::dw_full<P, K, AQ, PSA>(sXa, sDw, ty, tx, c, ch, acc);
+                sd::dw_block<P, R, K, AQ, PSA, (CB > 0)>(sXa, sDw, ty, tx, c, ch, acc);
             }
 #pragma unroll
-            for (int q = 0; q < P; ++q) {
+            for (int o = 0; o < R; ++o)
 #pragma unroll
-                for (int e = 0; e < 8; ++e) acc[q][e] = fmaxf(acc[q][e], 0.0f);
-                sd::store_h<8>(sA + (r0 + q) * KS + c, acc[q]);
-            }
+                for (int q = 0; q < P; ++q) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[o][q][e] = fmaxf(acc[o][q][e], 0.0f);
+                    sd::store4(sA + ((ty + o) * TW + tx + q) * KS + c, acc[o][q]);
+                }
         }
         __syncthreads();  // sA is complete; nobody reads the halo any more
 

@@ -50,9 +50,22 @@ SWEEP_ENV = "SCRATCHD_HALO_SWEEP"  # P of the depthwise stage: "2" or "4" (bench
 DEFAULT_SWEEP = "4"
 
 
+ROWS_ENV = "SCRATCHD_HALO_ROWS"  # R of the depthwise stage: "1", "2" or "4" (benchmarks)
+DEFAULT_ROWS = "2"
+
+
+def halo_rows() -> int:
+    """R, output rows a depthwise thread's block spans (``ROWS_ENV``, read at each call):
+    each input vector and tap weight it reads from shared memory serves R rows."""
+    mode = os.environ.get(ROWS_ENV, DEFAULT_ROWS)
+    if mode not in ("1", "2", "4"):
+        raise ValueError(f"{ROWS_ENV} must be 1, 2 or 4, got {mode!r}")
+    return int(mode)
+
+
 def halo_sweep() -> int:
-    """P, output pixels a depthwise thread takes along a tile row (``SWEEP_ENV``, read at
-    each call). 4: each loaded input vector and tap weight serves more outputs."""
+    """P, output columns a depthwise thread's block spans (``SWEEP_ENV``, read at each
+    call). 4: each loaded input vector serves more outputs."""
     mode = os.environ.get(SWEEP_ENV, DEFAULT_SWEEP)
     if mode not in ("2", "4"):
         raise ValueError(f"{SWEEP_ENV} must be 2 or 4, got {mode!r}")
@@ -125,7 +138,9 @@ def ds_halo_cuda(
     sweep = halo_sweep()
     smem = halo_smem_bytes(ca, cb, cout)
     tw = tile_w()
-    name = cu.template_name(op, ca, cb, cout, tw, sweep, residual, head, halo_blocks(smem))
+    name = cu.template_name(
+        op, ca, cb, cout, tw, sweep, halo_rows(), residual, head, halo_blocks(smem)
+    )
     func = cu.kernel("ds_halo.cu", name)
     th = TILE_PIXELS // tw
     tiles = n * -(-c.ho // th) * -(-c.wo // tw)

@@ -10,11 +10,13 @@ from scratchd.kernels.ds_block import ds_block_cuda, ds_block_ref
 from scratchd.kernels.ds_halo import (
     BLOCKS_ENV,
     MAX_COUT,
+    ROWS_ENV,
     SWEEP_ENV,
     TILE_W_ENV,
     ds_halo_cuda,
     halo_blocks,
     halo_pitch,
+    halo_rows,
     halo_shape_ok,
     halo_smem_bytes,
     halo_sweep,
@@ -81,6 +83,16 @@ def test_the_tile_is_8_16_or_32_wide(monkeypatch: pytest.MonkeyPatch) -> None:
         tile_w()
 
 
+def test_the_rows_are_1_2_or_4(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ROWS_ENV, raising=False)
+    assert halo_rows() == 2
+    monkeypatch.setenv(ROWS_ENV, "4")
+    assert halo_rows() == 4
+    monkeypatch.setenv(ROWS_ENV, "3")
+    with pytest.raises(ValueError, match=ROWS_ENV):
+        halo_rows()
+
+
 def test_the_sweep_is_2_or_4(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(SWEEP_ENV, raising=False)
     assert halo_sweep() == 4
@@ -127,13 +139,16 @@ def _data(case: tuple[int, ...]) -> tuple[dict[str, np.ndarray], int]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["4:2:16", "2:2:16", "4:3:16", "4:2:32", "4:2:8"])
+@pytest.mark.parametrize(
+    "schedule", ["4:2:2:16", "4:1:2:16", "2:4:2:16", "2:2:3:16", "4:2:2:32", "4:2:2:8"]
+)
 @pytest.mark.parametrize("case", CASES, ids=lambda s: "x".join(str(int(v)) for v in s))
 def test_ds_halo_matches_ref_and_the_fused_kernel_bit_for_bit(
     case: tuple[int, ...], schedule: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sweep, blocks, tw = schedule.split(":")
+    sweep, rows, blocks, tw = schedule.split(":")  # P:R:blocks an SM:TW
     monkeypatch.setenv(SWEEP_ENV, sweep)
+    monkeypatch.setenv(ROWS_ENV, rows)
     monkeypatch.setenv(BLOCKS_ENV, blocks)
     monkeypatch.setenv(TILE_W_ENV, tw)
     cp = cupy()
