@@ -13,8 +13,8 @@ still to come to this pool, and the loop serves other connections meanwhile::
             after=head[tail])                                 after=head[tail])
       dup(fd), the job queued                   (C, GIL released: poll + recvmsg into both
     ... other connections ...                    until full, EOF, error, timeout or cancel)
-                                              close(dup)
-    _received(n): resume_reading()  ◀──────   loop.call_soon_threadsafe(done, n)
+    close(dup), _received(n):       ◀──────   loop.call_soon_threadsafe(done, n)
+      resume_reading()
       the state machine goes on as if
       buffer_updated had seen those n bytes
 
@@ -27,8 +27,8 @@ returns it only in ``done``: ``return_slot`` then, never before). The thread rea
 ``dup`` of the socket, never the transport's descriptor: uvloop closes that one itself after a
 write error (``connection_lost`` while a job runs), and a descriptor number closed under a
 thread could be reused at once by the next ``accept``, whose bytes the thread would then read
-into this slot. A duplicate keeps the socket open until the thread closes it, which it does
-within ``RECV_SLICE_MS`` of ``ReceiveJob.cancel`` (the connection cancels when it is closed or
+into this slot. A duplicate keeps the socket open until the job ends, which it does within
+``RECV_SLICE_MS`` of ``ReceiveJob.cancel`` (the connection cancels when it is closed or
 lost, including by the stall timer: ``frame_timeout_ms`` still cuts a stalled frame off).
 
 ``done`` always runs once per job, on the loop, whatever the thread met (a short count: the
@@ -41,7 +41,6 @@ the GIL only to take a job and to hand it back (microseconds), never while it wa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import math
@@ -92,7 +91,7 @@ class ReceiveJob:
         self._cancel[0] = 1
 
     def run(self) -> int:
-        """In a receive thread: the bytes received; then the duplicate descriptor is closed."""
+        """In a receive thread: the bytes received (the descriptor stays open: see _work)."""
         try:
             received, _why = recv_into_exact(
                 self.fd, self.into, self.timeout_ms, self._cancel, self.after
@@ -101,8 +100,6 @@ class ReceiveJob:
         except Exception as exc:  # a bug here must still end in done(): the slot goes back
             log_event("receive_failed", logging.ERROR, error=repr(exc))
             return 0
-        finally:
-            os.close(self.fd)
 
 
 class ReceivePool:
@@ -156,15 +153,19 @@ class ReceivePool:
         self.state = PoolState.RUNNING
 
     def _work(self) -> None:
+        # The duplicate is closed on the loop (_finished): a close here would give up the GIL
+        # and wait for it again, and every such wait can delay the hand-back behind the loop.
         while (job := self._jobs.get()) is not None:
             received = job.run()
-            # a closed loop (RuntimeError) has nobody left to take the slot back
-            with contextlib.suppress(RuntimeError):
+            try:
                 job.loop.call_soon_threadsafe(self._finished, job, received)
+            except RuntimeError:  # the loop is closed: nobody is left to take the slot back
+                os.close(job.fd)
 
     def _finished(self, job: ReceiveJob, received: int) -> None:
         self.in_flight -= 1
         try:
+            os.close(job.fd)  # the thread has let go of it: the socket's last reference, maybe
             job.done(received)
         finally:
             if self.in_flight == 0:
