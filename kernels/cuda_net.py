@@ -14,15 +14,16 @@ every launch a ``<op>_cuda`` of this package, fused where it pays::
                                window score (+ 2 memsets of its accumulators)
 
 That is one launch per block (two for a split one, below), the stem's and the output path's
-2, and 2 memsets: 23 launches for the shipped 48..384-wide model (14 blocks, two per
-decoder stage, 5 of them split). The wide blocks (pointwise
-GEMM of ≥ 192x384 MACs a pixel) and the wide decoder joins (the shipped model's enc3.*,
-dec2.0 and dec1.0) run as two launches instead (``ds_split``: depthwise into
-``Buffers.dw_scratch``, then a tiled GEMM), except at sizes where the block's depthwise
-output would pass the kernels' int32 indexing (``Buffers.split`` lists the blocks split at
-that size); a block can also run as ``ds_tiled`` (one launch on the GEMM's tiling) or
-``ds_halo`` (stride 1: input tiles staged in shared memory, ``ds_halo.py``). The path
-of each block is chosen once per model by ``ds_split.block_path`` (``CudaForward.path``).
+2, and 2 memsets: 22 launches for the shipped 48..384-wide model (14 blocks, two per
+decoder stage, 4 of them split). Each block's path is chosen once per model by
+``ds_split.block_path`` (``CudaForward.path``): the stride-1 blocks up to 288 channels in
+and 96 out (the shipped enc0.0, enc1.1, dec1.1, dec1.0, dec0.0 and dec0.1) run as
+``ds_halo`` (input tiles staged in shared memory, ``ds_halo.py``); the other wide blocks
+(pointwise GEMM of ≥ 192x384 MACs a pixel) and wide decoder joins (the shipped enc3.* and
+dec2.0) as two launches (``ds_split``: depthwise into ``Buffers.dw_scratch``, then a tiled
+GEMM), except at sizes where the block's depthwise output would pass the kernels' int32
+indexing (``Buffers.split`` lists the blocks split at that size); the rest fused
+(``ds_block``), or ``ds_tiled`` (one launch on the GEMM's tiling) when asked for.
 
 Buffers (:class:`Buffers`) are allocated once per (batch, height, width) and every launch
 writes into them (``out=``), so the same launch sequence can be recorded and captured into a
@@ -118,7 +119,7 @@ class CudaForward:
             if b.name != self.head_block:
                 acts[b.name] = cp.empty((batch, h, w, b.cout), np.float16)
             # A split block whose depthwise output would pass the kernels' int32 indexing
-            # (dec1.0 past 113 view frames of 1024²; a test lowers the limit) stays fused.
+            # (dec2.0 past 227 view frames of 1024²; a test lowers the limit) stays fused.
             if self.path[b.name] == "split" and batch * h * w * b.cin <= cu.INT32_LIMIT:
                 split.add(b.name)
                 mid = max(mid, batch * h * w * b.cin)

@@ -44,7 +44,7 @@ DEFAULT_GEMM = "64:3"  # measured best on the H200 (docs/bench/ds-split.json)
 # shipped model's enc3.* blocks and dec2.0; see docs/benchmarks.md for the measurements).
 SPLIT_MIN_MACS = 192 * 384
 JOIN_SPLIT_MIN_MACS = 288 * 96  # a decoder join: dec2.0 and dec1.0 split, dec0.0 (144 x 48) not
-HALO_MAX_CIN = 144  # ... run the stride-1 blocks up to dec0.0's 144 channels on ds_halo
+HALO_MAX_CIN = 288  # stride-1 blocks up to dec1.0's 288 channels run on ds_halo, ...
 TILED_MAX_CIN = 64  # ... and the other narrow stride-1 blocks tiled (see block_path)
 GEMM_BM = 128  # rows of A per block (ds_split.cu: GEMM_BM)
 
@@ -88,18 +88,16 @@ def block_path(
     pw_gemm), ``tiled`` (ds_tiled) or ``halo`` (ds_halo.cu).
 
     ``auto``, from the H200 measurements (docs/bench/ds-split.json, ``scripts/
-    bench_ds_split.py``, fused/path time): **split** the wide blocks (≥ ``SPLIT_MIN_MACS``
-    pointwise MACs a pixel: 1.3-4.3x) and the decoder joins of ≥ ``JOIN_SPLIT_MIN_MACS``
-    (dec2.0 2.4x, dec1.0 1.1x; dec0.0 ran 0.85x split: loading each upsampled source pixel
-    once, dw_group.cuh's up_rows, sped its fused kernel up 1.36x and its split depthwise only
-    1.1x); **halo** the stride-1, dilation-1 blocks of ≤ ``HALO_MAX_CIN`` channels that
-    ``ds_halo`` has tiles for (≤ 96 output channels: the shipped model's 512² blocks enc0.0,
-    dec0.0 and dec0.1, the head included, 1.52x, 1.19x and 1.57x over fused, and 1.05x,
-    1.49x and 1.09x over tiled; the 256² enc1.1 and dec1.1, 1.05x over fused; dec1.0's
-    288-channel join ran 0.96x its split, so it stays split);
-    **tiled** the other narrow stride-1 blocks of ≤ ``TILED_MAX_CIN`` channels (96 channels
-    and up ran 0.6-0.7x tiled); **fused** the rest (the split ran them 0.74-0.91x: the
-    scratch tensor's bytes cost more there)."""
+    bench_ds_split.py``, 16 view frames of 1024²): **halo** the stride-1, dilation-1 blocks
+    of ≤ ``HALO_MAX_CIN`` channels that ``ds_halo`` has tiles for (≤ 96 output channels: the
+    shipped model's enc0.0, enc1.1, dec1.1, dec1.0, dec0.0 and dec0.1 with the head; over
+    their previous paths 588 vs 654 µs tiled, 273 vs 303 fused, 275 vs 307 fused, 715 vs 784
+    split, 1019 vs 1313 fused, 661 vs 792 tiled); **split** the other wide blocks (≥
+    ``SPLIT_MIN_MACS`` pointwise MACs a pixel: 1.3-4.3x over fused) and decoder joins (≥
+    ``JOIN_SPLIT_MIN_MACS``: dec2.0 2.3x); **tiled** the other narrow stride-1 blocks of
+    ≤ ``TILED_MAX_CIN`` channels (none in the shipped model: its were halo's first);
+    **fused** the rest (the split ran them 0.74-0.91x: the scratch tensor's bytes cost
+    more there)."""
     mode = os.environ.get(SPLIT_ENV, "auto")
     if mode not in ("auto", "none", "all", "tiled", "halo"):
         raise ValueError(f"{SPLIT_ENV} must be auto, none, all, tiled or halo, got {mode!r}")
@@ -115,10 +113,10 @@ def block_path(
         return "tiled" if can_tile else "fused"
     if mode == "all":
         return "split" if can_split else "fused"
-    if can_split and cin * cout >= (JOIN_SPLIT_MIN_MACS if cb > 0 else SPLIT_MIN_MACS):
-        return "split"
     if can_halo and cin <= HALO_MAX_CIN:
         return "halo"
+    if can_split and cin * cout >= (JOIN_SPLIT_MIN_MACS if cb > 0 else SPLIT_MIN_MACS):
+        return "split"
     if can_tile and cb == 0 and stride == 1 and cin <= TILED_MAX_CIN:
         return "tiled"
     return "fused"
