@@ -35,7 +35,7 @@ def test_the_shipped_plan_splits_exactly_its_wide_blocks(monkeypatch: pytest.Mon
     assert split == ["enc3.0", "enc3.d0", "enc3.d1", "dec2.0"]
     # The stride-1 blocks of up to 288 channels and 96 out (the joins dec1.0 and dec0.0
     # included) run on ds_halo; none is left tiled.
-    halo = ["enc0.0", "enc1.1", "dec1.1", "dec1.0", "dec0.0", "dec0.1"]
+    halo = ["enc0.0", "enc1.1", "dec1.0", "dec1.1", "dec0.0", "dec0.1"]
     assert [name for name, path in paths.items() if path == "halo"] == halo
     assert "tiled" not in paths.values()
     monkeypatch.setenv(SPLIT_ENV, "all")
