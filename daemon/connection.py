@@ -50,12 +50,12 @@ tail in head (the bytes after the pixels, where SLOT's ``get_buffer`` would have
 those bytes (the stall timer, ``slot_frame``). A short count (EOF, error, a sender paused
 past the pool's ``max_wait_s``) is simply fewer bytes: the loop's own reads then meet the EOF
 or the error or receive the rest, and the stall timer, armed throughout, cuts off a frame
-that stops. Closed or lost meanwhile, the
-connection cancels the job and returns the slot in ``_received``, exactly once. After such a
-frame the next read of head asks for only ``PEEK_BYTES`` (``_peek``): a client that sent one
-large frame likely sends another, whose first 64 KiB of pixels had better not be copied on
-the loop (kernel to head, head to slot) before a thread takes over; once a frame in head has
-been dealt with, reads take all of head again.
+that stops. Closed or lost meanwhile, the connection cancels the job and returns the slot in
+``_received``, exactly once. After such a frame the next read of head asks for only
+``PEEK_BYTES`` (``_peek``): a client that sent one large frame likely sends another, whose
+first 64 KiB of pixels had better not be copied on the loop (kernel to head, head to slot)
+before a thread takes over; once a frame in head has been dealt with, reads take all of head
+again.
 
 Replies (``send``) are queued and written together at the end of the loop's turn
 (``loop.call_soon``): a batch of completions for one client costs one ``writelines``, not a
@@ -357,10 +357,9 @@ class Connection(asyncio.BufferedProtocol):
         return True
 
     def _receive_off_loop(self) -> None:
-        """SLOT: hand the pixels still to come to a receive thread, reading paused until
-        ``_received``, and the frame's tail after them; nothing changes (the loop receives
-        them) if there is no pool, fewer
-        than its ``min_bytes`` are to come, or it takes no job."""
+        """SLOT: hand the pixels still to come, and the frame's tail after them, to a receive
+        thread, reading paused until ``_received``; nothing changes (the loop receives them)
+        if there is no pool, fewer than its ``min_bytes`` are to come, or it takes no job."""
         receiver, at, loan, timer = self.handler.receiver, self._at, self._loan, self._timer
         assert at is not None and loan is not None
         rest = at.start + at.length - self._got
