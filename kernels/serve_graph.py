@@ -46,7 +46,7 @@ host finish (C) 0.13-0.25 ms a frame there. Device footprint ≈ 790 MB a frame 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -278,11 +278,17 @@ class ServeGraph:
 
     def finish(self, batch: Collected, want_mask: Sequence[bool]) -> list[FrameResult]:
         """Finish each collected frame on the host (no device work); masks where wanted."""
+        return list(self.finish_frames(batch, want_mask))
+
+    def finish_frames(self, batch: Collected, want_mask: Sequence[bool]) -> Iterator[FrameResult]:
+        """:meth:`finish` one frame at a time, in order, so a caller can answer each as soon
+        as it is done (the flags are checked before the first frame)."""
         if len(want_mask) != len(batch.count):
             raise ValueError(
                 f"ServeGraph.finish: {len(want_mask)} flags, {len(batch.count)} frames"
             )
-        return [self.host.frame(batch, j, bool(want_mask[j])) for j in range(len(batch.count))]
+        for j in range(len(batch.count)):
+            yield self.host.frame(batch, j, bool(want_mask[j]))
 
     def _end_elapsed(self) -> float:
         from scratchd.kernels import _cuda as cu

@@ -38,7 +38,7 @@ so 5 frames go as 4 + 1 rather than a padded 8 when that costs less device time
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -278,22 +278,28 @@ class CudaBackend:
 
     def finish(self, batch: Batch) -> list[Result]:
         """Finish the collected frames on the host: queue Results in batch order."""
-        if not batch.collected:
-            raise RuntimeError("CudaBackend.finish before collect")
         results: list[Result | None] = [None] * batch.size
-        for c in batch.chunks:
-            frames = c.graph.finish(c.collected, c.want_mask)
-            if len(batch.chunks) == 1:  # chunks of one batch overlap on the device (each
-                self._observe(c.graph, c.collected.compute_ms)  # graph has its own stream)
-            compute_ns = int(c.collected.compute_ms * 1e6)
-            for pos, frame, want in zip(c.positions, frames, c.want_mask, strict=True):
-                results[pos] = ok_result(frame, want, compute_ns, len(c.positions))
-        for pos, (status, reason) in batch.errors.items():
-            results[pos] = error_result(reason, batch.size, status)
+        for pos, result in self.finish_each(batch):
+            results[pos] = result
         missing = [i for i, r in enumerate(results) if r is None]
         if missing:
             raise RuntimeError(f"CudaBackend.finish: no result for batch positions {missing}")
         return [r for r in results if r is not None]
+
+    def finish_each(self, batch: Batch) -> Iterator[tuple[int, Result]]:
+        """(batch position, queue Result) of each frame as soon as the host has finished it:
+        the planning errors first, then the chunks' frames in order."""
+        if not batch.collected:
+            raise RuntimeError("CudaBackend.finish before collect")
+        for pos, (status, reason) in batch.errors.items():
+            yield pos, error_result(reason, batch.size, status)
+        for c in batch.chunks:
+            if len(batch.chunks) == 1:  # chunks of one batch overlap on the device (each
+                self._observe(c.graph, c.collected.compute_ms)  # graph has its own stream)
+            compute_ns = int(c.collected.compute_ms * 1e6)
+            frames = c.graph.finish_frames(c.collected, c.want_mask)
+            for pos, frame, want in zip(c.positions, frames, c.want_mask, strict=True):
+                yield pos, ok_result(frame, want, compute_ns, len(c.positions))
 
     def expected_ms(self, batch: Batch) -> float:
         """The device time a started batch has left: its chunks' graphs' measured ms, less

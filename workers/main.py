@@ -31,7 +31,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Final, Protocol, cast
 
 import numpy as np
@@ -67,7 +67,10 @@ class AsyncBackend(Backend, Protocol):
 
     def collect(self, batch: object) -> None: ...
 
-    def finish(self, batch: object) -> list[Result]: ...
+    def finish_each(self, batch: object) -> Iterator[tuple[int, Result]]:
+        """(batch position, Result) of each frame as soon as the host has finished it,
+        every position exactly once (the loop completes each at once)."""
+        ...
 
 
 class StopFlag:
@@ -415,13 +418,23 @@ class PipelinedLoop(WorkerLoop):
             self.inflight, self.collected = None, self.inflight
 
     def _finish(self) -> None:
+        """Finish the collected batch on the host, completing each frame as it is done (the
+        first frames' replies do not wait for the batch's last), then check that every claim
+        got its result: a backend that skips one is a crash, and the supervisor re-queues
+        what was not completed."""
         if self.collected is None:
             return
         (claims, batch, started), self.collected = self.collected, None
-        results = cast(AsyncBackend, self.backend).finish(batch)
+        done = [False] * len(claims)
+        for pos, result in cast(AsyncBackend, self.backend).finish_each(batch):
+            if not 0 <= pos < len(claims) or done[pos]:
+                raise RuntimeError(f"finish_each gave batch position {pos} twice or out of range")
+            done[pos] = True
+            self.complete(claims[pos], result)
+        if not all(done):
+            missing = [i for i, d in enumerate(done) if not d]
+            raise RuntimeError(f"finish_each gave no result for batch positions {missing}")
         self.policy.observe(len(claims), time.monotonic_ns() - started)
-        for claim, result in zip(claims, results, strict=True):
-            self.complete(claim, result)
 
 
 def serve(

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 
 from scratchd.ipc.queue import Completion, Geometry, RequestQueue, Result, Status
 from scratchd.workers.main import PipelinedLoop, StopFlag
@@ -57,11 +58,11 @@ class FakeAsyncBackend:
         batch.collected = True
         self.log.append(("collect", batch.number))
 
-    def finish(self, batch: FakeBatch) -> list[Result]:
+    def finish_each(self, batch: FakeBatch) -> Iterator[tuple[int, Result]]:
         assert batch.collected
         self.log.append(("finish", batch.number))
-        return [Result(status=Status.OK, score=m / 255.0, batch_size=len(batch.means))
-                for m in batch.means]  # fmt: skip
+        for pos, m in enumerate(batch.means):
+            yield pos, Result(status=Status.OK, score=m / 255.0, batch_size=len(batch.means))
 
 
 @dataclass
@@ -90,12 +91,38 @@ class TimedBackend(FakeAsyncBackend):
         return self.device_s * 1000.0
 
 
+@dataclass
+class SlowFinishBackend(FakeAsyncBackend):
+    """Finishes a frame every ``frame_s`` on the host, in reverse batch order (any order is
+    allowed), and notes when it handed each request's result over."""
+
+    frame_s: float = 0.3
+    handed: dict[float, float] = field(default_factory=dict)  # score -> when
+
+    def finish_each(self, batch: FakeBatch) -> Iterator[tuple[int, Result]]:
+        for pos, result in reversed(list(super().finish_each(batch))):
+            time.sleep(self.frame_s)
+            self.handed[result.score] = time.monotonic()
+            yield pos, result
+
+
+@dataclass
+class WrongFinishBackend(FakeAsyncBackend):
+    """Gives the first frame's result for every position but the last: a broken backend."""
+
+    def finish_each(self, batch: FakeBatch) -> Iterator[tuple[int, Result]]:
+        results = list(super().finish_each(batch))
+        for _ in results[:-1]:
+            yield results[0]
+
+
 @contextlib.contextmanager
 def running_loop(
-    max_delay_ms: int, backend: FakeAsyncBackend | None = None
+    max_delay_ms: int, backend: FakeAsyncBackend | None = None, before: int = 0
 ) -> Iterator[tuple[RequestQueue, FakeAsyncBackend]]:
     """A queue (the daemon's side) and a PipelinedLoop on a thread serving it with a fake
-    backend; the loop is stopped, and everything closed, on exit."""
+    backend (``before`` requests, ids 0.., queued before it starts); the loop is stopped,
+    and everything closed, on exit."""
     name = f"/scratchd-test-pipeline-{os.getpid()}"
     main = RequestQueue.create(name, Geometry(slots=64, slot_bytes=64, max_workers=2))
     death_r, death_w = os.pipe()
@@ -106,6 +133,8 @@ def running_loop(
     loop = PipelinedLoop(
         worker, 0, backend, stop, death_r, max_delay_ms=max_delay_ms, heartbeat_ms=50
     )
+    for rid in range(before):
+        submit(main, rid, 10 * (rid + 1))
     thread = threading.Thread(target=loop.run)
     thread.start()
     try:
@@ -161,6 +190,52 @@ def test_every_request_completes_once_with_its_own_result_and_steps_overlap() ->
         if log.index(("start", n + 1)) < log.index(("finish", n))
     ]  # fmt: skip
     assert overlapped, f"no batch finished while the next one ran: {log}"
+
+
+def test_each_frame_is_completed_as_soon_as_the_host_has_finished_it() -> None:
+    """Three requests in one batch, finished 0.3 s apart: each is answered right after its
+    own finish, not when the batch's last frame is done."""
+    backend = SlowFinishBackend(max_batch=3)
+    with running_loop(max_delay_ms=600_000, backend=backend, before=3) as (main, _):
+        answered: dict[float, float] = {}
+        deadline = time.monotonic() + 30
+        while len(answered) < 3 and time.monotonic() < deadline:
+            for c in main.collect_completed():
+                assert c.result is not None
+                answered[c.result.score] = time.monotonic()
+            time.sleep(0.001)
+    assert backend.count == 1, "the three requests were meant to be one batch"
+    assert len(answered) == 3
+    last_handed = max(backend.handed.values())
+    early = [score for score, t in answered.items() if t < last_handed]
+    assert len(early) == 2, f"answered {answered}, handed {backend.handed}"
+
+
+def test_a_backend_that_skips_or_repeats_a_frame_stops_the_worker() -> None:
+    """finish_each gives position 0 twice: the loop raises (the worker process dies and the
+    supervisor re-queues what was not completed) instead of answering a request twice."""
+    name = f"/scratchd-test-pipeline-bad-{os.getpid()}"
+    main = RequestQueue.create(name, Geometry(slots=64, slot_bytes=64, max_workers=2))
+    death_r, death_w = os.pipe()
+    worker = RequestQueue.attach(name, completion_fd=main.completion_fd, work_fd=main.work_fd(0))
+    worker.register_worker(0, os.getpid())
+    stop = StopFlag(main.work_fd(0))
+    loop = PipelinedLoop(
+        worker, 0, WrongFinishBackend(max_batch=3), stop, death_r, max_delay_ms=600_000,
+        heartbeat_ms=50,
+    )  # fmt: skip
+    try:
+        for rid, value in enumerate((10, 20, 30)):
+            submit(main, rid, value)
+        with pytest.raises(RuntimeError, match="position 0 twice"):
+            loop.run()
+        done = main.collect_completed()
+        assert [c.request_id for c in done] == [0]  # completed once, the rest left claimed
+    finally:
+        os.close(death_w)
+        os.close(death_r)
+        worker.close()
+        main.close()
 
 
 def test_an_idle_device_takes_a_lone_request_without_waiting_for_the_fill_window() -> None:
