@@ -35,6 +35,16 @@ loop's thread, ``time.thread_time``), and from ``/proc/self/task/*/stat`` (10 ms
 ``receive`` threads and every ``other`` thread (the decode pool, ...). ``latency_ms`` are the
 clients' percentiles, send to reply (the closed loop's include waiting behind the window).
 
+``--slow K`` adds one process with K connections that each send their frames (the same
+mosaics, one after another, replies read as they come) in ``--slow-chunk`` byte pieces
+``--slow-pause-ms`` apart: senders slow to push the rest of a frame, as a starved or
+throttled client is. The ``--clients`` (say one, open loop at a modest ``--rate``) are then
+the fast senders whose latency says whether slow ones hold up the others' frames (a convoy in
+the receive threads: the fast latency growing with K only with ``--receive-threads`` > 0);
+``slow.requests_per_s`` is what the slow ones got through::
+
+    python scripts/bench_frontend.py --sizes 1024 --clients 1 --rate 100 --slow 8
+
 ``--profile PATH`` runs the first size under cProfile (the loop's Python side; the numbers
 it prints are inflated by the profiler) and writes the pstats there; the kernel's side
 (recv copies, skb frees) needs ``perf record -g -p <pid>`` on this process. On a shared
@@ -63,7 +73,7 @@ from typing import Any
 import numpy as np
 import serve_load as sl
 
-from scratchd.client import AsyncClient
+from scratchd.client import AsyncClient, build_request
 from scratchd.daemon.acceptor import Acceptor
 from scratchd.daemon.config import Config, QueueConfig, ServerConfig
 from scratchd.daemon.dispatch import Accountant, Dispatcher, InFlight
@@ -147,6 +157,42 @@ async def open_loop(args: argparse.Namespace) -> dict[str, Any]:
             tasks.append(asyncio.create_task(one(i)))
         await asyncio.gather(*tasks)
     return {"statuses": statuses, "latencies_ms": [round(x * 1e3, 3) for x in latencies]}
+
+
+async def slow_senders(args: argparse.Namespace) -> dict[str, Any]:
+    """``--slow`` connections, each sending its frames one after another in ``--slow-chunk``
+    byte pieces ``--slow-pause-ms`` apart (a sender slow to push the rest of its frames),
+    reading its replies as they come, until ``--duration`` is over."""
+    frames = np.load(args.frames, mmap_mode="r")
+    statuses: dict[str, int] = {}
+    stop_at = time.perf_counter() + args.duration
+
+    async def one(k: int) -> None:
+        reader, writer = await asyncio.open_unix_connection(args.socket)
+
+        async def replies() -> None:
+            while True:
+                prefix = await reader.readexactly(wire.PREFIX_BYTES)
+                body = await reader.readexactly(wire.frame_length(prefix))
+                status = getattr(wire.decode_daemon_message(body), "status", "?")
+                statuses[status] = statuses.get(status, 0) + 1
+
+        reading = asyncio.create_task(replies())
+        i = k
+        while time.perf_counter() < stop_at:
+            request = build_request(i + 1, np.asarray(frames[i % frames.shape[0]]))
+            frame = memoryview(wire.encode_frame(request))
+            for lo in range(0, len(frame), args.slow_chunk):
+                writer.write(frame[lo : lo + args.slow_chunk])
+                await writer.drain()
+                await asyncio.sleep(args.slow_pause_ms / 1e3)
+            i += args.slow
+        await asyncio.sleep(0.3)  # the last frame's reply
+        reading.cancel()
+        writer.close()
+
+    await asyncio.gather(*(one(k) for k in range(args.slow)))
+    return {"statuses": statuses, "latencies_ms": []}
 
 
 # ---- the front end ------------------------------------------------------------------------
@@ -246,11 +292,13 @@ async def measure(
         before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         kids_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         ticks_before, loop_before = thread_ticks(), time.thread_time()
+        slow = [spawn_slow(args, config.server.socket, frames_path)] if args.slow else []
         clients = [
             spawn_client(args, config.server.socket, frames_path) for _ in range(args.clients)
         ]
         outs = [await asyncio.to_thread(p.communicate) for p in clients]
-        if any(p.returncode for p in clients):
+        slow_outs = [await asyncio.to_thread(p.communicate) for p in slow]
+        if any(p.returncode for p in clients + slow):
             raise SystemExit("a client process failed (its error is above)")
         wall = time.perf_counter() - t0
         loop_cpu, ticks_after = time.thread_time() - loop_before, thread_ticks()
@@ -274,6 +322,9 @@ async def measure(
             statuses[k] = statuses.get(k, 0) + v
         latencies += result["latencies_ms"]
     replies = sum(statuses.values())
+    slow_statuses: dict[str, int] = {}
+    for out, _ in slow_outs:
+        slow_statuses = json.loads(out)["statuses"]
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     split = split_threads(ticks_before, ticks_after, receivers)
     per_request = {k: round(v / max(replies, 1) * 1e6, 1) for k, v in split.items()}
@@ -293,6 +344,13 @@ async def measure(
         "loop_cpu_share": round(loop_cpu / wall, 3),
         "thread_cpu_us_per_request": per_request,  # /proc ticks: loop, receive, other
         "latency_ms": percentiles(latencies),
+        "slow": {
+            "senders": args.slow,
+            "chunk_bytes": args.slow_chunk,
+            "pause_ms": args.slow_pause_ms,
+            "statuses": slow_statuses,
+            "requests_per_s": round(sum(slow_statuses.values()) / wall, 1),
+        },
         "client_cpu_us_per_request": round(
             (kids.ru_utime - kids_before.ru_utime + kids.ru_stime - kids_before.ru_stime)
             / max(replies, 1)
@@ -311,6 +369,13 @@ def spawn_stub(queue: RequestQueue, full_results: bool) -> subprocess.Popen[byte
     cmd += ["--done-fd", str(done), "--work-fd", str(work)]
     cmd += ["--full-results"] if full_results else []
     return subprocess.Popen(cmd, pass_fds=(done, work))
+
+
+def spawn_slow(args: argparse.Namespace, sock: str, frames: Path) -> subprocess.Popen[str]:
+    cmd = [sys.executable, __file__, "--slow-client", "--socket", sock, "--frames", str(frames)]
+    cmd += ["--duration", str(args.duration), "--slow", str(args.slow)]
+    cmd += ["--slow-chunk", str(args.slow_chunk), "--slow-pause-ms", str(args.slow_pause_ms)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
 
 def spawn_client(args: argparse.Namespace, sock: str, frames: Path) -> subprocess.Popen[str]:
@@ -361,10 +426,14 @@ def main() -> None:
         "--receive-threads", type=int, default=ServerConfig().receive_threads,
         help="[server] receive_threads (0: large frames' pixels received on the loop)",
     )  # fmt: skip
+    p.add_argument("--slow", type=int, default=0, help="connections sending frames slowly")
+    p.add_argument("--slow-chunk", type=int, default=64 * 1024, help="--slow: bytes a piece")
+    p.add_argument("--slow-pause-ms", type=float, default=2.0, help="--slow: between pieces")
     p.add_argument("--profile", default="", help="cProfile the first size into this file")
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
     p.add_argument("--json", default=None)
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--slow-client", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--stub-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--socket", default="", help=argparse.SUPPRESS)
     p.add_argument("--frames", default="", help=argparse.SUPPRESS)
@@ -378,6 +447,9 @@ def main() -> None:
         return
     import uvloop
 
+    if args.slow_client:
+        print(json.dumps(uvloop.run(slow_senders(args))))
+        return
     if args.client:  # open loop on uvloop: asyncio's 3.11 transport copies its whole send
         # buffer on every partial send, and an open-loop client's buffer grows with the rate
         # (the closed-loop client keeps asyncio, as the numbers recorded so far were taken)
@@ -391,7 +463,7 @@ def main() -> None:
     rows = uvloop.run(run_all(args))
     head = f"{'size':>6}{'req/s':>10}{'MiB/s':>9}{'CPU us/req':>12}{'CPU share':>11}"
     head += f"{'loop us/req':>13}{'recv us/req':>13}{'loop share':>12}"
-    print(head + f"{'client us/req':>15}{'p50 ms':>9}{'p99 ms':>9}  statuses")
+    print(head + f"{'client us/req':>15}{'p50 ms':>9}{'p99 ms':>9}{'slow req/s':>12}  statuses")
     for r in rows:
         lat = r["latency_ms"]
         print(
@@ -399,14 +471,15 @@ def main() -> None:
             f"{r['main_cpu_us_per_request']:>12}{r['main_cpu_share']:>11}"
             f"{r['loop_cpu_us_per_request']:>13}{r['thread_cpu_us_per_request']['receive']:>13}"
             f"{r['loop_cpu_share']:>12}{r['client_cpu_us_per_request']:>15}"
-            f"{lat.get('p50', 0):>9}{lat.get('p99', 0):>9}  {r['statuses']}"
+            f"{lat.get('p50', 0):>9}{lat.get('p99', 0):>9}{r['slow']['requests_per_s']:>12}"
+            f"  {r['statuses']}"
         )
     load = {"loadavg_1m_before": round(load_before, 2), "loadavg_1m_after": os.getloadavg()[0]}
     print(f"load average {load}")
     if args.json:
         doc = {"machine": {"cpus": os.cpu_count(), **load}, "clients": args.clients,
                "window": args.window, "rate": args.rate or None, "accounting": args.accounting,
-               "receive_threads": args.receive_threads,
+               "receive_threads": args.receive_threads, "slow": args.slow,
                "duration_s": args.duration, "rows": rows}  # fmt: skip
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
