@@ -43,19 +43,23 @@ closed or lost mid-frame returns its slot at once (or, while a receive thread is
 once the thread has let go of it: below).
 
 Off the loop (``FrameHandler.receiver``, ``[server] receive_threads`` > 0): in SLOT, when at
-least ``receiver.min_bytes`` of pixels are still to come, the transport's reading is paused
-and a receive thread (``daemon/receiver.py``) fills the rest of the slot and then the frame's
-tail in head (the bytes after the pixels, where SLOT's ``get_buffer`` would have put them);
-``_received`` then resumes reading and goes on exactly as ``buffer_updated`` would have with
-those bytes (the stall timer, ``slot_frame``). A short count (EOF, error, a sender paused
-past the pool's ``max_wait_s``) is simply fewer bytes: the loop's own reads then meet the EOF
-or the error or receive the rest, and the stall timer, armed throughout, cuts off a frame
-that stops. Closed or lost meanwhile, the connection cancels the job and returns the slot in
-``_received``, exactly once. After such a frame the next read of head asks for only
-``PEEK_BYTES`` (``_peek``): a client that sent one large frame likely sends another, whose
-first 64 KiB of pixels had better not be copied on the loop (kernel to head, head to slot)
-before a thread takes over; once a frame in head has been dealt with, reads take all of head
-again.
+least ``receiver.min_bytes`` of pixels are still to come and at least that many bytes are
+already in the socket (``ReceivePool.worth``), the transport's reading is paused and a
+receive thread (``daemon/receiver.py``) fills the rest of the slot and then the frame's tail
+in head (the bytes after the pixels, where SLOT's ``get_buffer`` would have put them), as far
+as the socket holds them: a thread never waits for a sender. ``_received`` goes on exactly as
+``buffer_updated`` would have with those bytes (the stall timer, ``slot_frame``). A short
+count (the socket ran dry, EOF, error) is simply fewer bytes: if a burst of the frame is
+already there again, another job takes it at once; otherwise reading resumes and the loop
+receives the rest as it arrives, at most ``SLOT_READ_BYTES`` a read, checking after each read
+whether a burst waits for a thread (so a sender slow to push its frame never holds a thread,
+and one that speeds up gets one back). The loop meets an EOF or error itself; the stall
+timer, armed throughout, cuts off a frame that stops. Closed or lost meanwhile, the
+connection cancels the job and returns the slot in ``_received``, exactly once. After a
+frame finished off the loop the next read of head asks for only ``PEEK_BYTES`` (``_peek``):
+a client that sent one large frame likely sends another, whose first 64 KiB of pixels had
+better not be copied on the loop (kernel to head, head to slot) before a thread takes over;
+once a frame in head has been dealt with, reads take all of head again.
 
 Replies (``send``) are queued and written together at the end of the loop's turn
 (``loop.call_soon``): a batch of completions for one client costs one ``writelines``, not a
@@ -89,6 +93,9 @@ SCAN_BYTES: Final = 1024
 BODY_ROUND: Final = 64 * 1024
 """Body buffers are sized in multiples of this, so frames of nearly one size share them."""
 POOL_KEEP: Final = 8
+SLOT_READ_BYTES: Final = 64 * 1024
+"""SLOT with a receive pool: the most pixels one read on the loop takes, so that a burst that
+piled up while the loop was busy goes to a thread after the first 64 KiB of it."""
 PEEK_BYTES: Final = wire.PREFIX_BYTES + SCAN_BYTES
 """How much the read after a frame received off the loop asks for: enough to lend a slot."""
 REFUSED_FEED_BYTES: Final = LINGER_BYTES + HEAD_BYTES
@@ -256,7 +263,8 @@ class Connection(asyncio.BufferedProtocol):
             assert at is not None and loan is not None
             end = at.start + at.length
             if self._got < end:
-                return loan.view[self._got - at.start :]
+                stop = end if self.handler.receiver is None else self._got + SLOT_READ_BYTES
+                return loan.view[self._got - at.start : stop - at.start]
             return self._head_view[at.hidden_end + self._got - end : at.hidden_length(self._length)]
         if self.state is ReadState.BODY:
             assert self._body is not None
@@ -277,6 +285,8 @@ class Connection(asyncio.BufferedProtocol):
             self._got += nbytes
             if self._got == self._length:
                 self._finish_slot()
+            elif self.handler.receiver is not None:
+                self._receive_off_loop()
             return
         if self.state is ReadState.BODY:
             self._got += nbytes
@@ -356,26 +366,29 @@ class Connection(asyncio.BufferedProtocol):
         self._receive_off_loop()
         return True
 
-    def _receive_off_loop(self) -> None:
+    def _receive_off_loop(self, paused: bool = False) -> bool:
         """SLOT: hand the pixels still to come, and the frame's tail after them, to a receive
-        thread, reading paused until ``_received``; nothing changes (the loop receives them)
-        if there is no pool, fewer than its ``min_bytes`` are to come, or it takes no job."""
+        thread, reading paused until ``_received``; False, nothing changed (the loop receives
+        them; reading is left ``paused`` or not as it was), if there is no pool, it does not
+        find them worth a thread (``ReceivePool.worth``) or it takes no job."""
         receiver, at, loan, timer = self.handler.receiver, self._at, self._loan, self._timer
         assert at is not None and loan is not None
         rest = at.start + at.length - self._got
         if receiver is None or rest < receiver.min_bytes or self.transport is None:
-            return
+            return False
         sock = self.transport.get_extra_info("socket")
-        if sock is None:
-            return
+        if sock is None or not receiver.worth(sock.fileno(), rest):
+            return False
         left_s = self.handler.frame_timeout_s if timer is None else timer.when() - self._loop.time()
-        self.transport.pause_reading()  # before the thread starts: one reader at a time
+        if not paused:
+            self.transport.pause_reading()  # before the thread starts: one reader at a time
         done = functools.partial(self._received, loan)
         pixels = loan.view[self._got - at.start :]
         tail = self._head_view[at.hidden_end : at.hidden_length(self._length)]
         self._job = receiver.receive(sock.fileno(), pixels, left_s, done, tail)
-        if self._job is None:
+        if self._job is None and not paused:
             self.transport.resume_reading()
+        return self._job is not None
 
     def _received(self, loan: SlotLoan, received: int) -> None:
         """On the loop, once the receive thread has let go of the socket and of ``loan``:
@@ -384,9 +397,13 @@ class Connection(asyncio.BufferedProtocol):
         if self.state is not ReadState.SLOT:  # closed or lost meanwhile (_enter kept the slot)
             self.handler.return_slot(loan)
             return
+        self._got += received
+        # A burst of the rest already there: another job, reading still paused. Only after
+        # progress: a job that got nothing met an EOF or error, which the loop must see.
+        if received and self._got < self._length and self._receive_off_loop(paused=True):
+            return
         if self.transport is not None:
             self.transport.resume_reading()
-        self._got += received
         if self._got == self._length:
             self._peek = True
             try:

@@ -31,21 +31,35 @@ into this slot. A duplicate keeps the socket open until the job ends, which it d
 ``RECV_SLICE_MS`` of ``ReceiveJob.cancel`` (the connection cancels when it is closed or
 lost, including by the stall timer: ``frame_timeout_ms`` still cuts a stalled frame off).
 
+A job never waits for a sender (``max_wait_s`` = 0): the thread copies what the socket holds
+when it runs, and what arrives while it copies, and hands the frame back at the first empty
+read. A frame goes to a thread only when the socket already holds ``min_bytes`` of it
+(``ready``: ioctl FIONREAD), so a sender slow to push the rest of its frame has that rest
+received by the loop as it trickles in (where waiting costs nothing) and takes a thread only
+for a burst that is already there. Waiting for more would let a few slow senders hold every
+thread while other connections' frames queue behind them: with 4 threads and a 20 ms wait, 8
+senders pushing 64 KiB every 2 ms took the fast sender's p50 from 2.5 to 1841 ms
+(``docs/bench/frontend.json``, ``convoy``).
+
 ``done`` always runs once per job, on the loop, whatever the thread met (a short count: the
-loop resumes reading and meets the EOF or the error itself, or receives the rest of a frame
-whose sender stalled past ``max_wait_s``; its stall timer is still armed).
+loop resumes reading and meets the EOF or the error itself, or receives the rest of a frame,
+or hands it to a thread again if a burst of it is already there; its stall timer is still
+armed).
 ``wait_idle`` awaits every job's ``done``; ``shutdown`` then ends the threads. A thread holds
 the GIL only to take a job and to hand it back (microseconds), never while it waits or copies.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import enum
+import fcntl
 import logging
 import math
 import os
 import queue
+import termios
 import threading
 from collections.abc import Callable
 from typing import Final
@@ -54,12 +68,12 @@ from scratchd.daemon.log import log_event
 from scratchd.ipc._native import recv_into_exact
 
 MIN_BYTES: Final = 64 * 1024
-"""Pixels still to come for which a thread is worth its hand-offs (~64 KiB: the kernel's copy
-of that many costs about what the loop spends handing a job over and taking it back)."""
-MAX_WAIT_S: Final = 0.02
-"""The longest one job holds its thread (a 1 MiB frame streams in well under 1 ms). A sender
-that stalls mid-frame gets the rest received on the loop, where waiting costs nothing, so a
-few slow or hostile clients cannot take every thread from the others' frames."""
+"""Pixels still to come, and bytes already in the socket, for which a thread is worth its
+hand-offs (~64 KiB: the kernel's copy of that many costs about what the loop spends handing a
+job over and taking it back)."""
+MAX_WAIT_S: Final = 0.0
+"""The longest one job waits for bytes that are not there yet: none. Tests raise it to hold a
+thread mid-frame (cancel and close while a thread owns the slot)."""
 
 
 class PoolState(enum.Enum):
@@ -109,13 +123,30 @@ class ReceivePool:
         if threads < 1:
             raise ValueError(f"a receive pool needs at least one thread, not {threads}")
         self.threads = threads
-        self.min_bytes = MIN_BYTES  # fewer pixels than this to come: the loop receives them
-        self.max_wait_s = MAX_WAIT_S  # a job gives its thread back after this, done or not
+        self.min_bytes = MIN_BYTES  # fewer pixels than this to come, or in the socket: loop
+        self.max_wait_s = MAX_WAIT_S  # a job waits this long at most for bytes not there yet
         self.state = PoolState.NEW
         self.in_flight = 0  # jobs whose done() has not run yet (loop thread only)
+        self.jobs = 0  # jobs started, ever (loop thread only; benchmarks count hand-offs)
+        self._ready = array.array("i", [0])  # ready()'s ioctl result (loop thread only)
         self._jobs: queue.SimpleQueue[ReceiveJob | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._idle: list[asyncio.Future[None]] = []
+
+    def ready(self, fd: int) -> int:
+        """On the loop: the bytes the socket ``fd`` holds unread (ioctl FIONREAD), 0 if it
+        cannot say (an error is the loop's own read to meet)."""
+        try:
+            fcntl.ioctl(fd, termios.FIONREAD, self._ready, True)
+        except OSError:
+            return 0
+        return self._ready[0]
+
+    def worth(self, fd: int, rest: int) -> bool:
+        """On the loop: whether ``rest`` bytes still to come of a frame on ``fd`` go to a
+        thread: at least ``min_bytes`` of them, and at least that many already in the socket
+        (a thread copies what is there and waits for nothing)."""
+        return rest >= self.min_bytes and self.ready(fd) >= self.min_bytes
 
     def receive(
         self,
@@ -142,6 +173,7 @@ class ReceivePool:
         timeout_ms = max(0, math.ceil(min(timeout_s, self.max_wait_s) * 1000))
         job = ReceiveJob(dup, into, after, timeout_ms, asyncio.get_running_loop(), done)
         self.in_flight += 1
+        self.jobs += 1
         self._jobs.put(job)
         return job
 

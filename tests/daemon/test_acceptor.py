@@ -307,9 +307,9 @@ def test_a_frame_received_into_a_slot_is_answered_and_served_as_if_copied(
             loans = front.loans
             threaded = await front.serve(frames, lend=True, via_socket=True)
             assert threaded == copied
-            # Every pixel lent a slot ends past what one read of head holds: each rest went
-            # to a thread.
-            assert front.jobs == front.loans - loans
+            # Through slots again; each rest went to a thread when a burst of it was in the
+            # socket, else the loop received it (test_receiver checks which, and when).
+            assert front.loans - loans == sum(map(_lendable, frames))
         finally:
             await front.close()
 
@@ -327,7 +327,7 @@ def test_receive_threads_0_receives_on_the_loop_and_more_in_threads(threads: int
             body = bytes(wire.encode_frame(request)[4:])
             replies, seen = await front.serve([body], lend=True, via_socket=True)
             assert replies == [(4, "ok", "", "clean")] and len(seen) == 1
-            assert front.loans == 1 and front.jobs == (1 if threads else 0)
+            assert front.loans == 1 and (front.jobs >= 1 if threads else front.jobs == 0)
         finally:
             await front.close()
         assert front.acceptor.receiver is None or not front.acceptor.receiver.native_ids()

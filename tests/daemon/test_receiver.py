@@ -15,12 +15,15 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import pytest
 import uvloop
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scratchd.daemon import receiver as receiver_module
 from scratchd.daemon.connection import HEAD_BYTES, SCAN_BYTES, Connection, ReadState, SlotLoan
-from scratchd.daemon.receiver import PoolState, ReceiveJob, ReceivePool
+from scratchd.daemon.receiver import MAX_WAIT_S, MIN_BYTES, PoolState, ReceiveJob, ReceivePool
+from scratchd.ipc._native import recv_into_exact
 
 from .test_connection import Lender, decoded, framed, raw_body, raw_sizes, sizes
 
@@ -33,7 +36,7 @@ def run_uvloop(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
 class Counting(Lender):
     """A Lender with a receive pool (or none) that counts jobs and slot returns."""
 
-    def __init__(self, threads: int, **kwargs: Any) -> None:
+    def __init__(self, threads: int, max_wait_s: float = 10.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.returned: list[int] = []
         self.jobs = 0
@@ -41,7 +44,7 @@ class Counting(Lender):
         if threads:
             pool = ReceivePool(threads)
             pool.min_bytes = 1  # every lent frame with pixels still to come goes to a thread
-            pool.max_wait_s = 10.0  # a job keeps its thread until its frame stalls out (below)
+            pool.max_wait_s = max_wait_s  # 10 s: a job keeps its thread until its frame stalls
             receive = pool.receive
 
             def counting(
@@ -139,10 +142,11 @@ def test_frames_received_by_threads_arrive_as_on_the_loop(
             assert handler.out == {}  # every slot taken or returned ...
             assert len(handler.returned) == len(set(handler.returned))  # ... once
             assert handler.events == [("closed", 1)]
-        # A lent frame's pixels outlast the head: the rest of them went to a thread.
+        # Sent at once, a lent frame's pixels outlast the head: the rest went to a thread.
+        # (Cut into pieces, the rest of one may all have been received on the loop.)
         big = sum(kind == "raw" and n >= HEAD_BYTES for kind, n in frames)
         assert on_loop.jobs == 0
-        assert threaded.jobs >= big if lend else threaded.jobs == 0
+        assert threaded.jobs >= (big if not cuts else 0) if lend else threaded.jobs == 0
 
     run_uvloop(main)
 
@@ -177,27 +181,100 @@ def test_after_a_frame_received_off_the_loop_the_next_ones_pixels_are_left_to_a_
     run_uvloop(main)
 
 
-def test_a_sender_that_pauses_past_max_wait_has_the_rest_received_on_the_loop() -> None:
+def test_a_sender_that_pauses_mid_frame_has_its_thread_back_at_once() -> None:
+    """With the pool's own max_wait_s (0) a job copies what is there and hands the frame back;
+    the rest, sent later, arrives through the loop or another job; the frame is whole."""
+
     async def main() -> None:
-        handler = Counting(2)
+        handler = Counting(2, max_wait_s=MAX_WAIT_S)
         assert handler.receiver is not None
-        handler.receiver.max_wait_s = 0.05
         conn, client = await connect(handler)
         body = raw_body(4 * HEAD_BYTES, 4)
         frame = framed([body])
         await send(client, frame[: 2 * HEAD_BYTES], [])
         await until(lambda: handler.jobs == 1)
-        start = time.monotonic()
         await until(lambda: handler.receiver is not None and handler.receiver.in_flight == 0)
-        assert time.monotonic() - start < 1.0  # the thread is free long before the frame
         assert conn.state is ReadState.SLOT and len(handler.out) == 1  # still lent, not cut off
-        await send(client, frame[2 * HEAD_BYTES :], [HEAD_BYTES])  # the rest, through the loop
+        await send(client, frame[2 * HEAD_BYTES :], [HEAD_BYTES])
         await until(lambda: len(handler.messages) == 1)
-        assert handler.messages == [decoded(body)] and handler.jobs == 1
+        assert handler.messages == [decoded(body)] and handler.jobs >= 1
         assert handler.out == {} and handler.returned == [] and handler.events == []
         client.close()
         await conn.wait_closed(5.0)
         handler.receiver.shutdown()
+
+    run_uvloop(main)
+
+
+def test_a_job_never_waits_for_bytes_not_yet_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every job is started with no time to wait (a mutant that waits for the sender fails
+    here), and a slow sender's rest is received as it comes: frames whole, slots back."""
+    timeouts: list[int] = []
+
+    def spy(fd: int, into: Any, timeout_ms: int, cancel: Any, after: Any = None) -> Any:
+        timeouts.append(timeout_ms)
+        return recv_into_exact(fd, into, timeout_ms, cancel, after)
+
+    monkeypatch.setattr(receiver_module, "recv_into_exact", spy)
+
+    async def main() -> None:
+        pool = ReceivePool(2)
+        assert pool.max_wait_s == 0 and pool.min_bytes == MIN_BYTES
+        handler = Counting(0)
+        handler.receiver = pool
+        conn, client = await connect(handler)
+        bodies = [raw_body(6 * HEAD_BYTES, 6), raw_body(6 * HEAD_BYTES, 7)]
+        frame = framed(bodies)
+        half = len(frame) // 2
+        await asyncio.get_running_loop().sock_sendall(client, frame[:half])  # a burst ...
+        for lo in range(half, len(frame), 16 * 1024):  # ... then 16 KiB pieces, 2 ms apart
+            await asyncio.sleep(0.002)
+            await asyncio.get_running_loop().sock_sendall(client, frame[lo : lo + 16 * 1024])
+        await until(lambda: len(handler.messages) == 2)
+        assert handler.messages == [decoded(b) for b in bodies]
+        assert timeouts and set(timeouts) == {0} and pool.jobs == len(timeouts)
+        assert handler.out == {} and handler.returned == []
+        client.close()
+        await conn.wait_closed(5.0)
+        await pool.wait_idle()
+        pool.shutdown()
+
+    run_uvloop(main)
+
+
+def test_slow_senders_hold_no_thread_while_a_fast_frame_waits() -> None:
+    """One thread; four connections stop mid-frame, each with a burst of its frame already
+    sent (so each is handed to the thread); a fifth sends a whole frame. With the pool's own
+    max_wait_s each slow job gives the thread back at once: the whole frame is handled within
+    a few ms. A thread that waited even 20 ms for each slow sender would hold it for 80 ms."""
+
+    async def main() -> None:
+        handler = Counting(1, max_wait_s=MAX_WAIT_S)
+        pool = handler.receiver
+        assert pool is not None
+        pool.min_bytes = MIN_BYTES
+        slow_body, fast_body = raw_body(8 * HEAD_BYTES, 8), raw_body(4 * HEAD_BYTES, 9)
+        slow = [await connect(handler) for _ in range(4)]
+        fast_conn, fast = await connect(handler)
+        loop = asyncio.get_running_loop()
+        for _, client in slow:  # prefix, scan bytes and 3 x 64 KiB more: worth a thread
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)  # all sent at once
+            await loop.sock_sendall(client, framed([slow_body])[: 4 * HEAD_BYTES])
+        await until(lambda: handler.jobs == 4)
+        start = time.monotonic()
+        await loop.sock_sendall(fast, framed([fast_body]))
+        await until(lambda: len(handler.messages) == 1)
+        took = time.monotonic() - start
+        assert handler.messages == [decoded(fast_body)]
+        print("TOOK", took, pool.jobs)
+        assert took < 0.06, f"the fast frame waited {took * 1e3:.1f} ms behind slow senders"
+        assert all(conn.state is ReadState.SLOT for conn, _ in slow)  # still lent, not cut off
+        for conn, client in [*slow, (fast_conn, fast)]:
+            client.close()
+            await conn.wait_closed(5.0)
+        await pool.wait_idle()
+        assert handler.out == {} and sorted(handler.returned) == [1, 2, 3, 4]
+        pool.shutdown()
 
     run_uvloop(main)
 
