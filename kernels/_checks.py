@@ -8,12 +8,24 @@ Activations are float32 NHWC (channels last) throughout the network.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
 
 Act = Literal["relu", "none"]
 ACTS: tuple[Act, ...] = ("relu", "none")
+
+
+def env_choice(name: str, default: str, allowed: Sequence[str]) -> str:
+    """The environment variable ``name`` (``default`` when unset), which must be one of
+    ``allowed``: the kernels' schedule knobs, read at each call so a benchmark can compare
+    them in one process."""
+    value = os.environ.get(name, default)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
 
 
 def check_array(

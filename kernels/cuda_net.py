@@ -119,7 +119,9 @@ class CudaForward:
             if b.name != self.head_block:
                 acts[b.name] = cp.empty((batch, h, w, b.cout), np.float16)
             # A split block whose depthwise output would pass the kernels' int32 indexing
-            # (dec2.0 past 227 view frames of 1024²; a test lowers the limit) stays fused.
+            # stays fused. On the default paths none can (the 512² activations pass the limit
+            # first, at 171 view frames of 1024², and the launches refuse them); forcing every
+            # block split makes dec0.0 the first (a test lowers the limit).
             if self.path[b.name] == "split" and batch * h * w * b.cin <= cu.INT32_LIMIT:
                 split.add(b.name)
                 mid = max(mid, batch * h * w * b.cin)

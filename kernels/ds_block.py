@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from scratchd.kernels._checks import env_choice
 from scratchd.kernels.dwconv3x3 import dwconv3x3_ref
 from scratchd.kernels.pwconv import pwconv_ref
 from scratchd.kernels.upsample_concat import upsample_concat_ref
@@ -147,13 +148,8 @@ def dw_schedule(cin: int, stride: int, wo: int) -> tuple[int, bool]:
     channels or stride 2, one pixel per thread keeps more threads busy per tile (the 24→48
     stride-2 block: 141 µs at P=1, 335 µs at P=4, batch 16 at 1024²).
     """
-    mode = os.environ.get(SWEEP_ENV, DEFAULT_SWEEP)
-    if mode == "auto":
-        cap = 1 if stride != 1 or cin < 64 else 4
-    elif mode in ("1", "2", "4"):
-        cap = int(mode)
-    else:
-        raise ValueError(f"{SWEEP_ENV} must be auto, 1, 2 or 4, got {mode!r}")
+    mode = env_choice(SWEEP_ENV, DEFAULT_SWEEP, ("auto", "1", "2", "4"))
+    cap = (1 if stride != 1 or cin < 64 else 4) if mode == "auto" else int(mode)
     sweep = next(p for p in (4, 2, 1) if p <= cap and wo % p == 0)
     return sweep, os.environ.get(HOIST_ENV, DEFAULT_HOIST) != "0"
 

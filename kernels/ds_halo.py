@@ -15,9 +15,10 @@ partial). Same rounding and summation order as the other paths, so the same bits
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from scratchd.kernels._checks import env_choice
+from scratchd.kernels._cuda import SMEM_LIMIT
 from scratchd.kernels.ds_block import check_block
 
 THREADS = 256  # mma_tile.cuh's GEMM_THREADS
@@ -35,11 +36,13 @@ def halo_pitch(c: int) -> int:
 def halo_shape_ok(ca: int, cb: int, cout: int, stride: int = 1, dilation: int = 1) -> bool:
     """Whether ``ds_halo`` has tiles for the block: stride 1, dilation 1, 8-channel groups,
     ``Cin`` whole k16 steps, ``Cout`` whole warp columns of at most ``MAX_COUT`` and no more
-    than ``Cin`` (the epilogue's tile is staged over the A tile)."""
+    than ``Cin`` (the epilogue's tile is staged over the A tile), and a block's shared memory
+    (at the configured tile width) within what one block may opt in to."""
     k = ca + cb
     return (
         stride == 1 and dilation == 1 and ca > 0 and ca % 8 == 0 and cb % 8 == 0
         and k % 16 == 0 and cout % 16 == 0 and 0 < cout <= min(k, MAX_COUT)
+        and halo_smem_bytes(ca, cb, cout) <= SMEM_LIMIT
     )  # fmt: skip
 
 
@@ -57,36 +60,25 @@ DEFAULT_ROWS = "2"
 def halo_rows() -> int:
     """R, output rows a depthwise thread's block spans (``ROWS_ENV``, read at each call):
     each input vector and tap weight it reads from shared memory serves R rows."""
-    mode = os.environ.get(ROWS_ENV, DEFAULT_ROWS)
-    if mode not in ("1", "2", "4"):
-        raise ValueError(f"{ROWS_ENV} must be 1, 2 or 4, got {mode!r}")
-    return int(mode)
+    return int(env_choice(ROWS_ENV, DEFAULT_ROWS, ("1", "2", "4")))
 
 
 def halo_sweep() -> int:
     """P, output columns a depthwise thread's block spans (``SWEEP_ENV``, read at each
     call). 4: each loaded input vector serves more outputs."""
-    mode = os.environ.get(SWEEP_ENV, DEFAULT_SWEEP)
-    if mode not in ("2", "4"):
-        raise ValueError(f"{SWEEP_ENV} must be 2 or 4, got {mode!r}")
-    return int(mode)
+    return int(env_choice(SWEEP_ENV, DEFAULT_SWEEP, ("2", "4")))
 
 
 def tile_w() -> int:
     """TW of the output tile (``TILE_W_ENV``, read at each call; TH = 128 / TW)."""
-    mode = os.environ.get(TILE_W_ENV, DEFAULT_TILE_W)
-    if mode not in ("8", "16", "32"):
-        raise ValueError(f"{TILE_W_ENV} must be 8, 16 or 32, got {mode!r}")
-    return int(mode)
+    return int(env_choice(TILE_W_ENV, DEFAULT_TILE_W, ("8", "16", "32")))
 
 
 def halo_blocks(smem: int) -> int:
     """Blocks per SM the kernel is compiled for (``__launch_bounds__``' minimum, which caps
     its registers: 128 for 2, 80 for 3), as ``BLOCKS_ENV`` asks where their shared memory
     fits, else 2."""
-    mode = os.environ.get(BLOCKS_ENV, DEFAULT_BLOCKS)
-    if mode not in ("2", "3"):
-        raise ValueError(f"{BLOCKS_ENV} must be 2 or 3, got {mode!r}")
+    mode = env_choice(BLOCKS_ENV, DEFAULT_BLOCKS, ("2", "3"))
     return 3 if mode == "3" and 3 * (smem + 1024) <= SM_SMEM else 2
 
 
@@ -132,8 +124,9 @@ def ds_halo_cuda(
     if not halo_shape_ok(ca, cb, cout, stride, dilation):
         raise ValueError(
             f"{op}: needs stride 1, dilation 1, CA and CB multiples of 8, Cin of 16, Cout a"
-            f" multiple of 16 up to min(Cin, {MAX_COUT}); got {ca}+{cb} -> {cout},"
-            f" stride {stride}, dilation {dilation}"
+            f" multiple of 16 up to min(Cin, {MAX_COUT}), and at most {SMEM_LIMIT} B of"
+            f" shared memory a block ({halo_smem_bytes(ca, cb, cout)} B here); got"
+            f" {ca}+{cb} -> {cout}, stride {stride}, dilation {dilation}"
         )
     sweep = halo_sweep()
     smem = halo_smem_bytes(ca, cb, cout)

@@ -18,9 +18,10 @@ can be fused too), at the price of recomputing the depthwise work per column til
 
 All kernels round and sum exactly as the fused kernel does (fp16 depthwise output, fp32
 products in ascending k, ``half(acc + bias)`` before the residual, the head's dot product in
-its order), so the three paths give the same bits. :func:`block_path` is the plan's choice
-among them (``SCRATCHD_DS_SPLIT`` overrides it for benchmarks); :func:`split_shape_ok` and
-:func:`tiled_shape_ok` say whether a path has tiles for a block.
+its order), so these paths and the fourth, ``ds_halo`` (``ds_halo.py``), give the same bits.
+:func:`block_path` is the plan's choice among the four (``SCRATCHD_DS_SPLIT`` overrides it
+for benchmarks); :func:`split_shape_ok`, :func:`tiled_shape_ok` and ``halo_shape_ok`` say
+whether a path has tiles for a block.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from scratchd.kernels._checks import env_choice
 from scratchd.kernels.ds_block import check_block, dw_schedule, dw_smem_bytes
 from scratchd.kernels.ds_halo import halo_shape_ok
 from scratchd.kernels.net import NetConfig, block_plan
@@ -91,16 +93,14 @@ def block_path(
     bench_ds_split.py``, 16 view frames of 1024²): **halo** the stride-1, dilation-1 blocks
     of ≤ ``HALO_MAX_CIN`` channels that ``ds_halo`` has tiles for (≤ 96 output channels: the
     shipped model's enc0.0, enc1.1, dec1.1, dec1.0, dec0.0 and dec0.1 with the head; over
-    their previous paths 588 vs 654 µs tiled, 273 vs 303 fused, 275 vs 307 fused, 715 vs 784
-    split, 1019 vs 1313 fused, 661 vs 792 tiled); **split** the other wide blocks (≥
+    the best other path 560 vs 625 µs tiled, 271 vs 300 fused, 273 vs 300 fused, 673 vs 751
+    split, 1006 vs 1292 fused, 651 vs 767 tiled); **split** the other wide blocks (≥
     ``SPLIT_MIN_MACS`` pointwise MACs a pixel: 1.3-4.3x over fused) and decoder joins (≥
     ``JOIN_SPLIT_MIN_MACS``: dec2.0 2.3x); **tiled** the other narrow stride-1 blocks of
-    ≤ ``TILED_MAX_CIN`` channels (none in the shipped model: its were halo's first);
+    ≤ ``TILED_MAX_CIN`` channels (the shipped model has none left: halo took them);
     **fused** the rest (the split ran them 0.74-0.91x: the scratch tensor's bytes cost
     more there)."""
-    mode = os.environ.get(SPLIT_ENV, "auto")
-    if mode not in ("auto", "none", "all", "tiled", "halo"):
-        raise ValueError(f"{SPLIT_ENV} must be auto, none, all, tiled or halo, got {mode!r}")
+    mode = env_choice(SPLIT_ENV, "auto", ("auto", "none", "all", "tiled", "halo"))
     cin = ca + cb
     can_split = not head and split_shape_ok(cin, cout)
     can_tile = tiled_shape_ok(ca, cb, cout, head)

@@ -288,7 +288,11 @@ class ServeGraph:
                 f"ServeGraph.finish: {len(want_mask)} flags, {len(batch.count)} frames"
             )
         for j in range(len(batch.count)):
-            yield self.host.frame(batch, j, bool(want_mask[j]))
+            yield self.finish_frame(batch, j, bool(want_mask[j]))
+
+    def finish_frame(self, batch: Collected, j: int, want_mask: bool) -> FrameResult:
+        """Finish collected frame ``j`` on the host (no device work); its mask if wanted."""
+        return self.host.frame(batch, j, want_mask)
 
     def _end_elapsed(self) -> float:
         from scratchd.kernels import _cuda as cu

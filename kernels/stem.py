@@ -9,11 +9,11 @@ is ever written: per 1024² frame that saves a 2 MB write and its read, and one 
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
+from scratchd.kernels._checks import env_choice
 from scratchd.kernels.conv3x3 import conv3x3_ref
 from scratchd.kernels.normalize_pad import normalize_pad_ref, padded_size
 
@@ -36,11 +36,9 @@ DEFAULT_SWEEP = "4"  # H200, 16 frames of 1024²: 478 µs at P=1, 380 at 2, 309 
 
 
 def stem_sweep() -> int:
-    """P of ``stem.cu`` (``SWEEP_ENV``, read at each call; a row of odd width takes fewer)."""
-    mode = os.environ.get(SWEEP_ENV, DEFAULT_SWEEP)
-    if mode not in ("1", "2", "4"):
-        raise ValueError(f"{SWEEP_ENV} must be 1, 2 or 4, got {mode!r}")
-    return int(mode)
+    """P of ``stem.cu`` (``SWEEP_ENV``, read at each call). The padded width is a multiple
+    of 16, so every output row (half of it) holds whole groups of 1, 2 or 4."""
+    return int(env_choice(SWEEP_ENV, DEFAULT_SWEEP, ("1", "2", "4")))
 
 
 def stem_cuda(
@@ -71,7 +69,7 @@ def stem_cuda(
     hp, wp = padded_size(h, MULTIPLE), padded_size(wd, MULTIPLE)
     ho, wo = hp // 2, wp // 2
     out = cu.output("stem", out, (n, ho, wo, cout), np.float16)
-    sweep = next(q for q in (stem_sweep(), 2, 1) if wo % q == 0)
+    sweep = stem_sweep()
     func = cu.kernel("stem.cu", cu.template_name("stem", cout, sweep))
     sizes = map(cu.i32, (n, h, wd, hp, wp, ho, wo))
     scale, shift = cu.f32(1.0 / (255.0 * std)), cu.f32(-mean / std)

@@ -28,7 +28,8 @@ go through one pinned staging buffer instead — same streams, one extra host co
 GPU compute time per batch is the start → end event interval, carried in every reply's
 ``compute_ns``. The same time, per graph (an EWMA in ``graph_ms`` of the batches that ran
 alone on the device, since a batch's chunks overlap there; the warm sizes' graphs are timed
-once at warm-up, a graph captured later from its first lone batch), decides how ``submit``
+at warm-up by the median of ``TIME_REPLAYS`` replays, a graph captured later from its first
+lone batch), decides how ``submit``
 splits a batch over the buckets: a chunk of m frames runs padded in the smallest bucket ≥ m,
 so 5 frames go as 4 + 1 rather than a padded 8 when that costs less device time
 (``gpu_memory.split_batch``), and tells the pipelined loop when a batch should end
@@ -37,6 +38,7 @@ so 5 frames go as 4 + 1 rather than a padded 8 when that costs less device time
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -54,8 +56,8 @@ H2D: Final = 1  # cudaMemcpyHostToDevice
 WARM_SIZES: Final = ((1024, 1024),)
 MIN_ARENA: Final = 256 * MIB
 GRAPH_MS_WEIGHT: Final = 0.1
-TIME_REPLAYS: Final = 3  # replays timed per new graph at boot (after one untimed)
 """Weight of the newest batch in a graph's device-time estimate."""
+TIME_REPLAYS: Final = 3  # replays timed per new graph at boot (after one untimed)
 
 
 @dataclass
@@ -289,7 +291,9 @@ class CudaBackend:
 
     def finish_each(self, batch: Batch) -> Iterator[tuple[int, Result]]:
         """(batch position, queue Result) of each frame as soon as the host has finished it:
-        the planning errors first, then the chunks' frames in order."""
+        the planning errors first, then the chunks' frames in order. The finish is host work
+        only (the device is done with the batch), so a frame whose finish raises is answered
+        ``error`` with the exception named, and the batch's other frames are still served."""
         if not batch.collected:
             raise RuntimeError("CudaBackend.finish before collect")
         for pos, (status, reason) in batch.errors.items():
@@ -298,9 +302,16 @@ class CudaBackend:
             if len(batch.chunks) == 1:  # chunks of one batch overlap on the device (each
                 self._observe(c.graph, c.collected.compute_ms)  # graph has its own stream)
             compute_ns = int(c.collected.compute_ms * 1e6)
-            frames = c.graph.finish_frames(c.collected, c.want_mask)
-            for pos, frame, want in zip(c.positions, frames, c.want_mask, strict=True):
-                yield pos, ok_result(frame, want, compute_ns, len(c.positions))
+            n = len(c.positions)
+            for j, (pos, want) in enumerate(zip(c.positions, c.want_mask, strict=True)):
+                try:
+                    frame = c.graph.finish_frame(c.collected, j, bool(want))
+                except Exception as exc:  # answered and logged, never hidden
+                    reason = f"host finish: {type(exc).__name__}: {exc}"
+                    print(f"scratchd cuda worker: frame {pos}: {reason}", file=sys.stderr)
+                    yield pos, error_result(reason, n)
+                    continue
+                yield pos, ok_result(frame, want, compute_ns, n)
 
     def expected_ms(self, batch: Batch) -> float:
         """The device time a started batch has left: its chunks' graphs' measured ms, less

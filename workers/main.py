@@ -355,8 +355,11 @@ class PipelinedLoop(WorkerLoop):
     yet) has k+1 claimed as soon as anything is ready.
 
     A failure of the asynchronous backend (a CUDA error) leaves the device in an unknown
-    state: the worker exits (``ExitCode.CRASH``) without completing; the supervisor re-queues
-    its claims, and a request that keeps killing workers is quarantined (``max_kills``).
+    state, and a backend that breaks ``finish_each``'s contract cannot be trusted: the worker
+    exits (``ExitCode.CRASH``) completing nothing more (the frames of a batch already
+    answered stay answered); the supervisor re-queues its other claims, and a request that
+    keeps killing workers is quarantined (``max_kills``). A frame whose host finish fails is
+    not such a failure: the backend answers it ``error`` and serves the rest.
     """
 
     inflight: tuple[list[Claim], object, int] | None = None  # launched, not collected
@@ -447,10 +450,10 @@ def serve(
     except QueueError as exc:  # e.g. our slot was reclaimed: we must not claim any more
         print(f"scratchd worker slot {slot}: {exc}", file=sys.stderr)
         return ExitCode.CRASH
-    except Exception as exc:  # only the asynchronous backend raises here (see PipelinedLoop)
+    except Exception as exc:  # the asynchronous backend, or its broken contract (PipelinedLoop)
         if kind is WorkerLoop:
             raise
-        print(f"scratchd worker slot {slot}: device failure, leaving: {exc!r}", file=sys.stderr)
+        print(f"scratchd worker slot {slot}: backend failure, leaving: {exc!r}", file=sys.stderr)
         return ExitCode.CRASH
     if code is ExitCode.OK:
         queue.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from scratchd.kernels._cuda import SMEM_LIMIT
 from scratchd.kernels.ds_block import ds_block_cuda, ds_block_ref
 from scratchd.kernels.ds_halo import (
     BLOCKS_ENV,
@@ -34,12 +35,14 @@ def test_halo_shapes_are_stride_one_narrow_blocks(monkeypatch: pytest.MonkeyPatc
     assert not halo_shape_ok(24, 0, 24)  # Cin not whole k16 steps
     assert not halo_shape_ok(20, 4, 48)  # channel groups of 8
     assert halo_shape_ok(192, 96, 96) and not halo_shape_ok(192, 0, 192)  # Cout past MAX_COUT
+    assert halo_smem_bytes(288, 0, 96) > SMEM_LIMIT and not halo_shape_ok(288, 0, 96)
     assert not halo_shape_ok(16, 0, 32)  # Cout past Cin: the staged tile would not fit
     monkeypatch.setenv(SPLIT_ENV, "halo")
     assert block_path(48, 0, 48, head=True) == "halo"  # the head fuses on this path too
     assert block_path(96, 48, 48) == "halo"
     assert block_path(48, 0, 96, stride=2) == "fused"
     assert block_path(384, 0, 384, dilation=2) == "fused"
+    assert block_path(288, 0, 96) == "fused"  # its tile would not fit in shared memory
 
 
 def test_halo_pitch_is_an_odd_number_of_16_byte_units() -> None:
@@ -185,6 +188,11 @@ def test_ds_halo_refuses_what_it_has_no_tiles_for() -> None:
     args = (x, dev(half(rng, (3, 3, 48))), dev(np.zeros(48), np.float32))
     with pytest.raises(ValueError, match="stride 1, dilation 1"):
         ds_halo_cuda(*args, dev(half(rng, (48, 48))), dev(np.zeros(48), np.float32), stride=2)
-    wide = cp.ascontiguousarray(dev(half(rng, (48, MAX_COUT + 16))).T)
+    # Cout past MAX_COUT but within Cin (128): refused for MAX_COUT alone
+    x128 = dev(half(rng, (1, 8, 8, 128)))
+    wide = cp.ascontiguousarray(dev(half(rng, (128, MAX_COUT + 16))).T)
     with pytest.raises(ValueError, match=f"up to min\\(Cin, {MAX_COUT}\\)"):
-        ds_halo_cuda(*args, wide, dev(np.zeros(MAX_COUT + 16), np.float32))
+        ds_halo_cuda(
+            x128, dev(half(rng, (3, 3, 128))), dev(np.zeros(128), np.float32), wide,
+            dev(np.zeros(MAX_COUT + 16), np.float32),
+        )  # fmt: skip

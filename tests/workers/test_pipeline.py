@@ -108,12 +108,15 @@ class SlowFinishBackend(FakeAsyncBackend):
 
 @dataclass
 class WrongFinishBackend(FakeAsyncBackend):
-    """Gives the first frame's result for every position but the last: a broken backend."""
+    """A broken backend: ``positions`` is what its finish_each gives for a batch (each with
+    the first frame's result)."""
+
+    positions: tuple[int, ...] = (0, 0)
 
     def finish_each(self, batch: FakeBatch) -> Iterator[tuple[int, Result]]:
-        results = list(super().finish_each(batch))
-        for _ in results[:-1]:
-            yield results[0]
+        first = next(iter(super().finish_each(batch)))[1]
+        for pos in self.positions:
+            yield pos, first
 
 
 @contextlib.contextmanager
@@ -211,9 +214,18 @@ def test_each_frame_is_completed_as_soon_as_the_host_has_finished_it() -> None:
     assert len(early) == 2, f"answered {answered}, handed {backend.handed}"
 
 
-def test_a_backend_that_skips_or_repeats_a_frame_stops_the_worker() -> None:
-    """finish_each gives position 0 twice: the loop raises (the worker process dies and the
-    supervisor re-queues what was not completed) instead of answering a request twice."""
+@pytest.mark.parametrize(
+    ("positions", "error", "answered"),
+    [((0, 0), "position 0 twice", [0]),  # a repeat: never answered twice
+     ((0, 3), "position 3 twice or out of range", [0]),  # past the batch
+     ((0, 1), r"no result for batch positions \[2\]", [0, 1])],  # one left out
+)  # fmt: skip
+def test_a_backend_that_skips_or_repeats_a_frame_stops_the_worker(
+    positions: tuple[int, ...], error: str, answered: list[int]
+) -> None:
+    """A batch of 3 whose finish_each breaks its contract: the loop raises (the worker
+    process dies and the supervisor re-queues what was not completed) after answering only
+    the frames it was given once each."""
     name = f"/scratchd-test-pipeline-bad-{os.getpid()}"
     main = RequestQueue.create(name, Geometry(slots=64, slot_bytes=64, max_workers=2))
     death_r, death_w = os.pipe()
@@ -221,16 +233,15 @@ def test_a_backend_that_skips_or_repeats_a_frame_stops_the_worker() -> None:
     worker.register_worker(0, os.getpid())
     stop = StopFlag(main.work_fd(0))
     loop = PipelinedLoop(
-        worker, 0, WrongFinishBackend(max_batch=3), stop, death_r, max_delay_ms=600_000,
-        heartbeat_ms=50,
+        worker, 0, WrongFinishBackend(max_batch=3, positions=positions), stop, death_r,
+        max_delay_ms=600_000, heartbeat_ms=50,
     )  # fmt: skip
     try:
         for rid, value in enumerate((10, 20, 30)):
             submit(main, rid, value)
-        with pytest.raises(RuntimeError, match="position 0 twice"):
+        with pytest.raises(RuntimeError, match=error):
             loop.run()
-        done = main.collect_completed()
-        assert [c.request_id for c in done] == [0]  # completed once, the rest left claimed
+        assert sorted(c.request_id for c in main.collect_completed()) == answered
     finally:
         os.close(death_w)
         os.close(death_r)

@@ -1,0 +1,120 @@
+"""CudaBackend's host side with fake graphs (no GPU needed): how ``finish_each`` answers the
+frames of a collected batch, and how a new graph's device time is measured at boot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from scratchd.ipc.queue import Status
+from scratchd.workers.cuda import TIME_REPLAYS, Batch, Chunk, CudaBackend
+
+
+@dataclass
+class Frame:
+    score: float
+    verdict: str = "clean"
+    boxes: list[tuple[float, float, float, float, float]] = field(default_factory=list)
+    entropy: float = 0.1
+    histogram: np.ndarray = field(default_factory=lambda: np.zeros(64, np.uint32))
+    mask: np.ndarray | None = None
+
+
+@dataclass
+class Collected:
+    compute_ms: float
+
+
+@dataclass
+class FakeGraph:
+    """A serving graph whose host finish of frame j scores it j / 10, or raises for the
+    frames in ``broken``; its replays take ``replay_ms`` in turn."""
+
+    bucket: int = 4
+    height: int = 8
+    width: int = 8
+    broken: tuple[int, ...] = ()
+    replay_ms: list[float] = field(default_factory=list)
+    launches: int = 0
+
+    def finish_frame(self, batch: Collected, j: int, want_mask: bool) -> Frame:
+        if j in self.broken:
+            raise ValueError(f"runs of frame {j} do not add up")
+        return Frame(score=j / 10)
+
+    def launch(self, k: int) -> None:
+        self.launches += 1
+
+    def collect(self, n: int) -> Collected:
+        return Collected(self.replay_ms[self.launches - 1])
+
+
+class FakeCupy:
+    class cuda:  # the attribute path CudaBackend uses: cp.cuda.Device()
+        class Device:
+            def synchronize(self) -> None:
+                pass
+
+
+def host_backend() -> Any:
+    """A CudaBackend with only what its host side reads (no device, no arena)."""
+    b: Any = object.__new__(CudaBackend)
+    b.graph_ms = {}
+    b.cp = FakeCupy
+    return b
+
+
+def collected_batch(*chunks: tuple[FakeGraph, list[int]], size: int) -> Batch:
+    batch = Batch(size)
+    for graph, positions in chunks:
+        chunk = Chunk(graph, positions, [], [False] * len(positions))
+        chunk.collected = Collected(compute_ms=2.5)
+        batch.chunks.append(chunk)
+    batch.started = batch.collected = True
+    return batch
+
+
+def test_finish_each_answers_errors_first_then_each_chunks_frames_in_order() -> None:
+    b = host_backend()
+    batch = collected_batch((FakeGraph(), [0, 2]), (FakeGraph(bucket=1), [3]), size=4)
+    batch.errors[1] = (Status.INVALID, "frame 1 is 3x3")
+    got = list(b.finish_each(batch))
+    assert [pos for pos, _ in got] == [1, 0, 2, 3]
+    assert got[0][1].status is Status.INVALID and got[0][1].error == "frame 1 is 3x3"
+    assert [r.status for _, r in got[1:]] == [Status.OK] * 3
+    assert [r.score for _, r in got[1:]] == pytest.approx([0.0, 0.1, 0.0])
+    assert all(r.compute_ns == 2_500_000 for _, r in got[1:])
+    assert b.graph_ms == {}  # two chunks overlapped on the device: neither timed alone
+
+
+def test_a_frame_whose_host_finish_fails_is_answered_error_and_the_rest_are_served() -> None:
+    b = host_backend()
+    batch = collected_batch((FakeGraph(broken=(1,)), [0, 1, 2]), size=3)
+    got = dict(b.finish_each(batch))
+    assert sorted(got) == [0, 1, 2]
+    assert got[1].status is Status.ERROR
+    assert got[1].error == "host finish: ValueError: runs of frame 1 do not add up"
+    assert got[0].status is Status.OK and got[2].status is Status.OK
+    assert b.graph_ms == {(4, 8, 8): 2.5}  # one chunk alone: its time is learned
+
+
+def test_finish_before_collect_is_refused() -> None:
+    batch = collected_batch((FakeGraph(), [0]), size=1)
+    batch.collected = False
+    with pytest.raises(RuntimeError, match="before collect"):
+        list(host_backend().finish_each(batch))
+
+
+def test_a_new_graph_is_timed_by_the_median_of_its_replays_after_an_untimed_one() -> None:
+    """The first replay (cold: 50 ms here) is left out; the median of the next ones is the
+    graph's device time, not their mean or the first of them."""
+    b = host_backend()
+    replays = [50.0, 4.0, 1.0, 1.5][: TIME_REPLAYS + 1]  # median 1.5, mean 2.17
+    g = FakeGraph(bucket=8, replay_ms=replays)
+    b._time(g)
+    assert g.launches == TIME_REPLAYS + 1
+    assert b.graph_ms == {(8, 8, 8): float(np.median(replays[1:]))}
+    assert b.graph_ms[(8, 8, 8)] == 1.5
