@@ -16,6 +16,14 @@ uint8 numpy array ``(H, W)`` (grey) or ``(H, W, 3)`` (RGB) sent raw. Replies are
 ``scratchd.ipc.wire.Reply``; ``unpack_mask(reply)`` gives the mask as a 0/255 array.
 Failures of the daemon are replies with a status, not exceptions; a lost connection raises
 ``ConnectionError`` for every request still in flight.
+
+An array's pixels are copied once on their way to the socket: ``request_frame`` encodes them
+straight from the array into the frame (a view of the array stands for ``pixels``, which
+msgpack encodes as the same bin as the ``bytes`` would be), instead of ``tobytes`` and then a
+zero-filled frame buffer and a second copy into it. Two fresh megabyte buffers a request also
+cost page faults: encoding a 1 MiB frame in a loop took ~1 ms that way, ~25 us now
+(``docs/bench/frontend.json``, ``client``). The bytes sent are the same as
+``wire.encode_frame(build_request(...))``'s.
 """
 
 from __future__ import annotations
@@ -28,19 +36,30 @@ import socket
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Final
+from typing import Final, cast
 
+import msgspec
 import numpy as np
 
 from scratchd.daemon.config import socket_path
 from scratchd.ipc import wire
 from scratchd.ipc.wire import Reply, StatusReply, unpack_mask
 
-__all__ = ["AsyncClient", "Client", "ImageInput", "Reply", "StatusReply", "unpack_mask"]
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "ImageInput",
+    "Reply",
+    "StatusReply",
+    "build_request",
+    "request_frame",
+    "unpack_mask",
+]
 
 ImageInput = str | os.PathLike[str] | bytes | np.ndarray
 MAX_REPLY_BYTES: Final = 256 * 1024 * 1024
 SEND_BUFFER_BYTES: Final = 4 * 1024 * 1024
+_encoder: Final = msgspec.msgpack.Encoder()  # wire's encoder's settings (the defaults)
 
 
 def build_request(
@@ -53,6 +72,39 @@ def build_request(
     want_mask: bool = False,
 ) -> wire.InferRequest:
     """The wire request for ``image`` (see the module docstring for accepted inputs)."""
+    request = _request(request_id, image, part_class, priority, deadline_ms, want_mask)
+    if isinstance(request.pixels, memoryview):
+        return msgspec.structs.replace(request, pixels=request.pixels.tobytes())
+    return request
+
+
+def request_frame(
+    request_id: int,
+    image: ImageInput,
+    *,
+    part_class: str | None = None,
+    priority: int | None = None,
+    deadline_ms: int | None = None,
+    want_mask: bool = False,
+) -> bytearray:
+    """``wire.encode_frame(build_request(...))``'s bytes, an array's pixels copied only once:
+    from the array into the frame, which grows as msgpack is written (not zero-filled)."""
+    request = _request(request_id, image, part_class, priority, deadline_ms, want_mask)
+    frame = bytearray(wire.PREFIX_BYTES)
+    _encoder.encode_into(request, frame, wire.PREFIX_BYTES)
+    wire.LENGTH_PREFIX.pack_into(frame, 0, len(frame) - wire.PREFIX_BYTES)
+    return frame
+
+
+def _request(
+    request_id: int,
+    image: ImageInput,
+    part_class: str | None,
+    priority: int | None,
+    deadline_ms: int | None,
+    want_mask: bool,
+) -> wire.InferRequest:
+    """The request, an array's ``pixels`` a flat view of it (msgpack: the same bin)."""
     common = {
         "id": request_id,
         "part_class": part_class or "normal",
@@ -64,8 +116,9 @@ def build_request(
         if image.dtype != np.uint8 or image.ndim not in (2, 3):
             raise ValueError(f"expected uint8 (H, W) or (H, W, 3), got {image.dtype} {image.shape}")
         channels = 1 if image.ndim == 2 else image.shape[2]
+        view = np.ascontiguousarray(image).data.cast("B")
         return wire.InferRequest(
-            pixels=np.ascontiguousarray(image).tobytes(),
+            pixels=cast(bytes, view),  # encoded from the buffer as is; never decoded
             height=image.shape[0],
             width=image.shape[1],
             channels=channels,
@@ -112,17 +165,18 @@ class AsyncClient:
         deadline_ms: int | None = None,
         want_mask: bool = False,
     ) -> Reply:
-        request = build_request(
-            next(self._ids),
+        request_id = next(self._ids)
+        frame = request_frame(
+            request_id,
             image,
             part_class=part_class,
             priority=priority,
             deadline_ms=deadline_ms,
             want_mask=want_mask,
         )
-        reply = await self._call(request.id, wire.encode_frame(request))
+        reply = await self._call(request_id, frame)
         if not isinstance(reply, Reply):
-            raise ConnectionError(f"daemon answered request {request.id} with {type(reply)}")
+            raise ConnectionError(f"daemon answered request {request_id} with {type(reply)}")
         return reply
 
     async def status(self) -> StatusReply:
@@ -200,16 +254,17 @@ class Client:
         deadline_ms: int | None = None,
         want_mask: bool = False,
     ) -> Reply:
-        request = build_request(
-            next(self._ids),
+        request_id = next(self._ids)
+        frame = request_frame(
+            request_id,
             image,
             part_class=part_class,
             priority=priority,
             deadline_ms=deadline_ms,
             want_mask=want_mask,
         )
-        self._sock.sendall(wire.encode_frame(request))
-        reply = self._receive_for(request.id)
+        self._sock.sendall(frame)
+        reply = self._receive_for(request_id)
         assert isinstance(reply, Reply)
         return reply
 
@@ -220,9 +275,9 @@ class Client:
         in completion order. ``options`` are ``infer``'s keyword arguments."""
         in_flight: dict[int, int] = {}
         for index, image in enumerate(images):
-            request = build_request(next(self._ids), image, **options)  # type: ignore[arg-type]
-            self._sock.sendall(wire.encode_frame(request))
-            in_flight[request.id] = index
+            request_id = next(self._ids)
+            self._sock.sendall(request_frame(request_id, image, **options))  # type: ignore[arg-type]
+            in_flight[request_id] = index
             while len(in_flight) >= concurrency:
                 yield self._collect_one(in_flight)
         while in_flight:

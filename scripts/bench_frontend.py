@@ -73,7 +73,7 @@ from typing import Any
 import numpy as np
 import serve_load as sl
 
-from scratchd.client import AsyncClient, build_request
+from scratchd.client import AsyncClient, request_frame
 from scratchd.daemon.acceptor import Acceptor
 from scratchd.daemon.config import Config, QueueConfig, ServerConfig
 from scratchd.daemon.dispatch import Accountant, Dispatcher, InFlight
@@ -180,8 +180,7 @@ async def slow_senders(args: argparse.Namespace) -> dict[str, Any]:
         reading = asyncio.create_task(replies())
         i = k
         while time.perf_counter() < stop_at:
-            request = build_request(i + 1, np.asarray(frames[i % frames.shape[0]]))
-            frame = memoryview(wire.encode_frame(request))
+            frame = memoryview(request_frame(i + 1, np.asarray(frames[i % frames.shape[0]])))
             for lo in range(0, len(frame), args.slow_chunk):
                 writer.write(frame[lo : lo + args.slow_chunk])
                 await writer.drain()
@@ -285,6 +284,9 @@ async def measure(
     dispatcher.start()
     acceptor = Acceptor(config, queue, dispatcher, status_reply)
     await acceptor.listen(config.server.socket)
+    if acceptor.receiver is not None and args.max_wait_ms is not None:
+        acceptor.receiver.max_wait_s = args.max_wait_ms / 1e3
+    jobs_before = acceptor.receiver.jobs if acceptor.receiver else 0
     worker = spawn_stub(queue, args.accounting)
     try:
         if profile is not None:
@@ -305,6 +307,7 @@ async def measure(
         after = resource.getrusage(resource.RUSAGE_SELF)
         kids = resource.getrusage(resource.RUSAGE_CHILDREN)  # the clients, reaped; not the stub
         receivers = set(acceptor.receiver.native_ids()) if acceptor.receiver else set()
+        jobs = (acceptor.receiver.jobs if acceptor.receiver else 0) - jobs_before
     finally:
         if profile is not None:
             profile.disable()
@@ -325,6 +328,7 @@ async def measure(
     slow_statuses: dict[str, int] = {}
     for out, _ in slow_outs:
         slow_statuses = json.loads(out)["statuses"]
+    slow_replies = sum(slow_statuses.values())
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     split = split_threads(ticks_before, ticks_after, receivers)
     per_request = {k: round(v / max(replies, 1) * 1e6, 1) for k, v in split.items()}
@@ -334,6 +338,7 @@ async def measure(
         "accounting": args.accounting,
         "rate": args.rate or None,
         "receive_threads": args.receive_threads,
+        "max_wait_ms": args.max_wait_ms,
         "replies": replies,
         "statuses": statuses,
         "requests_per_s": round(replies / wall, 1),
@@ -344,12 +349,13 @@ async def measure(
         "loop_cpu_share": round(loop_cpu / wall, 3),
         "thread_cpu_us_per_request": per_request,  # /proc ticks: loop, receive, other
         "latency_ms": percentiles(latencies),
+        "receive_jobs_per_request": round(jobs / max(replies + slow_replies, 1), 2),
         "slow": {
             "senders": args.slow,
             "chunk_bytes": args.slow_chunk,
             "pause_ms": args.slow_pause_ms,
             "statuses": slow_statuses,
-            "requests_per_s": round(sum(slow_statuses.values()) / wall, 1),
+            "requests_per_s": round(slow_replies / wall, 1),
         },
         "client_cpu_us_per_request": round(
             (kids.ru_utime - kids_before.ru_utime + kids.ru_stime - kids_before.ru_stime)
@@ -429,6 +435,10 @@ def main() -> None:
     p.add_argument("--slow", type=int, default=0, help="connections sending frames slowly")
     p.add_argument("--slow-chunk", type=int, default=64 * 1024, help="--slow: bytes a piece")
     p.add_argument("--slow-pause-ms", type=float, default=2.0, help="--slow: between pieces")
+    p.add_argument(
+        "--max-wait-ms", type=float, default=None,
+        help="the receive pool's max_wait_s, in ms (default: the pool's own, 0)",
+    )  # fmt: skip
     p.add_argument("--profile", default="", help="cProfile the first size into this file")
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
     p.add_argument("--json", default=None)

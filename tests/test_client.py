@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import io
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as npst
 from PIL import Image
 
-from scratchd.client import AsyncClient, Client, Reply, unpack_mask
+from scratchd.client import (
+    AsyncClient,
+    Client,
+    Reply,
+    build_request,
+    request_frame,
+    unpack_mask,
+)
+from scratchd.ipc import wire
 from scratchd.ipc.image import decode_image
 
 from .daemon.harness import DaemonProcess
@@ -158,3 +170,60 @@ def test_connecting_to_nothing_raises_os_error(tmp_path: Path) -> None:
 def test_bad_arrays_are_refused_before_sending(daemon: DaemonProcess) -> None:
     with Client(daemon.socket, timeout=60) as client, pytest.raises(ValueError, match="uint8"):
         client.infer(np.zeros((8, 8), np.float32))
+
+
+arrays = st.one_of(
+    st.tuples(st.integers(1, 40), st.integers(1, 40)),
+    st.tuples(st.integers(1, 20), st.integers(1, 20), st.just(3)),
+).flatmap(lambda shape: npst.arrays(np.uint8, shape))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    image=arrays,
+    flip=st.booleans(),
+    request_id=st.integers(0, 2**63 - 1),
+    part_class=st.none() | st.text(max_size=20),
+    priority=st.none() | st.integers(-5, 12),
+    deadline_ms=st.none() | st.integers(-1, 10**9),
+    want_mask=st.booleans(),
+)
+def test_a_request_frame_is_the_bytes_encode_frame_gives(
+    image: np.ndarray,
+    flip: bool,
+    request_id: int,
+    part_class: str | None,
+    priority: int | None,
+    deadline_ms: int | None,
+    want_mask: bool,
+) -> None:
+    """The one-copy frame is byte for byte the frame of the request ``build_request`` makes
+    (strided arrays too): the wire format is unchanged, and the daemon decodes the pixels."""
+    image = image[::-1, ::2] if flip else image  # not C-contiguous
+    options = {"part_class": part_class, "priority": priority, "deadline_ms": deadline_ms}
+    request = build_request(request_id, image, want_mask=want_mask, **options)  # type: ignore[arg-type]
+    assert isinstance(request.pixels, bytes) and request.pixels == image.tobytes()
+    frame = request_frame(request_id, image, want_mask=want_mask, **options)  # type: ignore[arg-type]
+    assert frame == wire.encode_frame(request)
+    decoded = wire.decode_client_message(frame[wire.PREFIX_BYTES :])
+    assert decoded == request
+
+
+def test_a_request_frame_for_encoded_bytes_is_the_same_too() -> None:
+    request = build_request(9, b"\x89PNG\r\n\x1a\n...", part_class="safety")
+    assert request_frame(9, b"\x89PNG\r\n\x1a\n...", part_class="safety") == wire.encode_frame(
+        request
+    )
+
+
+def test_an_arrays_pixels_are_copied_into_the_frame_only_once() -> None:
+    """At most the frame's own buffer is allocated (msgpack grows it by half as it writes:
+    the pages past its end are never touched), not a ``bytes`` copy of the pixels first."""
+    image = np.random.default_rng(1).integers(0, 256, (1024, 1024), np.uint8)
+    tracemalloc.start()
+    try:
+        frame = request_frame(1, image)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(frame) > image.nbytes and peak < 1.75 * len(frame)
