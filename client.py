@@ -20,10 +20,13 @@ Failures of the daemon are replies with a status, not exceptions; a lost connect
 An array's pixels are copied once on their way to the socket: ``request_frame`` encodes them
 straight from the array into the frame (a view of the array stands for ``pixels``, which
 msgpack encodes as the same bin as the ``bytes`` would be), instead of ``tobytes`` and then a
-zero-filled frame buffer and a second copy into it. Two fresh megabyte buffers a request also
-cost page faults: encoding a 1 MiB frame in a loop took ~1 ms that way, ~25 us now
-(``docs/bench/frontend.json``, ``client``). The bytes sent are the same as
-``wire.encode_frame(build_request(...))``'s.
+zero-filled frame buffer and a second copy into it; the bytes sent are the same as
+``wire.encode_frame(build_request(...))``'s. A connection also reuses its last frame's buffer
+for the next one once the socket has taken all of it (``Client``: always; ``AsyncClient``:
+when the transport kept none of it, so it holds no reference): a fresh megabyte buffer a
+request costs its page faults again whenever malloc has handed the last one back to the
+kernel, ~130 faults and ~0.3 ms of CPU a 1 MiB request in ``bench_serve``'s client
+(``docs/bench/frontend.json``, ``client``).
 """
 
 from __future__ import annotations
@@ -86,11 +89,13 @@ def request_frame(
     priority: int | None = None,
     deadline_ms: int | None = None,
     want_mask: bool = False,
+    into: bytearray | None = None,
 ) -> bytearray:
     """``wire.encode_frame(build_request(...))``'s bytes, an array's pixels copied only once:
-    from the array into the frame, which grows as msgpack is written (not zero-filled)."""
+    from the array into the frame, which grows as msgpack is written (not zero-filled).
+    ``into``: a buffer to write the frame into (its contents replaced), else a new one."""
     request = _request(request_id, image, part_class, priority, deadline_ms, want_mask)
-    frame = bytearray(wire.PREFIX_BYTES)
+    frame = bytearray(wire.PREFIX_BYTES) if into is None else into
     _encoder.encode_into(request, frame, wire.PREFIX_BYTES)
     wire.LENGTH_PREFIX.pack_into(frame, 0, len(frame) - wire.PREFIX_BYTES)
     return frame
@@ -144,6 +149,7 @@ class AsyncClient:
         self._reader = reader
         self._writer = writer
         self._ids = itertools.count(1)
+        self._spare: bytearray | None = None  # the last frame, all of it sent: reused
         self._waiting: dict[int, asyncio.Future[wire.DaemonMessage]] = {}
         self._receiver = asyncio.get_running_loop().create_task(self._receive())
 
@@ -173,8 +179,10 @@ class AsyncClient:
             priority=priority,
             deadline_ms=deadline_ms,
             want_mask=want_mask,
+            into=self._spare,
         )
-        reply = await self._call(request_id, frame)
+        self._spare = None
+        reply = await self._call(request_id, frame, reuse=True)
         if not isinstance(reply, Reply):
             raise ConnectionError(f"daemon answered request {request_id} with {type(reply)}")
         return reply
@@ -186,13 +194,17 @@ class AsyncClient:
             raise ConnectionError(f"daemon answered a status request with {type(reply)}")
         return reply
 
-    async def _call(self, request_id: int, frame: bytes | bytearray) -> wire.DaemonMessage:
+    async def _call(
+        self, request_id: int, frame: bytearray, reuse: bool = False
+    ) -> wire.DaemonMessage:
         if self._receiver.done():
             raise ConnectionError("connection to scratchd is closed")
         future: asyncio.Future[wire.DaemonMessage] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
         try:
             self._writer.write(frame)
+            if reuse and self._writer.transport.get_write_buffer_size() == 0:
+                self._spare = frame  # the socket took it all: the transport keeps no reference
             await self._writer.drain()
             return await future
         finally:
@@ -243,6 +255,7 @@ class Client:
         self._sock.connect(socket_path(path))
         _widen_send_buffer(self._sock)
         self._ids = itertools.count(1)
+        self._spare: bytearray | None = None  # the last frame (sendall sent it): reused
         self._early: dict[int, wire.DaemonMessage] = {}
 
     def infer(
@@ -262,8 +275,10 @@ class Client:
             priority=priority,
             deadline_ms=deadline_ms,
             want_mask=want_mask,
+            into=self._spare,
         )
         self._sock.sendall(frame)
+        self._spare = frame
         reply = self._receive_for(request_id)
         assert isinstance(reply, Reply)
         return reply
@@ -276,7 +291,9 @@ class Client:
         in_flight: dict[int, int] = {}
         for index, image in enumerate(images):
             request_id = next(self._ids)
-            self._sock.sendall(request_frame(request_id, image, **options))  # type: ignore[arg-type]
+            frame = request_frame(request_id, image, into=self._spare, **options)  # type: ignore[arg-type]
+            self._sock.sendall(frame)
+            self._spare = frame
             in_flight[request_id] = index
             while len(in_flight) >= concurrency:
                 yield self._collect_one(in_flight)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import io
+import socket
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+import uvloop
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as npst
@@ -227,3 +229,76 @@ def test_an_arrays_pixels_are_copied_into_the_frame_only_once() -> None:
     finally:
         tracemalloc.stop()
     assert len(frame) > image.nbytes and peak < 1.75 * len(frame)
+
+
+class Echo:
+    """A fake daemon: answers each request ``ok`` with the sum of its pixels as the score,
+    after ``delay_s`` (replies in any order), and keeps every frame it got. It reads nothing
+    in its first ``stall_s`` (the client's socket fills, its transport buffers the rest)."""
+
+    def __init__(self, delay_s: float = 0.0, stall_s: float = 0.0) -> None:
+        self.delay_s, self.stall_s = delay_s, stall_s
+        self.frames: list[bytes] = []
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(self.stall_s)
+
+        async def answer(request: wire.InferRequest) -> None:
+            await asyncio.sleep(self.delay_s * (request.id % 3))
+            score = float(np.frombuffer(request.pixels or b"", np.uint8).sum())
+            writer.write(wire.encode_frame(wire.Reply(id=request.id, status="ok", score=score)))
+
+        tasks = set()
+        try:
+            while True:
+                prefix = await reader.readexactly(wire.PREFIX_BYTES)
+                body = await reader.readexactly(wire.frame_length(prefix))
+                self.frames.append(prefix + body)
+                request = wire.decode_client_message(body)
+                assert isinstance(request, wire.InferRequest)
+                tasks.add(asyncio.create_task(answer(request)))
+        except asyncio.IncompleteReadError:
+            await asyncio.gather(*tasks)
+            writer.close()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_frames_reusing_a_buffer_each_arrive_as_built(tmp_path: Path, loop: str) -> None:
+    """The async and the blocking client reuse a sent frame's buffer for the next request,
+    never one the transport still holds (the daemon reads nothing at first: 1.2 MB of frames
+    pipelined outgrow the socket): pipelined, out of order and one at a time, every frame
+    arrives exactly as ``encode_frame`` builds it, every reply to its own request."""
+    path = str(tmp_path / "echo.sock")
+    rng = np.random.default_rng(2)
+    images = [rng.integers(0, 256, (300 + 7 * k, 290), np.uint8) for k in range(12)]
+    echo = Echo(delay_s=0.002, stall_s=0.2)
+
+    async def scenario() -> None:
+        server = await asyncio.start_unix_server(echo.serve, path=path)
+        async with server:
+            client = await AsyncClient.connect(path)
+            sock = client._writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)  # fills sooner
+            replies = [await client.infer(images[0]), await client.infer(images[1])]
+            assert client._spare is not None  # the first frame's buffer came back
+            replies += await asyncio.gather(*(client.infer(image) for image in images[2:]))
+            await client.close()
+            with Client(path, timeout=10) as blocking:
+                spare = None
+                for image in images[:3]:
+                    replies.append(await asyncio.to_thread(blocking.infer, image))
+                    assert spare is None or blocking._spare is spare
+                    spare = blocking._spare
+            await asyncio.sleep(0.05)
+
+        sent = [*images, *images[:3]]
+        assert [r.score for r in replies] == [float(i.sum()) for i in sent]
+        ids = [*range(1, 13), 1, 2, 3]
+        expected = [
+            bytes(wire.encode_frame(build_request(k, i))) for k, i in zip(ids, sent, strict=True)
+        ]
+        assert sorted(echo.frames) == sorted(expected)
+
+    factory = uvloop.new_event_loop if loop == "uvloop" else asyncio.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(scenario())
