@@ -8,15 +8,17 @@ still to come to this pool, and the loop serves other connections meanwhile::
 
     loop thread                               receive thread (one of ``threads``)
     ───────────                               ───────────────────────────────────
+    worth(fd, rest): FIONREAD >= min_bytes
     _start_slot: pause_reading()
-    receive(fd, slot[got:], ...,  ──job──▶    recv_into_exact(dup, slot[got:], timeout, cancel,
+    receive(fd, slot[got:], ...,  ──job──▶    recv_into_exact(dup, slot[got:], 0, cancel,
             after=head[tail])                                 after=head[tail])
-      dup(fd), the job queued                   (C, GIL released: poll + recvmsg into both
-    ... other connections ...                    until full, EOF, error, timeout or cancel)
+      dup(fd), the job queued                   (C, GIL released: recvmsg into both until
+    ... other connections ...                    full, empty (timeout 0), EOF, error, cancel)
     close(dup), _received(n):       ◀──────   loop.call_soon_threadsafe(done, n)
-      resume_reading()
-      the state machine goes on as if
-      buffer_updated had seen those n bytes
+      another job if worth() again,
+      else resume_reading(); the state
+      machine goes on as if buffer_updated
+      had seen those n bytes
 
 The bytes after the pixels (the frame's tail, a few dozen) go into the connection's head in the
 same recvmsg, so the loop has nothing left to read of the frame when ``done`` runs.

@@ -44,6 +44,10 @@ the receive threads: the fast latency growing with K only with ``--receive-threa
 ``slow.requests_per_s`` is what the slow ones got through::
 
     python scripts/bench_frontend.py --sizes 1024 --clients 1 --rate 100 --slow 8
+    python scripts/bench_frontend.py --sizes 1024 --clients 1 --rate 100 --slow 8 --max-wait-ms 20
+
+(``--max-wait-ms``: how long a receive job may wait for bytes not yet sent; the pool's own is
+0. ``receive_jobs_per_request`` counts jobs over all frames, the slow ones included.)
 
 ``--profile PATH`` runs the first size under cProfile (the loop's Python side; the numbers
 it prints are inflated by the profiler) and writes the pstats there; the kernel's side

@@ -319,6 +319,27 @@ def test_a_frame_stalled_in_a_receive_thread_is_cut_off_and_its_slot_returned_on
     run_uvloop(main)
 
 
+def test_a_frame_stalled_after_its_thread_let_go_is_cut_off_and_its_slot_returned_once() -> None:
+    """With the pool's own max_wait_s the thread lets go at once; the loop's stall timer
+    still cuts the frame off, and the slot goes back exactly once."""
+
+    async def main() -> None:
+        handler = Counting(2, max_wait_s=MAX_WAIT_S, timeout_s=0.1)
+        conn, client = await connect(handler)
+        frame = framed([raw_body(4 * HEAD_BYTES, 3)])
+        await send(client, frame[: 2 * HEAD_BYTES], [])
+        await until(lambda: handler.jobs == 1)
+        await until(lambda: handler.events != [], 2.0)
+        assert handler.events == [("stalled", len(frame) - 4), ("closed", 1)]
+        assert handler.returned == [1] and handler.out == {}
+        assert await peer_sees_close(client)
+        await until(lambda: conn.gone.done())
+        assert handler.receiver is not None and handler.receiver.in_flight == 0
+        handler.receiver.shutdown()
+
+    run_uvloop(main)
+
+
 async def peer_sees_close(client: socket.socket) -> bool:
     """Whether the daemon's end is closed (no descriptor of it left open, the thread's dup
     included): the client reads the reply sent before the close, then EOF."""
