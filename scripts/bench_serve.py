@@ -85,6 +85,7 @@ import uvloop
 from serve_report import print_table, record_markdown, rewrite_section
 
 from scratchd.client import Client
+from scratchd.ipc.wire import StatusReply
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data"
@@ -113,12 +114,31 @@ def start_daemon(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen[
     if args.backend == "cpu":
         cmd += ["--workers", str(args.workers)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=log)
-    wait_ready(sock, proc)
+    wait_ready(sock, proc, spares=True)
     return proc, sock
 
 
+def ready(
+    status: StatusReply, restarts: dict[str, int] | None = None, spares: bool = False
+) -> bool:
+    """The daemon serves with every worker READY (each named one restarted at least as many
+    times as asked), and with ``spares`` every warm standby READY too: one per card for a
+    CUDA pool, one for a CPU pool. The supervisor starts the standbys once the pool is READY,
+    and a GPU standby captures and times its graphs on the card the pool serves from, so a
+    load started before they are READY measures their warm-up as well."""
+    by_name = {w.name: w for w in status.workers}
+    serving = status.state == "serving" and all(w.state == "ready" for w in status.workers)
+    if not serving or any(by_name[n].restarts < k for n, k in (restarts or {}).items()):
+        return False
+    want = len(status.workers) if status.backend == "cuda" else 1
+    return not spares or sum(s.state == "ready" for s in status.standbys) >= want
+
+
 def wait_ready(
-    sock: str, proc: subprocess.Popen[bytes] | None, restarts: dict[str, int] | None = None
+    sock: str,
+    proc: subprocess.Popen[bytes] | None,
+    restarts: dict[str, int] | None = None,
+    spares: bool = False,
 ) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -130,12 +150,11 @@ def wait_ready(
         except OSError:
             time.sleep(0.005)
             continue
-        by_name = {w.name: w for w in status.workers}
-        serving = status.state == "serving" and all(w.state == "ready" for w in status.workers)
-        if serving and all(by_name[n].restarts >= k for n, k in (restarts or {}).items()):
+        if ready(status, restarts, spares):
             return
         time.sleep(0.005)
-    raise SystemExit("daemon not ready after 120 s")
+    what = "daemon (and its warm standbys)" if spares else "daemon"
+    raise SystemExit(f"{what} not ready after 120 s")
 
 
 def kill_worker(sock: str, name: str) -> dict[str, Any]:

@@ -137,6 +137,43 @@ def test_workers_are_killed_under_the_highest_rate_that_held() -> None:
     assert sl.sustained_rate(rows, 1.0) == 500.0  # none held: the lowest rate run
 
 
+# ---- readiness ----------------------------------------------------------------------------
+
+
+def _status(backend: str, workers: list[tuple[str, str, int]], spares: list[str]) -> Any:
+    from scratchd.ipc.wire import QueueStatus, StatusReply, WorkerStatus
+
+    def worker(i: int, name: str, state: str, restarts: int) -> WorkerStatus:
+        return WorkerStatus(
+            id=i, name=name, pid=100 + i, state=state, device=backend, restarts=restarts
+        )
+
+    return StatusReply(
+        id=1, state="serving", pid=1, uptime_s=1.0, backend=backend,
+        workers=[worker(i, *w) for i, w in enumerate(workers)],
+        queue=QueueStatus(depth=[0] * 8, slots=64, in_use=0, in_flight=0),
+        standbys=[worker(9, f"standby{i}", st, 0) for i, st in enumerate(spares)],
+    )  # fmt: skip
+
+
+def test_the_first_load_waits_for_every_warm_standby_too() -> None:
+    """A load that started before the standbys were READY would measure their warm-up (a GPU
+    standby captures and times its graphs on the serving card): one per card for CUDA."""
+    two_cards = [("cuda0", "ready", 0), ("cuda1", "ready", 0)]
+    assert bench.ready(_status("cuda", two_cards, []))  # workers only: as before
+    assert not bench.ready(_status("cuda", two_cards, []), spares=True)
+    assert not bench.ready(_status("cuda", two_cards, ["ready", "booting"]), spares=True)
+    assert bench.ready(_status("cuda", two_cards, ["ready", "ready"]), spares=True)
+    cpu = [("cpu0", "ready", 0), ("cpu1", "ready", 0)]
+    assert bench.ready(_status("cpu", cpu, ["ready"]), spares=True)  # one for a CPU pool
+    assert not bench.ready(_status("cpu", [("cpu0", "booting", 0)], ["ready"]), spares=True)
+
+
+def test_a_restart_is_ready_when_the_named_worker_restarted() -> None:
+    st = _status("cuda", [("cuda0", "ready", 1)], [])
+    assert bench.ready(st, {"cuda0": 1}) and not bench.ready(st, {"cuda0": 2})
+
+
 # ---- GPU busy -----------------------------------------------------------------------------
 
 METRICS = """# HELP scratchd_compute_seconds Compute time per batch.
