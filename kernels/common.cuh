@@ -169,6 +169,30 @@ __device__ __forceinline__ void dw_point(
     }
 }
 
+// The 1x1 head's logit of pixel p from its staged pointwise row `row` (fp16: acc + bias,
+// before the residual and the ReLU): two threads per pixel (part 0 and 1) each sum half the
+// channels in ascending order, joined with a shuffle, so every DS path's logits are the same
+// bits. Both threads of a pair call it (the shuffle); with `valid` false the residual is
+// not read. The caller adds the head's bias.
+template <int COUT, bool RES, bool RELU>
+__device__ __forceinline__ float head_logit(
+    const __half* row, const __half* __restrict__ res, int p, bool valid,
+    const float* __restrict__ hw, int part) {  // res rows: COUT channels
+    constexpr int HALF = (COUT + 1) / 2;
+    float s = 0.0f;
+#pragma unroll 4
+    for (int j = 0; j < HALF; ++j) {
+        const int c = part * HALF + j;
+        if (c >= COUT) break;
+        float v = __half2float(row[c]);
+        if constexpr (RES) v += valid ? __half2float(res[p * COUT + c]) : 0.0f;
+        if constexpr (RELU) v = fmaxf(v, 0.0f);
+        s = fmaf(v, __ldg(hw + c), s);
+    }
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    return s;
+}
+
 // Logistic sigmoid, overflow-free: from e = exp(-|x|), 1/(1+e) for x >= 0 and e/(1+e) below.
 __device__ __forceinline__ float sigmoid(float x) {
     const float e = __expf(-fabsf(x));

@@ -244,24 +244,11 @@ __global__ void __launch_bounds__(sd::GEMM_THREADS, MINB) ds_halo(
         sd::stage_acc<COUT>(sC, acc, bias, wm, wn, lane);
         __syncthreads();
         if constexpr (HEAD) {
-            // Two threads per row, each summing half the channels, joined with a shuffle (the
-            // order of pw_tile.cuh's store_tile_head, so the logits are the same bits).
             static_assert(sd::GEMM_THREADS == 2 * BM, "two threads per tile row");
-            constexpr int HALF = (COUT + 1) / 2;
             const int r = threadIdx.x >> 1, part = threadIdx.x & 1;
             const int oy = oy0 + r / TW, ox = ox0 + r % TW, p = (n * H + oy) * W + ox;
             const bool valid = oy < H && ox < W;
-            float s = 0.0f;
-#pragma unroll 4
-            for (int j = 0; j < HALF; ++j) {
-                const int c = part * HALF + j;
-                if (c >= COUT) break;
-                float v = __half2float(sC[r * CS + c]);
-                if constexpr (RES) v += valid ? __half2float(x[p * COUT + c]) : 0.0f;
-                v = fmaxf(v, 0.0f);
-                s = fmaf(v, __ldg(head_w + c), s);
-            }
-            s += __shfl_xor_sync(0xffffffffu, s, 1);
+            const float s = sd::head_logit<COUT, RES, true>(sC + r * CS, x, p, valid, head_w, part);
             if (valid && part == 0) static_cast<float*>(out)[p] = s + head_b[0];
         } else {
             constexpr int GROUPS = COUT / 8;

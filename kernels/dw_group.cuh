@@ -96,6 +96,13 @@ __device__ __forceinline__ void up_rows(
     }
 }
 
+// w[kx] = the fp32 weights of taps (ky, kx), channels [c, c + V), from sDw [9][KP].
+template <int V, int KP>
+__device__ __forceinline__ void row_weights(const float* sDw, int ky, int c, float (&w)[3][V]) {
+#pragma unroll
+    for (int kx = 0; kx < 3; ++kx) load_f_smem<V>(sDw + (ky * 3 + kx) * KP + c, w[kx]);
+}
+
 // acc[q] = relu(b + dw3x3 at (n, oy, ox0 + q)) for q < P, channels [c, c + V).
 template <int V, int P, int STRIDE, int DIL, bool HOIST, int KP, int CA, int CB>
 __device__ __forceinline__ void dw_row_group(
@@ -123,8 +130,7 @@ __device__ __forceinline__ void dw_row_group(
 #pragma unroll
         for (int ky = 0; ky < 3; ++ky) {
             float w[3][V];
-#pragma unroll
-            for (int kx = 0; kx < 3; ++kx) load_f_smem<V>(sDw + (ky * 3 + kx) * KP + c, w[kx]);
+            row_weights<V, KP>(sDw, ky, c, w);
 #pragma unroll
             for (int j = 0; j < NC; ++j) {
                 if (!column_used<P, STRIDE, DIL>(j)) continue;
@@ -140,8 +146,7 @@ __device__ __forceinline__ void dw_row_group(
             const int iy = oy * STRIDE + (ky - 1) * DIL;
             if (iy < 0 || iy >= src.H) continue;
             float w[3][V];
-#pragma unroll
-            for (int kx = 0; kx < 3; ++kx) load_f_smem<V>(sDw + (ky * 3 + kx) * KP + c, w[kx]);
+            row_weights<V, KP>(sDw, ky, c, w);
 #pragma unroll
             for (int j = 0; j < NC; ++j) {
                 if (!column_used<P, STRIDE, DIL>(j)) continue;

@@ -149,21 +149,9 @@ __device__ __forceinline__ void store_tile_head(
     float* __restrict__ logits, int base, int M) {  // res rows: COUT channels (no slicing)
     using S = PwShape<COUT, COUT>;
     static_assert(PW_THREADS == 2 * PW_BM, "two threads per tile row");
-    constexpr int HALF = (COUT + 1) / 2;
     const int r = threadIdx.x >> 1, part = threadIdx.x & 1, p = base + r;
-    const int c0 = part * HALF;
     const bool valid = p < M;
-    float s = 0.0f;
-#pragma unroll 4
-    for (int j = 0; j < HALF; ++j) {
-        const int c = c0 + j;
-        if (c >= COUT) break;
-        float v = __half2float(sC[r * S::CS + c]);
-        if constexpr (RES) v += valid ? __half2float(res[p * COUT + c]) : 0.0f;
-        if constexpr (RELU) v = fmaxf(v, 0.0f);
-        s = fmaf(v, __ldg(hw + c), s);
-    }
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    const float s = head_logit<COUT, RES, RELU>(sC + r * S::CS, res, p, valid, hw, part);
     if (valid && part == 0) logits[p] = s + hb;
 }
 
