@@ -66,7 +66,7 @@ def check_fusable(
 
 @dataclass(frozen=True)
 class BlockCall:
-    """A checked DS-block launch: the sizes a launcher needs and its output array."""
+    """A checked DS-block launch: the sizes a launcher needs, its arrays and its output."""
 
     n: int
     ca: int
@@ -77,10 +77,23 @@ class BlockCall:
     wo: int
     cout: int
     out: Any  # [N, Ho, Wo, Cout] float16, or [N, Ho, Wo, 1] float32 with the head
+    arrays: tuple[Any, ...]  # x, skip, dw_w, dw_b, pw, pw_b, head_w, head_b (as passed)
 
     @property
     def cin(self) -> int:
         return self.ca + self.cb
+
+    def block_args(self) -> tuple[Any, ...]:
+        """The array parameters every one-launch DS kernel (ds_block, ds_tiled, ds_halo)
+        declares first: ``x, skip, dw_w, dw_b, pw, pw_b, head_w, head_b, out``. Without a
+        skip ``x`` stands in for it, without the head ``pw_b`` for both head arrays: pointers
+        the kernel never reads."""
+        x, skip, dw_w, dw_b, pw, pw_b, head_w, head_b = self.arrays
+        head = head_w is not None
+        return (
+            x, x if skip is None else skip, dw_w, dw_b, pw, pw_b,
+            head_w if head else pw_b, head_b if head else pw_b, self.out,
+        )  # fmt: skip
 
 
 def check_block(
@@ -124,7 +137,8 @@ def check_block(
         out = cu.output(op, out, (n, ho, wo, 1), np.float32)
     else:
         out = cu.output(op, out, (n, ho, wo, cout), np.float16)
-    return BlockCall(n, ca, cb, height, width, ho, wo, cout, out)
+    arrays = (x, skip, dw_w, dw_b, pw, pw_b, head_w, head_b)
+    return BlockCall(n, ca, cb, height, width, ho, wo, cout, out, arrays)
 
 
 def dw_smem_bytes(cin: int) -> int:
@@ -187,10 +201,6 @@ def ds_block_cuda(
         op, ca, cb, cout, slices, stride, dilation, sweep, hoist, residual, head
     )
     func = cu.kernel("ds_block.cu", name)
-    args = (
-        x, x if skip is None else skip, dw_w, dw_b, pw_w, pw_b,
-        head_w if head else pw_b, head_b if head else pw_b, out,
-        *map(cu.i32, (n, height, width, ho, wo)),
-    )  # fmt: skip
+    args = (*c.block_args(), *map(cu.i32, (n, height, width, ho, wo)))
     cu.launch_pw(func, cin, cout, n * ho * wo, args, dw_smem, slices)
     return out

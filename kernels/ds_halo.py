@@ -138,10 +138,6 @@ def ds_halo_cuda(
     th = TILE_PIXELS // tw
     tiles = n * -(-c.ho // th) * -(-c.wo // tw)
     grid = cu.persistent_grid(func, THREADS, smem, tiles)
-    args = (
-        x, x if skip is None else skip, dw_w, dw_b, pw_wt, pw_b,
-        head_w if head else pw_b, head_b if head else pw_b, out,
-        *map(cu.i32, (n, c.ho, c.wo)),
-    )  # fmt: skip
+    args = (*c.block_args(), *map(cu.i32, (n, c.ho, c.wo)))
     cu.launch(func, (grid,), (THREADS,), args, smem)
     return out

@@ -261,10 +261,6 @@ def ds_tiled_cuda(
     func = cu.kernel("ds_split.cu", name)
     cu.opt_in_smem(func, smem)
     m = n * ho * wo
-    args = (
-        x, x if skip is None else skip, dw_w, dw_b, pw_wt, pw_b,
-        head_w if head else pw_b, head_b if head else pw_b, out,
-        *map(cu.i32, (n, height, width, ho, wo)),
-    )  # fmt: skip
+    args = (*c.block_args(), *map(cu.i32, (n, height, width, ho, wo)))
     cu.launch(func, (-(-m // GEMM_BM), cout // bn), (256,), args, smem)
     return out
