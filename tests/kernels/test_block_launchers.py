@@ -25,7 +25,7 @@ class Arr:
 
     name: str
     shape: tuple[int, ...]
-    dtype: np.dtype = field(default_factory=lambda: np.dtype(np.float16))
+    dtype: Any = np.float16  # a numpy dtype or scalar type
 
     def __post_init__(self) -> None:
         self.dtype = np.dtype(self.dtype)
