@@ -12,7 +12,6 @@ import re
 import socket
 import struct
 import time
-from collections.abc import Callable
 from typing import Any, Final
 
 import msgspec
@@ -29,7 +28,6 @@ from scratchd.daemon.acceptor import Acceptor, Invalid, check_image, convert_int
 from scratchd.daemon.config import Config, QueueConfig, ServerConfig
 from scratchd.daemon.connection import HEAD_BYTES, SCAN_BYTES, Connection, SlotLoan
 from scratchd.daemon.dispatch import Dispatcher
-from scratchd.daemon.receiver import ReceiveJob
 from scratchd.ipc import wire
 from scratchd.ipc.image import ImageError
 from scratchd.ipc.queue import DescState, Geometry, RequestQueue, Result, Status
@@ -135,23 +133,8 @@ class FrontEnd:
             return loan
 
         self.acceptor.lend_slot = counting  # type: ignore[method-assign]
-        self.jobs = 0
         if self.acceptor.receiver is not None:
-            receiver, receive = self.acceptor.receiver, self.acceptor.receiver.receive
-            receiver.min_bytes = 1  # every lent frame with pixels still to come: a thread
-
-            def counting_jobs(
-                fd: int,
-                into: memoryview,
-                timeout_s: float,
-                done: Callable[[int], None],
-                after: memoryview | None = None,
-            ) -> ReceiveJob | None:
-                job = receive(fd, into, timeout_s, done, after)
-                self.jobs += job is not None
-                return job
-
-            receiver.receive = counting_jobs  # type: ignore[method-assign]
+            self.acceptor.receiver.min_bytes = 1  # every lent frame with pixels to come: a thread
         self._ids = itertools.count(1)
 
     @staticmethod
@@ -327,7 +310,8 @@ def test_receive_threads_0_receives_on_the_loop_and_more_in_threads(threads: int
             body = bytes(wire.encode_frame(request)[4:])
             replies, seen = await front.serve([body], lend=True, via_socket=True)
             assert replies == [(4, "ok", "", "clean")] and len(seen) == 1
-            assert front.loans == 1 and (front.jobs >= 1 if threads else front.jobs == 0)
+            jobs = front.acceptor.receiver.jobs if front.acceptor.receiver is not None else 0
+            assert front.loans == 1 and (jobs >= 1 if threads else jobs == 0)
         finally:
             await front.close()
         assert front.acceptor.receiver is None or not front.acceptor.receiver.native_ids()
