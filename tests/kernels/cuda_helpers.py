@@ -32,6 +32,29 @@ def half(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -
     return (rng.standard_normal(shape) * scale).astype(np.float16).astype(np.float32)
 
 
+def block_data(
+    n: int, h: int, w: int, ca: int, cb: int, cout: int, head: bool = False
+) -> tuple[dict[str, np.ndarray], int]:
+    """Random fp16-exact inputs of a DS block (``ds_block_ref``'s arguments by name) and
+    their seed: ``x`` [n, h, w, ca], or with ``cb`` the join's [n, h/2, w/2, ca] and ``skip``
+    [n, h, w, cb]; ``head_w``/``head_b`` with ``head``."""
+    rng, seed = fresh_rng()
+    cin = ca + cb
+    data = {
+        "x": half(rng, (n, h // 2, w // 2, ca) if cb else (n, h, w, ca)),
+        "dw_w": half(rng, (3, 3, cin), 0.4),
+        "dw_b": rng.normal(0, 0.3, cin).astype(np.float32),
+        "pw_w": half(rng, (cin, cout), 1.0 / np.sqrt(cin)),
+        "pw_b": rng.normal(0, 0.3, cout).astype(np.float32),
+    }
+    if cb:
+        data["skip"] = half(rng, (n, h, w, cb))
+    if head:
+        data["head_w"] = rng.normal(0, 0.3, (cout, 1)).astype(np.float32)
+        data["head_b"] = rng.normal(0, 0.3, 1).astype(np.float32)
+    return data, seed
+
+
 def dev(a: np.ndarray, dtype: type = np.float16) -> Any:
     return cupy().asarray(a.astype(dtype))
 

@@ -3,6 +3,8 @@ bit for bit, against the fused ds_block_cuda; its shape rule and shared-memory s
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -25,7 +27,7 @@ from scratchd.kernels.ds_halo import (
 )
 from scratchd.kernels.ds_split import SPLIT_ENV, block_path
 
-from .cuda_helpers import assert_close, cupy, dev, fresh_rng, half, poisoned
+from .cuda_helpers import assert_close, block_data, cupy, dev, half, poisoned
 
 
 def test_halo_shapes_are_stride_one_narrow_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,37 +75,26 @@ def test_three_blocks_an_sm_where_their_shared_memory_fits(
         halo_blocks(1024)
 
 
-def test_the_tile_is_8_16_or_32_wide(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(TILE_W_ENV, raising=False)
-    assert tile_w() == 16
+@pytest.mark.parametrize(
+    ("env", "knob", "default", "other", "bad"),
+    [(TILE_W_ENV, tile_w, 16, "32", "12"), (ROWS_ENV, halo_rows, 2, "4", "3"),
+     (SWEEP_ENV, halo_sweep, 4, "2", "8")],
+)  # fmt: skip
+def test_the_schedule_knobs_take_their_default_a_listed_value_and_nothing_else(
+    env: str, knob: Any, default: int, other: str, bad: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(env, raising=False)
+    assert knob() == default
+    monkeypatch.setenv(env, other)
+    assert knob() == int(other)
+    monkeypatch.setenv(env, bad)
+    with pytest.raises(ValueError, match=env):
+        knob()
+
+
+def test_a_32_wide_tile_has_a_6_x_34_halo(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(TILE_W_ENV, "32")
-    assert (
-        tile_w() == 32
-        and halo_smem_bytes(48, 0, 48) == (9 * 48 + 48 * 56 + 128 * 56 + 6 * 34 * 56) * 2
-    )
-    monkeypatch.setenv(TILE_W_ENV, "12")
-    with pytest.raises(ValueError, match=TILE_W_ENV):
-        tile_w()
-
-
-def test_the_rows_are_1_2_or_4(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ROWS_ENV, raising=False)
-    assert halo_rows() == 2
-    monkeypatch.setenv(ROWS_ENV, "4")
-    assert halo_rows() == 4
-    monkeypatch.setenv(ROWS_ENV, "3")
-    with pytest.raises(ValueError, match=ROWS_ENV):
-        halo_rows()
-
-
-def test_the_sweep_is_2_or_4(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(SWEEP_ENV, raising=False)
-    assert halo_sweep() == 4
-    monkeypatch.setenv(SWEEP_ENV, "2")
-    assert halo_sweep() == 2
-    monkeypatch.setenv(SWEEP_ENV, "8")
-    with pytest.raises(ValueError, match=SWEEP_ENV):
-        halo_sweep()
+    assert halo_smem_bytes(48, 0, 48) == (9 * 48 + 48 * 56 + 128 * 56 + 6 * 34 * 56) * 2
 
 
 # (N, H, W, CA, CB, Cout, residual, head): H, W the output size (with CB > 0, x is H/2 x W/2).
@@ -123,22 +114,8 @@ CASES = [
 
 
 def _data(case: tuple[int, ...]) -> tuple[dict[str, np.ndarray], int]:
-    rng, seed = fresh_rng()
     n, h, w, ca, cb, cout, _, head = case
-    cin = ca + cb
-    data = {
-        "x": half(rng, (n, h // 2, w // 2, ca) if cb else (n, h, w, ca)),
-        "dw_w": half(rng, (3, 3, cin), 0.4),
-        "dw_b": rng.normal(0, 0.3, cin).astype(np.float32),
-        "pw_w": half(rng, (cin, cout), 1.0 / np.sqrt(cin)),
-        "pw_b": rng.normal(0, 0.3, cout).astype(np.float32),
-    }
-    if cb:
-        data["skip"] = half(rng, (n, h, w, cb))
-    if head:
-        data["head_w"] = rng.normal(0, 0.3, (cout, 1)).astype(np.float32)
-        data["head_b"] = rng.normal(0, 0.3, 1).astype(np.float32)
-    return data, seed
+    return block_data(n, h, w, ca, cb, cout, bool(head))
 
 
 @pytest.mark.gpu

@@ -21,7 +21,7 @@ from scratchd.kernels.ds_split import (
 from scratchd.kernels.model import load_model
 from scratchd.kernels.net import NetConfig, block_plan
 
-from .cuda_helpers import assert_close, cupy, dev, fresh_rng, half, poisoned
+from .cuda_helpers import assert_close, block_data, cupy, dev, fresh_rng, half, poisoned
 
 SHIPPED = NetConfig(widths=(48, 96, 192, 384), depths=(1, 2, 2, 1), dilations=(2, 4), dec_depth=2)
 
@@ -102,19 +102,8 @@ CASES = [
 
 
 def _data(case: tuple[int, ...]) -> tuple[dict[str, np.ndarray], int]:
-    rng, seed = fresh_rng()
     n, h, w, ca, cb, cout, *_ = case
-    cin = ca + cb
-    data = {
-        "x": half(rng, (n, h // 2, w // 2, ca) if cb else (n, h, w, ca)),
-        "dw_w": half(rng, (3, 3, cin), 0.4),
-        "dw_b": rng.normal(0, 0.3, cin).astype(np.float32),
-        "pw_w": half(rng, (cin, cout), 1.0 / np.sqrt(cin)),
-        "pw_b": rng.normal(0, 0.3, cout).astype(np.float32),
-    }
-    if cb:
-        data["skip"] = half(rng, (n, h, w, cb))
-    return data, seed
+    return block_data(n, h, w, ca, cb, cout)
 
 
 @pytest.mark.gpu
@@ -195,11 +184,10 @@ HEAD_CASES = [
 @pytest.mark.parametrize("case", HEAD_CASES, ids=lambda s: "x".join(str(int(v)) for v in s))
 def test_ds_tiled_head_gives_the_fused_kernels_logits(case: tuple[int, ...]) -> None:
     cp = cupy()
-    d, seed = _data(case)
-    cout, stride, dil, residual = case[5], case[6], case[7], case[8]
-    rng = np.random.default_rng(seed)
-    head_w = rng.normal(0, 0.3, (cout, 1)).astype(np.float32)
-    head_b = rng.normal(0, 0.3, 1).astype(np.float32)
+    n, h, w, ca, cb, cout, *_ = case
+    d, seed = block_data(n, h, w, ca, cb, cout, head=True)
+    stride, dil, residual = case[6], case[7], case[8]
+    head_w, head_b = d["head_w"], d["head_b"]
     skip = d.get("skip")
     ref = ds_block_ref(
         d["x"], d["dw_w"], d["dw_b"], d["pw_w"], d["pw_b"], stride, dil, skip, bool(residual),
