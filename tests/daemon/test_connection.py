@@ -319,6 +319,12 @@ raw_sizes = st.one_of(
 )
 
 
+def frame_mixes(max_size: int) -> st.SearchStrategy[list[tuple[str, int]]]:
+    """1..max_size frames, each a raw image request of a raw_sizes body or opaque bytes."""
+    kinds = st.one_of(st.tuples(st.just("raw"), raw_sizes), st.tuples(st.just("opaque"), sizes))
+    return st.lists(kinds, min_size=1, max_size=max_size)
+
+
 def raw_body(n: int, seed: int, **extra: object) -> bytes:
     """A request as a client sends it (msgspec field order: ``pixels`` fourth)."""
     pixels = bytes((seed + k) % 253 for k in range(n))
@@ -328,14 +334,7 @@ def raw_body(n: int, seed: int, **extra: object) -> bytes:
 
 @settings(max_examples=60, deadline=None)
 @given(
-    frames=st.lists(
-        st.one_of(
-            st.tuples(st.just("raw"), raw_sizes),
-            st.tuples(st.just("opaque"), sizes),
-        ),
-        min_size=1,
-        max_size=6,
-    ),
+    frames=frame_mixes(6),
     cuts=st.lists(st.integers(0, 1 << 20), max_size=12),
     lend=st.booleans(),
     take=st.booleans(),

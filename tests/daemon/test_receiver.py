@@ -25,7 +25,7 @@ from scratchd.daemon.connection import HEAD_BYTES, SCAN_BYTES, Connection, ReadS
 from scratchd.daemon.receiver import MAX_WAIT_S, MIN_BYTES, PoolState, ReceiveJob, ReceivePool
 from scratchd.ipc._native import recv_into_exact
 
-from .test_connection import Lender, decoded, framed, raw_body, raw_sizes, sizes
+from .test_connection import Lender, decoded, frame_mixes, framed, raw_body
 
 
 def run_uvloop(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -116,11 +116,7 @@ async def receive_all(
 
 @settings(max_examples=25, deadline=None)
 @given(
-    frames=st.lists(
-        st.one_of(st.tuples(st.just("raw"), raw_sizes), st.tuples(st.just("opaque"), sizes)),
-        min_size=1,
-        max_size=5,
-    ),
+    frames=frame_mixes(5),
     cuts=st.lists(st.integers(0, 1 << 20), max_size=8),
     lend=st.booleans(),
     take=st.booleans(),
