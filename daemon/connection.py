@@ -371,21 +371,20 @@ class Connection(asyncio.BufferedProtocol):
         thread, reading paused until ``_received``; False, nothing changed (the loop receives
         them; reading is left ``paused`` or not as it was), if there is no pool, it does not
         find them worth a thread (``ReceivePool.worth``) or it takes no job."""
-        receiver, at, loan, timer = self.handler.receiver, self._at, self._loan, self._timer
+        receiver, at, loan = self.handler.receiver, self._at, self._loan
         assert at is not None and loan is not None
         rest = at.start + at.length - self._got
-        if receiver is None or rest < receiver.min_bytes or self.transport is None:
+        if receiver is None or self.transport is None:
             return False
         sock = self.transport.get_extra_info("socket")
         if sock is None or not receiver.worth(sock.fileno(), rest):
             return False
-        left_s = self.handler.frame_timeout_s if timer is None else timer.when() - self._loop.time()
         if not paused:
             self.transport.pause_reading()  # before the thread starts: one reader at a time
         done = functools.partial(self._received, loan)
         pixels = loan.view[self._got - at.start :]
         tail = self._head_view[at.hidden_end : at.hidden_length(self._length)]
-        self._job = receiver.receive(sock.fileno(), pixels, left_s, done, tail)
+        self._job = receiver.receive(sock.fileno(), pixels, done, tail)
         if self._job is None and not paused:
             self.transport.resume_reading()
         return self._job is not None

@@ -154,12 +154,12 @@ class ReceivePool:
         self,
         fd: int,
         into: memoryview,
-        timeout_s: float,
         done: Callable[[int], None],
         after: memoryview | None = None,
     ) -> ReceiveJob | None:
-        """On the loop: fill ``into``, then ``after``, from the socket ``fd`` in a thread, for
-        at most ``timeout_s`` (and ``max_wait_s``); ``done(received)`` runs on the loop after
+        """On the loop: fill ``into``, then ``after``, from the socket ``fd`` in a thread with
+        what it holds, waiting at most ``max_wait_s`` for the rest (the frame's stall timer
+        stays the loop's: a close cancels the job); ``done(received)`` runs on the loop after
         the thread has let go of the socket and of both buffers. None (nothing started) if the
         pool is stopped or the descriptor cannot be duplicated: the caller then receives on the
         loop."""
@@ -172,7 +172,7 @@ class ReceivePool:
             return None
         if self.state is PoolState.NEW:
             self._start()
-        timeout_ms = max(0, math.ceil(min(timeout_s, self.max_wait_s) * 1000))
+        timeout_ms = max(0, math.ceil(self.max_wait_s * 1000))
         job = ReceiveJob(dup, into, after, timeout_ms, asyncio.get_running_loop(), done)
         self.in_flight += 1
         self.jobs += 1

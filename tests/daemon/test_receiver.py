@@ -49,11 +49,10 @@ class Counting(Lender):
             def counting(
                 fd: int,
                 into: memoryview,
-                timeout_s: float,
                 done: Callable[[int], None],
                 after: memoryview | None = None,
             ) -> ReceiveJob | None:
-                job = receive(fd, into, timeout_s, done, after)
+                job = receive(fd, into, done, after)
                 self.job_bytes.append(len(into))
                 return job
 
@@ -395,18 +394,18 @@ def test_the_pool_refuses_jobs_it_cannot_run_and_ends_its_threads() -> None:
         pool = ReceivePool(2)
         done: list[int] = []
         assert pool.state is PoolState.NEW and pool.native_ids() == []
-        assert pool.receive(-1, memoryview(bytearray(4)), 1.0, done.append) is None  # no dup
+        assert pool.receive(-1, memoryview(bytearray(4)), done.append) is None  # no dup
         assert pool.state is PoolState.NEW and pool.in_flight == 0
         a, b = socket.socketpair()
         b.sendall(b"abcd")
         buf = bytearray(4)
-        assert pool.receive(a.fileno(), memoryview(buf), 1.0, done.append) is not None
+        assert pool.receive(a.fileno(), memoryview(buf), done.append) is not None
         assert pool.state is PoolState.RUNNING and len(pool.native_ids()) == 2
         await pool.wait_idle()
         assert done == [4] and buf == b"abcd"
         pool.shutdown()
         assert pool.state is PoolState.STOPPED and pool.native_ids() == []
-        assert pool.receive(a.fileno(), memoryview(buf), 1.0, done.append) is None
+        assert pool.receive(a.fileno(), memoryview(buf), done.append) is None
         a.close()
         b.close()
 
