@@ -37,10 +37,11 @@ skips it). A frame whose runs overflowed the capacity is finished from its mean 
 each frame is the one of its first view frame (views only permute pixels).
 
 Measured on the H200 (docs/bench/serve-graph.json, 1024x1024 mosaics of real tiles, ~6000
-runs a frame): the graph takes 1.6-1.8 ms a frame with the shipped 4 views (25.8 ms for
-bucket 16), 0.42-0.59 ms with the identity view alone; ``collect`` 0.04-0.1 ms a frame; the
-host finish (C) 0.13-0.25 ms a frame there. Device footprint ≈ 790 MB a frame with 4 views,
-≈ 200 MB with one (the split blocks' depthwise scratch included).
+runs a frame, 2026-11-30T14:01): the graph takes 1.41-1.60 ms a frame with the shipped 4
+views (22.5 ms for bucket 16), 0.37-0.54 ms with the identity view alone; ``collect``
+0.02-0.16 ms a frame; the host finish (C) 0.11-0.18 ms a frame there (no mask). Footprint
+≈ 720 MB a frame with 4 views, ≈ 185 MB with one (the split blocks' depthwise scratch
+included).
 """
 
 from __future__ import annotations
