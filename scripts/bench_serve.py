@@ -70,6 +70,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,6 +92,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data"
 SERVE = [sys.executable, "-c", "from scratchd.daemon.cli import main; main()", "serve"]
 LEGACY_KEYS = {"throughput": "throughput_ok_per_s", "p999_ms": "p99_9_ms"}
+TIMELINE_BIN_S = 0.5
+"""The kill run's timeline bins, s."""
 
 
 # ---- the daemon ---------------------------------------------------------------------------
@@ -170,7 +173,7 @@ def kill_worker(sock: str, name: str) -> dict[str, Any]:
     with Client(sock, timeout=5) as client:
         new_pid = {w.name: w.pid for w in client.status().workers}[name]
     path = "standby" if new_pid in spares else "fresh process"
-    return {"worker": name, "restart_s": round(elapsed, 3), "replaced_by": path}
+    return {"worker": name, "restart_s": round(elapsed, 3), "replaced_by": path, "killed_at": t0}
 
 
 def worker_names(sock: str) -> list[str]:
@@ -182,7 +185,12 @@ def worker_names(sock: str) -> list[str]:
 
 
 def start_clients(
-    args: argparse.Namespace, sock: str, pattern: str, rate: float, duration: float
+    args: argparse.Namespace,
+    sock: str,
+    pattern: str,
+    rate: float,
+    duration: float,
+    trace: bool = False,
 ) -> list[subprocess.Popen[str]]:
     procs = []
     clients = 1 if pattern == "burst" else args.clients  # the burst pattern is a total
@@ -192,6 +200,7 @@ def start_clients(
         cmd += ["--seed", str(1000 * k + int(rate)), "--burst", str(args.burst)]
         cmd += ["--grace", str(args.grace), "--data", args.data]
         cmd += ["--frames", args.frames] if args.frames else []
+        cmd += ["--trace"] if trace else []
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
     return procs
 
@@ -238,15 +247,23 @@ def daemon_ports(sock: str) -> tuple[int, int]:
 
 
 def kill_run(args: argparse.Namespace, sock: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Poisson load at ``--kill-rate``; a worker SIGKILLed every ``--kill-gap`` s."""
+    """Poisson load at ``--kill-rate``; a worker SIGKILLed every ``--kill-gap`` s. The row
+    carries a ``timeline`` (``serve_load.timeline``, ``TIMELINE_BIN_S`` bins from the load's
+    start) and each kill its time ``at_s`` on that axis."""
     duration = args.kill_gap * (args.kills + 1)
     names = worker_names(sock)
-    procs = start_clients(args, sock, "poisson", args.kill_rate, duration)
+    procs = start_clients(args, sock, "poisson", args.kill_rate, duration, trace=True)
     t0, kills = time.monotonic() + 0.2, []
     for k in range(args.kills):
         time.sleep(max(0.0, t0 + (k + 1) * args.kill_gap - time.monotonic()))
         kills.append(kill_worker(sock, names[k % len(names)]))
-    row = sl.summarize(collect(procs), duration)
+    results = collect(procs)
+    # the clients' own start (each ~0.2 s after it began) is the axis' zero
+    start = min((r["trace"]["due_s"][0] for r in results if r["trace"]["due_s"]), default=t0)
+    for kill in kills:
+        kill["at_s"] = round(kill.pop("killed_at") - start, 3)
+    row = sl.summarize(results, duration)
+    row["timeline"] = sl.timeline(results, start, TIMELINE_BIN_S)
     load = f"poisson@{args.kill_rate:g}/s + kill -9"
     return {"load": load, "rate": args.kill_rate, "size": args.size, **row}, kills
 
@@ -260,7 +277,9 @@ def measure_restarts(args: argparse.Namespace, sock: str) -> list[dict[str, Any]
     for name in worker_names(sock):
         for _ in range(args.kills):
             time.sleep(3.0)  # time for a new standby to boot after the previous kill
-            out.append(kill_worker(sock, name))
+            kill = kill_worker(sock, name)
+            del kill["killed_at"]
+            out.append(kill)
     result = collect([background])[0]
     lost = result["sent"] - result["answered"]
     out.append(
@@ -359,7 +378,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None)
     p.add_argument("--markdown", default=None, metavar="MD", help="rewrite its section")
     p.add_argument("--section", default="bench_serve_gpu", help="the markdown section's name")
+    p.add_argument("--daemon-log", default=None, help="copy the daemon's log here at the end")
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--trace", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--frames", default="", help=argparse.SUPPRESS)
     p.add_argument("--pattern", default="poisson", help=argparse.SUPPRESS)
     p.add_argument("--rate", type=float, default=10.0, help=argparse.SUPPRESS)
@@ -403,6 +424,8 @@ def main() -> None:
             if proc is not None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(60)
+                if args.daemon_log:  # the workers' boot lines, restarts, warnings
+                    shutil.copyfile(Path(tmp) / "serve.log", args.daemon_log)
     print_table(doc)
     machine = {
         "cpus": os.cpu_count(),

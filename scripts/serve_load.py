@@ -160,6 +160,7 @@ async def run_client(args: argparse.Namespace) -> dict[str, Any]:
     offsets = schedule(args.pattern, args.duration, args.rate, args.seed, args.burst)
     latency = [float("nan")] * len(offsets)
     lateness = [float("nan")] * len(offsets)
+    outcome = [""] * len(offsets)  # each request's status, for --trace
     # the daemon's own account of each ok reply (wire.Timings): queue, compute, total
     parts: dict[str, list[float]] = {key: [] for key in PARTS}
     statuses: Counter[str] = Counter()
@@ -174,8 +175,10 @@ async def run_client(args: argparse.Namespace) -> dict[str, Any]:
                 reply = await client.infer(payloads[i % len(payloads)])
             except ConnectionError:
                 statuses["connection_lost"] += 1
+                outcome[i] = "connection_lost"
                 return
             statuses[reply.status] += 1
+            outcome[i] = reply.status
             if reply.status == "ok":
                 latency[i] = (time.perf_counter() - due) * 1000.0
                 t = reply.timings
@@ -193,6 +196,15 @@ async def run_client(args: argparse.Namespace) -> dict[str, Any]:
             for task in pending:
                 task.cancel()
     answered = sum(n for s, n in statuses.items() if s != "connection_lost")
+    trace = {}
+    if args.trace:  # per request, in send order: when it was due (CLOCK_MONOTONIC s), ...
+        trace = {
+            "trace": {
+                "due_s": [start + at for at in offsets],
+                "latency_ms": [x if x == x else None for x in latency],
+                "status": outcome,  # "" when no reply came
+            }
+        }
     return {
         "sent": len(offsets),
         "answered": answered,
@@ -201,6 +213,7 @@ async def run_client(args: argparse.Namespace) -> dict[str, Any]:
         "lateness_ms": [x for x in lateness if x == x],
         **parts,
         "elapsed_s": time.perf_counter() - start,
+        **trace,
     }
 
 
@@ -251,6 +264,38 @@ def summarize(results: list[dict[str, Any]], duration: float) -> dict[str, Any]:
             for q, pct in (("p50", 50), ("p99", 99))
         },
     }
+
+
+def timeline(results: list[dict[str, Any]], t0: float, bin_s: float) -> list[dict[str, Any]]:
+    """The traced requests (``--trace``) in bins of ``bin_s`` seconds by scheduled send time,
+    ``t0`` (CLOCK_MONOTONIC, as the clients' perf_counter on Linux) the first bin's start.
+
+    Each bin: its start ``t_s``, how many requests were due in it, how they were answered
+    (``statuses``; ``none`` for no reply), and p50/p99/max latency of its ``ok`` replies.
+    What a whole-run percentile hides: when after a kill -9 the latency rose, and when it
+    came back."""
+    due = np.array([d for r in results for d in r["trace"]["due_s"]], np.float64)
+    lat = np.array(
+        [np.nan if x is None else x for r in results for x in r["trace"]["latency_ms"]],
+        np.float64,
+    )
+    status = [s or "none" for r in results for s in r["trace"]["status"]]
+    index = np.floor((due - t0) / bin_s).astype(np.int64)
+    rows = []
+    for b in range(int(index.max()) + 1 if index.size else 0):
+        mine = np.flatnonzero(index == b)
+        ok = lat[mine][~np.isnan(lat[mine])]
+        rows.append(
+            {
+                "t_s": round(b * bin_s, 3),
+                "sent": int(mine.size),
+                "statuses": dict(Counter(status[k] for k in mine)),
+                "p50_ms": percentile(ok, 50),
+                "p99_ms": percentile(ok, 99),
+                "max_ms": round(float(ok.max()), 2) if ok.size else None,
+            }
+        )
+    return rows
 
 
 def meets(row: dict[str, Any], p99_limit_ms: float) -> bool:

@@ -83,9 +83,55 @@ def print_raw_table(doc: dict[str, Any]) -> None:
         )
     for k in doc["kill_run"].get("kills", []):
         took = f"{k['restart_s'] * 1000:.0f} ms"
-        print(f"restart after kill -9: {k['worker']} {took} ({k['replaced_by']})")
+        print(f"restart after kill -9: {k['worker']} {took} ({k['replaced_by']}){_back(doc, k)}")
     if doc["kill_run"].get("kills"):
         print(f"lost under kill: {doc['lost_under_kill']}")
+    timeline = doc["kill_run"].get("timeline", [])
+    if timeline:
+        at = [k["at_s"] for k in doc["kill_run"]["kills"]]
+        print("kill run by scheduled send time (s: sent, p50/p99/max ms of ok, statuses):")
+        for b in timeline:
+            width = bin_s(timeline)
+            mark = " <- kill -9" if any(b["t_s"] <= a < b["t_s"] + width for a in at) else ""
+            print(
+                f"  {b['t_s']:6.1f}  {b['sent']:5}  {_ms(b['p50_ms'])}/{_ms(b['p99_ms'])}/"
+                f"{_ms(b['max_ms'])}  {b['statuses']}{mark}"
+            )
+
+
+def bin_s(timeline: list[dict[str, Any]]) -> float:
+    return timeline[1]["t_s"] - timeline[0]["t_s"] if len(timeline) > 1 else 1.0
+
+
+RECOVERED_P99_MS = 20.0
+"""A kill run's bin is back to normal when its p99 is within this (the issue's rate-search
+limit) and every request due in it was answered ok."""
+
+
+def recovered_after(timeline: list[dict[str, Any]], at_s: float) -> float | None:
+    """Seconds from a kill at ``at_s`` to the end of the first bin after it that is normal
+    again (p99 ≤ ``RECOVERED_P99_MS``, every request due in it answered ok): how long the
+    line felt the kill, at the bins' resolution. None if no later bin is normal."""
+    width = bin_s(timeline)
+    for b in timeline:
+        if b["t_s"] >= at_s and _normal(b):
+            return round(b["t_s"] + width - at_s, 3)
+    return None
+
+
+def _normal(b: dict[str, Any]) -> bool:
+    p99 = b["p99_ms"]
+    return p99 is not None and p99 <= RECOVERED_P99_MS and set(b["statuses"]) == {"ok"}
+
+
+def _back(doc: dict[str, Any], kill: dict[str, Any]) -> str:
+    timeline = doc["kill_run"].get("timeline", [])
+    if not timeline or "at_s" not in kill:
+        return ""
+    back = recovered_after(timeline, kill["at_s"])
+    return (
+        f", latency normal again after {back:.1f} s" if back is not None else ", never normal again"
+    )
 
 
 def record_markdown(doc: dict[str, Any], json_path: str, section: str = SECTION) -> str:
@@ -128,7 +174,8 @@ def record_markdown(doc: dict[str, Any], json_path: str, section: str = SECTION)
     kills = doc["kill_run"].get("kills", [])
     if kills:
         each = ", ".join(
-            f"{k['worker']} {k['restart_s'] * 1000:.0f} ms ({k['replaced_by']})" for k in kills
+            f"{k['worker']} {k['restart_s'] * 1000:.0f} ms ({k['replaced_by']}{_back(doc, k)})"
+            for k in kills
         )
         lines += [
             "",

@@ -311,3 +311,69 @@ def test_the_device_is_the_cards_in_use() -> None:
     assert bench.device_name("cuda", h200) == "2 x NVIDIA H200"
     assert bench.device_name("cuda", h200, "0") == "NVIDIA H200"
     assert bench.device_name("cpu", h200).startswith("cpu: ")
+
+
+# ---- the kill run's timeline ---------------------------------------------------------------
+
+
+def _traced(due: list[float], latency: list[float | None], status: list[str]) -> dict[str, Any]:
+    return {"trace": {"due_s": due, "latency_ms": latency, "status": status}}
+
+
+def test_the_timeline_bins_requests_by_when_they_were_due_across_clients() -> None:
+    a = _traced([100.0, 100.2, 100.6], [1.0, 3.0, 50.0], ["ok", "ok", "ok"])
+    b = _traced([100.1, 100.7, 101.2], [2.0, None, None], ["ok", "overloaded", ""])
+    rows = sl.timeline([a, b], t0=100.0, bin_s=0.5)
+    assert [r["t_s"] for r in rows] == [0.0, 0.5, 1.0]
+    assert [r["sent"] for r in rows] == [3, 2, 1]
+    assert rows[0]["statuses"] == {"ok": 3} and rows[0]["p50_ms"] == 2.0
+    assert rows[0]["max_ms"] == 3.0
+    assert rows[1]["statuses"] == {"ok": 1, "overloaded": 1} and rows[1]["p99_ms"] == 50.0
+    # a request never answered counts as "none" and has no latency
+    assert rows[2]["statuses"] == {"none": 1} and rows[2]["p50_ms"] is None
+
+
+@given(
+    due=st.lists(st.floats(0.0, 30.0), min_size=1, max_size=60),
+    bin_s=st.sampled_from([0.25, 0.5, 1.0]),
+)
+def test_every_traced_request_lands_in_exactly_one_bin(due: list[float], bin_s: float) -> None:
+    rows = sl.timeline([_traced(due, [1.0] * len(due), ["ok"] * len(due))], 0.0, bin_s)
+    assert sum(r["sent"] for r in rows) == len(due)
+    assert all(r["t_s"] == round(k * bin_s, 3) for k, r in enumerate(rows))
+
+
+def _bin(t: float, p99: float | None, **statuses: int) -> dict[str, Any]:
+    return {"t_s": t, "sent": sum(statuses.values()), "statuses": statuses, "p99_ms": p99}
+
+
+def test_a_kill_is_over_at_the_end_of_the_first_normal_bin_after_it() -> None:
+    timeline = [
+        _bin(0.0, 8.0, ok=900),
+        _bin(0.5, 300.0, ok=900),  # the kill at 0.6 s: requests due before it wait too
+        _bin(1.0, 120.0, ok=800, overloaded=100),
+        _bin(1.5, 12.0, ok=500, overloaded=1),  # one overloaded reply: not yet normal
+        _bin(2.0, 14.0, ok=1000),
+        _bin(2.5, 90.0, ok=1000),  # a later spike does not undo the recovery
+    ]
+    assert report.recovered_after(timeline, 0.6) == 1.9
+    assert report.recovered_after(timeline, 2.2) is None  # nothing normal after it
+
+
+def test_the_console_table_shows_the_timeline_and_each_kills_recovery(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    doc = _doc()
+    doc["kill_run"]["timeline"] = [
+        _bin(0.0, 5.0, ok=10),
+        _bin(0.5, 40.0, ok=10),
+        _bin(1.0, 6.0, ok=9),
+    ]
+    for b in doc["kill_run"]["timeline"]:
+        b |= {"p50_ms": 1.0, "max_ms": 50.0}
+    doc["kill_run"]["kills"][0]["at_s"] = 0.7
+    report.print_table(doc)
+    out = capsys.readouterr().out
+    assert "latency normal again after 0.8 s" in out
+    assert out.count("<- kill -9") == 1 and "0.5     10  1/40/50  {'ok': 10} <- kill -9" in out
+    assert "normal again after 0.8 s" in report.record_markdown(doc, "x.json")
