@@ -75,6 +75,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -246,24 +247,57 @@ def daemon_ports(sock: str) -> tuple[int, int]:
     return status.metrics_port, status.pid
 
 
+class StatusSampler:
+    """Polls the daemon's status every ``interval`` s in a thread while a load runs: when each
+    sample was taken (CLOCK_MONOTONIC), the queue slots in use and the warm standbys READY."""
+
+    def __init__(self, sock: str, interval: float = 0.05) -> None:
+        self.sock, self.interval = sock, interval
+        self.samples: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> StatusSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        with Client(self.sock, timeout=5) as client:
+            while not self._stop.wait(self.interval):
+                status = client.status()
+                ready = sum(s.state == "ready" for s in status.standbys)
+                self.samples.append((time.monotonic(), status.queue.in_use, ready))
+
+
 def kill_run(args: argparse.Namespace, sock: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Poisson load at ``--kill-rate``; a worker SIGKILLed every ``--kill-gap`` s. The row
     carries a ``timeline`` (``serve_load.timeline``, ``TIMELINE_BIN_S`` bins from the load's
-    start) and each kill its time ``at_s`` on that axis."""
+    start, each with the most queue slots in use and the fewest warm standbys READY that the
+    daemon's status showed in it) and each kill its time ``at_s`` on that axis."""
     duration = args.kill_gap * (args.kills + 1)
     names = worker_names(sock)
-    procs = start_clients(args, sock, "poisson", args.kill_rate, duration, trace=True)
-    t0, kills = time.monotonic() + 0.2, []
-    for k in range(args.kills):
-        time.sleep(max(0.0, t0 + (k + 1) * args.kill_gap - time.monotonic()))
-        kills.append(kill_worker(sock, names[k % len(names)]))
-    results = collect(procs)
+    with StatusSampler(sock) as sampler:
+        procs = start_clients(args, sock, "poisson", args.kill_rate, duration, trace=True)
+        t0, kills = time.monotonic() + 0.2, []
+        for k in range(args.kills):
+            time.sleep(max(0.0, t0 + (k + 1) * args.kill_gap - time.monotonic()))
+            kills.append(kill_worker(sock, names[k % len(names)]))
+        results = collect(procs)
     # the clients' own start (each ~0.2 s after it began) is the axis' zero
     start = min((r["trace"]["due_s"][0] for r in results if r["trace"]["due_s"]), default=t0)
     for kill in kills:
         kill["at_s"] = round(kill.pop("killed_at") - start, 3)
     row = sl.summarize(results, duration)
     row["timeline"] = sl.timeline(results, start, TIMELINE_BIN_S)
+    for b in row["timeline"]:
+        lo, hi = start + b["t_s"], start + b["t_s"] + TIMELINE_BIN_S
+        mine = [(used, ready) for at, used, ready in sampler.samples if lo <= at < hi]
+        b["queue_in_use_max"] = max((u for u, _ in mine), default=None)
+        b["standbys_ready_min"] = min((r for _, r in mine), default=None)
     load = f"poisson@{args.kill_rate:g}/s + kill -9"
     return {"load": load, "rate": args.kill_rate, "size": args.size, **row}, kills
 

@@ -89,13 +89,17 @@ def print_raw_table(doc: dict[str, Any]) -> None:
     timeline = doc["kill_run"].get("timeline", [])
     if timeline:
         at = [k["at_s"] for k in doc["kill_run"]["kills"]]
-        print("kill run by scheduled send time (s: sent, p50/p99/max ms of ok, statuses):")
+        print(
+            "kill run by scheduled send time (s: sent, p50/p99/max ms of ok, "
+            "queue slots in use (max), standbys READY (min), statuses):"
+        )
         for b in timeline:
             width = bin_s(timeline)
             mark = " <- kill -9" if any(b["t_s"] <= a < b["t_s"] + width for a in at) else ""
             print(
                 f"  {b['t_s']:6.1f}  {b['sent']:5}  {_ms(b['p50_ms'])}/{_ms(b['p99_ms'])}/"
-                f"{_ms(b['max_ms'])}  {b['statuses']}{mark}"
+                f"{_ms(b['max_ms'])}  q {b.get('queue_in_use_max')} sb "
+                f"{b.get('standbys_ready_min')}  {b['statuses']}{mark}"
             )
 
 
