@@ -272,9 +272,14 @@ class Supervisor(StandbyMixin):
             if (time.monotonic_ns() - worker.ready_ns) / NS >= STABLE_AFTER_S:
                 lineage.failures = 0
         lineage.failures += 1
-        delay = restart_delay(lineage.failures)
-        if delay == 0.0 and self._promote_standby(worker.id):
+        # A READY standby takes over at once, backoff or not: it is already booted, and a
+        # new one boots behind it (seconds on a GPU), which paces a crash loop by itself;
+        # a request that kills each worker it meets is quarantined (``max_kills``). Waiting
+        # the backoff only let the queue fill (0.1 s, 0.2 s after a second, third kill -9
+        # within STABLE_AFTER_S: 200–400 requests at 2000 req/s). Fresh processes back off.
+        if self._promote_standby(worker.id):
             return
+        delay = restart_delay(lineage.failures)
         lineage.pending = self._loop.call_later(delay, self._respawn, worker.id)
 
     def _respawn(self, wid: int) -> None:

@@ -183,6 +183,14 @@ class RequestQueue(WorkerOps):
         work = [] if work_fd is None else [Doorbell.from_fd(work_fd)]
         return cls(seg, completion, work)
 
+    def adopt_work_fd(self, work_fd: int) -> None:
+        """Take a worker slot's work doorbell on a mapping attached without one: a warm
+        standby maps the queue (and page-locks its inputs) at boot, before it is handed a
+        slot; ``register_worker`` and ``wait_for_work`` follow."""
+        if self._work:
+            raise QueueError("this mapping has a work doorbell already")
+        self._work = [Doorbell.from_fd(work_fd)]
+
     @property
     def name(self) -> str:
         return self._seg.name

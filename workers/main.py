@@ -3,9 +3,11 @@
 Boot, in order: ask for SIGKILL on parent death (``prctl(PR_SET_PDEATHSIG)``) and check the
 parent is still the one that started us (it may have died before the prctl); attach the
 queue; register in the worker table; build the backend and run one forward pass (warm-up);
-then write READY. A standby worker (protocol.py) registers only when it is told which slot
-to take over, after READY. Any failure up to there writes ``BOOT_ERROR <reason>`` on the READY pipe
-and exits ``ExitCode.BOOT_ERROR``: the supervisor halts the pool with that reason.
+then write READY. A standby worker (protocol.py) maps the queue and warms up the same way (a
+GPU standby also page-locks the queue's input slots, the slowest part of a take-over if left
+to it), and registers only when it is told which slot to take over, after READY. Any failure
+up to there writes ``BOOT_ERROR <reason>`` on the READY pipe and exits
+``ExitCode.BOOT_ERROR``: the supervisor halts the pool with that reason.
 
 The loop (all waiting is on the work doorbell, with the heartbeat interval as timeout)::
 
@@ -152,17 +154,17 @@ def _parse_size(text: str) -> tuple[int, int]:
     return int(h), int(w)
 
 
-def boot(args: argparse.Namespace) -> tuple[RequestQueue | None, Backend]:
-    """Attach and register (a standby only checks the queue is there), load, warm up."""
-    queue = None
+def boot(args: argparse.Namespace) -> tuple[RequestQueue, Backend]:
+    """Attach and register (a standby maps the queue without taking a slot), load, warm up,
+    page-lock the queue's inputs for a GPU backend: a standby does that at boot too, so a
+    take-over only registers the slot (``take_slot``)."""
     if args.slot == STANDBY_SLOT:
-        RequestQueue.attach(args.queue).close()
+        queue = RequestQueue.attach(args.queue, completion_fd=args.done_fd)
     else:
         queue = attach_slot(args.queue, args.slot, args.done_fd, args.work_fd)
     backend = make_backend(args)
     backend.warm_up()
-    if queue is not None:
-        share_inputs(queue, backend)
+    share_inputs(queue, backend)
     return queue, backend
 
 
@@ -170,6 +172,12 @@ def attach_slot(name: str, slot: int, done_fd: int, work_fd: int) -> RequestQueu
     queue = RequestQueue.attach(name, completion_fd=done_fd, work_fd=work_fd)
     queue.register_worker(slot, os.getpid())
     return queue
+
+
+def take_slot(queue: RequestQueue, slot: int, work_fd: int) -> None:
+    """A standby's take-over of ``slot`` on the mapping it made at boot."""
+    queue.adopt_work_fd(work_fd)
+    queue.register_worker(slot, os.getpid())
 
 
 def share_inputs(queue: RequestQueue, backend: Backend) -> None:
@@ -321,15 +329,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     _write_all(args.ready_fd, ready_line(backend.device, backend.version))
     os.close(args.ready_fd)
     slot = args.slot
-    if queue is None:  # a standby: serve once told which slot to take over
+    if slot == STANDBY_SLOT:  # a standby: serve once told which slot to take over
         taken = await_takeover(args.control_fd, args.death_fd, stop)
         if taken is None:
             return ExitCode.OK if stop.requested else ExitCode.PARENT_GONE
         slot, work_fd = taken
         stop.wake_fd = work_fd
         try:
-            queue = attach_slot(args.queue, slot, args.done_fd, work_fd)
-            share_inputs(queue, backend)
+            take_slot(queue, slot, work_fd)
         except Exception as exc:
             print(f"scratchd standby worker: cannot take slot {slot}: {exc}", file=sys.stderr)
             return ExitCode.CRASH

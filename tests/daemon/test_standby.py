@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any, cast
@@ -16,7 +17,7 @@ import pytest
 
 from scratchd.daemon.config import load_config
 from scratchd.daemon.standby import MAX_CONSECUTIVE_BOOT_FAILURES, StandbyMixin
-from scratchd.daemon.worker_process import Lineage, Worker, WorkerState
+from scratchd.daemon.worker_process import Lineage, Worker, WorkerState, restart_delay
 from scratchd.workers.protocol import STANDBY_SLOT, ExitCode, parse_take
 
 
@@ -148,3 +149,45 @@ def test_a_standby_gone_before_its_hand_over_is_replaced_by_a_new_spare(work_fd:
     assert pool.standbys[0] is not spare and pool.launched == [0, 0]
     pool._on_standby_exit(spare, -9, was_ready=True)  # the old one's exit is a non-event
     assert pool.standbys[0] is not spare and not pool.halted
+
+
+def _dies(pool: Pool, failures: int) -> Worker:
+    """Worker 0 of ``pool`` was READY and dies now, its ``failures``-th death in a row."""
+    from scratchd.daemon.supervisor import PoolState
+
+    pool.state = PoolState.RUNNING  # type: ignore[attr-defined]
+    pool._respawn = lambda wid: None  # type: ignore[attr-defined]
+    pool.lineage[0].failures = failures - 1
+    dead = Worker(id=0, device=pool.device, slot=0, proc=cast(Any, None), pidfd=-1, ready_fd=-1)
+    dead.ready_ns = time.monotonic_ns()  # not READY for STABLE_AFTER_S: the count goes on
+    return dead
+
+
+@pytest.mark.parametrize("failures", [1, 2, 5])
+def test_a_ready_standby_takes_over_at_once_whatever_the_backoff(
+    work_fd: int, failures: int
+) -> None:
+    from scratchd.daemon.supervisor import Supervisor
+
+    pool = Pool("cpu", 1, work_fd)
+    dead = _dies(pool, failures)
+    spare, theirs = _ready_spare(pool, 0)
+    with theirs:
+        Supervisor._decide_after_exit(cast(Any, pool), dead, -9, True)
+        assert pool.workers[0] is spare and pool.lineage[0].pending is None  # nothing deferred
+        theirs.settimeout(0)  # handed over already: the message is there
+        _, fds, _, _ = socket.recv_fds(theirs, 64, 1)
+    for fd in fds:
+        os.close(fd)
+    assert pool.lineage[0].failures == failures  # the crash-loop count still counts
+
+
+def test_without_a_ready_standby_a_fresh_process_waits_the_backoff(work_fd: int) -> None:
+    from scratchd.daemon.supervisor import Supervisor
+
+    pool = Pool("cpu", 1, work_fd)
+    dead = _dies(pool, 3)
+    pool.spawn_standby(0)  # still booting
+    Supervisor._decide_after_exit(cast(Any, pool), dead, -9, True)
+    assert pool.workers == {}
+    assert pool.lineage[0].pending[:2] == ("later", restart_delay(3))  # type: ignore[index]

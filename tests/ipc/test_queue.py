@@ -527,3 +527,23 @@ def test_a_gpu_worker_reports_its_arena_fragmentation_in_its_row(queue: RequestQ
     queue.reclaim_worker(1, time.monotonic_ns())
     queue.register_worker(1, os.getpid() + 1)  # a replacement starts with no number
     assert math.isnan(queue.worker_rows()[0].vram_frag)
+
+
+def test_a_standby_mapping_takes_a_slots_doorbell_when_handed_one(queue: RequestQueue) -> None:
+    """workers.main: a standby attaches without a slot at boot; on take-over it adopts the
+    slot's work doorbell, registers, and is woken by a submit like any worker."""
+    standby = RequestQueue.attach(queue.name, completion_fd=queue.completion_fd)
+    try:
+        with pytest.raises(QueueError, match="work doorbell"):
+            standby.wait_for_work(1, 0.0)  # no slot yet: nothing to wait on
+        standby.adopt_work_fd(os.dup(queue.work_fd(1)))
+        with pytest.raises(QueueError, match="already"):
+            standby.adopt_work_fd(os.dup(queue.work_fd(1)))
+        standby.register_worker(1, os.getpid())
+        assert not standby.wait_for_work(1, timeout_s=0.0)
+        submit(queue, 1, deadline_ns=time.monotonic_ns() + 10**9)
+        assert standby.wait_for_work(1, timeout_s=5.0)
+        (claim,) = standby.claim_batch(1, 4, time.monotonic_ns())
+        assert claim.request_id == 1
+    finally:
+        standby.close()

@@ -375,5 +375,6 @@ def test_the_console_table_shows_the_timeline_and_each_kills_recovery(
     report.print_table(doc)
     out = capsys.readouterr().out
     assert "latency normal again after 0.8 s" in out
-    assert out.count("<- kill -9") == 1 and "0.5     10  1/40/50  q None sb None  {'ok': 10} <- kill -9" in out
+    assert out.count("<- kill -9") == 1
+    assert "0.5     10  1/40/50  q None sb None  {'ok': 10} <- kill -9" in out
     assert "normal again after 0.8 s" in report.record_markdown(doc, "x.json")
