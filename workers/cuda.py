@@ -28,12 +28,12 @@ go through one pinned staging buffer instead — same streams, one extra host co
 GPU compute time per batch is the start → end event interval, carried in every reply's
 ``compute_ns``. The same time, per graph (an EWMA in ``graph_ms`` of the batches that ran
 alone on the device, since a batch's chunks overlap there; the warm sizes' graphs are timed
-at warm-up by the median of ``TIME_REPLAYS`` replays, a graph captured later from its first
-lone batch), decides how ``submit``
-splits a batch over the buckets: a chunk of m frames runs padded in the smallest bucket ≥ m,
-so 5 frames go as 4 + 1 rather than a padded 8 when that costs less device time
-(``gpu_memory.split_batch``), and tells the pipelined loop when a batch should end
-(``expected_ms``).
+at warm-up by the fastest of ``TIME_REPLAYS`` replays, a graph captured later from its first
+lone batch), decides how ``submit`` splits a batch over the buckets: a chunk of m frames runs
+padded in the smallest bucket ≥ m, so 5 frames go as 4 + 1 rather than a padded 8 when that
+costs less device time (``gpu_memory.split_batch``; a bucket the split avoids is run and
+re-timed once its time is ``REMEASURE_S`` old, ``_plan``), and tells the pipelined loop when
+a batch should end (``expected_ms``).
 """
 
 from __future__ import annotations
@@ -57,7 +57,12 @@ WARM_SIZES: Final = ((1024, 1024),)
 MIN_ARENA: Final = 256 * MIB
 GRAPH_MS_WEIGHT: Final = 0.1
 """Weight of the newest batch in a graph's device-time estimate."""
-TIME_REPLAYS: Final = 3  # replays timed per new graph at boot (after one untimed)
+TIME_REPLAYS: Final = 5  # replays timed per new graph at boot (after one untimed)
+REMEASURE_S: Final = 1.0
+"""A held bucket that the split avoids (its time made smaller chunks look cheaper) runs once
+as one chunk when its time is older than this, and that run's time replaces it (``_plan``)."""
+REMEASURE_NOTE: Final = 0.25
+"""A re-measured time this far (relative) from the one it replaces is logged to stderr."""
 
 
 @dataclass
@@ -139,6 +144,8 @@ class CudaBackend:
         # (bucket, height, width) → the graph's device ms (CUDA events; EWMA of batches):
         # what submit's split weighs (gpu_memory.split_batch)
         self.graph_ms: dict[tuple[int, int, int], float] = {}
+        self.graph_at: dict[tuple[int, int, int], float] = {}  # when each was last measured
+        self.remeasure: set[tuple[int, int, int]] = set()  # run to replace a stale time
 
     # ---- boot -------------------------------------------------------------------------
 
@@ -237,7 +244,7 @@ class CudaBackend:
         for size, positions in by_size.items():
             lo = 0
             limit = self.sizer.limit(size)
-            for n in split_batch(len(positions), limit, BUCKETS, self._bucket_cost(size)):
+            for n in self._plan(len(positions), limit, size):
                 part = positions[lo : lo + n]
                 lo += n
                 g = self._graph_for(n, size)
@@ -343,20 +350,61 @@ class CudaBackend:
 
     def _time(self, g: Any) -> None:
         """A new graph's device time (boot only; the device synchronise orders the inputs'
-        zeroing before the replays): the median of ``TIME_REPLAYS`` replays after an untimed
-        one. A graph's first replay can run slow (cold caches, clocks still rising), and a
-        bucket timed too slow is never measured again: split_batch then always avoids it
-        (8 frames ran as two chunks of 4 at max_batch 8, and the card fell behind)."""
+        zeroing before the replays): the fastest of ``TIME_REPLAYS`` replays after an
+        untimed one. A graph's first replay can run slow (cold caches, clocks still rising),
+        and another process's work on the card only ever adds time: a standby times its
+        graphs while the worker it may replace computes on the same card. A bucket timed
+        too slow is avoided by the split; ``_plan`` re-measures it."""
         self.cp.cuda.Device().synchronize()
         samples = []
         for _ in range(TIME_REPLAYS + 1):
             g.launch(0)
             samples.append(g.collect(1).compute_ms)
-        self.graph_ms[_key(g)] = float(np.median(samples[1:]))
+        key = _key(g)
+        self.graph_ms[key] = min(samples[1:])
+        self.graph_at[key] = time.monotonic()
 
     def _observe(self, g: Any, ms: float) -> None:
+        """A lone batch's device time: blended into its graph's (EWMA), or replacing it when
+        ``_plan`` ran the graph to re-measure a stale time."""
         key = _key(g)
-        self.graph_ms[key] = ewma(self.graph_ms.get(key, 0.0), ms, GRAPH_MS_WEIGHT)
+        if key in self.remeasure:
+            self.remeasure.discard(key)
+            before = self.graph_ms.get(key, 0.0)
+            if abs(ms - before) > REMEASURE_NOTE * before:  # the split changes: say why
+                name = f"{key[0]} x {key[1]}x{key[2]}"
+                print(f"scratchd cuda worker: graph {name} re-timed: {before:.2f} → {ms:.2f} ms",
+                      file=sys.stderr)  # fmt: skip
+            self.graph_ms[key] = ms
+        else:
+            self.graph_ms[key] = ewma(self.graph_ms.get(key, 0.0), ms, GRAPH_MS_WEIGHT)
+        self.graph_at[key] = time.monotonic()
+
+    def _plan(self, n: int, limit: int, size: tuple[int, int]) -> list[int]:
+        """The chunks for ``n`` frames of ``size``: split_batch's cheapest split by the
+        measured times, except that when it splits frames that one held bucket within
+        ``limit`` could take, and that bucket's time is older than ``REMEASURE_S``, they run
+        as one chunk in it, to measure it again.
+
+        Only a batch that runs alone is timed (``_observe``), so a bucket whose time came
+        out too high would never run, never be timed again, and stay avoided for good. On
+        the H200 a standby that timed its graphs while the serving worker used the card
+        took over after a kill -9 with 8 frames going as 4 + 4 (two launches of one graph,
+        each waiting for the other's collect): the backlog of the kill drained at ~50
+        requests/s instead of ~500."""
+        plan = split_batch(n, limit, BUCKETS, self._bucket_cost(size))
+        if len(plan) == 1:
+            return plan
+        bucket = next((b for b in BUCKETS if b >= n), limit + 1)
+        key = (bucket, *size)
+        now = time.monotonic()
+        if bucket > limit or key not in self.graphs:
+            return plan
+        if now - self.graph_at.get(key, 0.0) < REMEASURE_S:
+            return plan
+        self.graph_at[key] = now  # one re-measurement at a time
+        self.remeasure.add(key)
+        return [n]
 
     def _bucket_cost(self, size: tuple[int, int]) -> Any:
         """``bucket → device ms`` of this size's graphs for split_batch: measured, else the

@@ -18,6 +18,7 @@ import pytest
 
 from scratchd.ipc.image import decode_image
 from scratchd.ipc.queue import Geometry, RequestQueue, Result, Status
+from scratchd.workers.cuda import REMEASURE_S
 
 pytestmark = pytest.mark.gpu
 
@@ -84,19 +85,29 @@ def test_a_batch_runs_in_the_cheapest_buckets_measured_at_warm_up(gpu, data_dir:
     assert all(ms > 0 for ms in gpu.graph_ms.values())
     frames = real_frames(data_dir, 3)
     alone = [gpu.infer([f], [False])[0] for f in frames]
-    measured = dict(gpu.graph_ms)
+    measured, measured_at = dict(gpu.graph_ms), dict(gpu.graph_at)
+    four = (4, *SIZE)
     try:
-        for four_ms, want in ((100.0, [2, 1]), (0.001, [3])):
-            gpu.graph_ms[(4, *SIZE)] = four_ms
+        # the third: 4 timed at 100 ms long ago, so the split avoids it, but it is run whole
+        # once to be timed again, and its real time replaces the 100 ms
+        for four_ms, age_s, want in (
+            (100.0, 0.0, [2, 1]),
+            (0.001, 0.0, [3]),
+            (100.0, 2 * REMEASURE_S, [3]),
+        ):
+            gpu.graph_ms[four], gpu.graph_at[four] = four_ms, time.monotonic() - age_s
             batch = gpu.submit(frames, [False] * 3)
             assert sorted((len(c.positions) for c in batch.chunks), reverse=True) == want
             gpu.start(batch)
             gpu.collect(batch)
             for got, single in zip(gpu.finish(batch), alone, strict=True):
                 same(got, single)
+        assert 0.0 < gpu.graph_ms[four] < 100.0 and not gpu.remeasure
     finally:
         gpu.graph_ms.clear()
         gpu.graph_ms.update(measured)
+        gpu.graph_at.clear()
+        gpu.graph_at.update(measured_at)
 
 
 def test_masks_only_where_asked_and_bad_frames_answered_alone(gpu, data_dir: Path) -> None:

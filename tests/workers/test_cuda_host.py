@@ -3,6 +3,7 @@ frames of a collected batch, and how a new graph's device time is measured at bo
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from scratchd.ipc.queue import Status
-from scratchd.workers.cuda import TIME_REPLAYS, Batch, Chunk, CudaBackend
+from scratchd.workers.cuda import REMEASURE_S, TIME_REPLAYS, Batch, Chunk, CudaBackend
 
 
 @dataclass
@@ -62,7 +63,7 @@ class FakeCupy:
 def host_backend() -> Any:
     """A CudaBackend with only what its host side reads (no device, no arena)."""
     b: Any = object.__new__(CudaBackend)
-    b.graph_ms = {}
+    b.graph_ms, b.graph_at, b.remeasure, b.graphs = {}, {}, set(), {}
     b.cp = FakeCupy
     return b
 
@@ -108,13 +109,50 @@ def test_finish_before_collect_is_refused() -> None:
         list(host_backend().finish_each(batch))
 
 
-def test_a_new_graph_is_timed_by_the_median_of_its_replays_after_an_untimed_one() -> None:
-    """The first replay (cold: 50 ms here) is left out; the median of the next ones is the
-    graph's device time, not their mean or the first of them."""
+def test_a_new_graph_is_timed_by_its_fastest_replay_after_an_untimed_one() -> None:
+    """The first replay (cold: 50 ms here) is left out, and of the others the fastest is the
+    graph's device time: another process computing on the card only ever adds time."""
     b = host_backend()
-    replays = [50.0, 4.0, 1.0, 1.5][: TIME_REPLAYS + 1]  # median 1.5, mean 2.17
+    replays = [50.0, 4.0, 1.0, 1.5, 3.0, 2.0, 9.0][: TIME_REPLAYS + 1]
     g = FakeGraph(bucket=8, replay_ms=replays)
     b._time(g)
     assert g.launches == TIME_REPLAYS + 1
-    assert b.graph_ms == {(8, 8, 8): float(np.median(replays[1:]))}
-    assert b.graph_ms[(8, 8, 8)] == 1.5
+    assert b.graph_ms == {(8, 8, 8): min(replays[1:])} and min(replays[1:]) == 1.0
+    assert time.monotonic() - b.graph_at[(8, 8, 8)] < REMEASURE_S  # fresh
+
+
+def timed_backend(eight_ms: float, age_s: float) -> tuple[Any, FakeGraph]:
+    """Held graphs of 1, 2, 4 and 8 frames of 8x8, their times measured ``age_s`` ago; the
+    8-frame graph's (its FakeGraph is returned) ``eight_ms``, the others realistic."""
+    b = host_backend()
+    measured = {1: 0.5, 2: 0.9, 4: 1.6, 8: eight_ms}
+    for bucket, ms in measured.items():
+        b.graphs[(bucket, 8, 8)] = FakeGraph(bucket=bucket)
+        b.graph_ms[(bucket, 8, 8)] = ms
+        b.graph_at[(bucket, 8, 8)] = time.monotonic() - age_s
+    return b, b.graphs[(8, 8, 8)]
+
+
+def test_a_bucket_timed_too_slow_is_run_again_once_its_time_is_stale(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    b, g8 = timed_backend(eight_ms=10.0, age_s=2 * REMEASURE_S)  # 4 + 4 looks cheaper
+    assert b._plan(8, 8, (8, 8)) == [8]  # stale and avoided: run whole, to re-time it
+    assert b._plan(8, 8, (8, 8)) == [4, 4]  # one re-measurement at a time
+    b._observe(g8, 3.0)  # that batch's device time replaces the stale one (no EWMA)
+    assert b.graph_ms[(8, 8, 8)] == 3.0 and not b.remeasure
+    assert "graph 8 x 8x8 re-timed: 10.00 → 3.00 ms" in capsys.readouterr().err
+    assert b._plan(8, 8, (8, 8)) == [8]  # now cheaper than 4 + 4 by its own time
+    b._observe(g8, 5.0)  # an ordinary batch is blended in
+    assert b.graph_ms[(8, 8, 8)] == pytest.approx(0.9 * 3.0 + 0.1 * 5.0)
+
+
+def test_a_fresh_time_or_a_bucket_beyond_the_limit_keeps_the_cheapest_split() -> None:
+    b, _ = timed_backend(eight_ms=10.0, age_s=0.0)
+    assert b._plan(8, 8, (8, 8)) == [4, 4]  # measured just now: believed
+    b, _ = timed_backend(eight_ms=10.0, age_s=2 * REMEASURE_S)
+    assert b._plan(8, 4, (8, 8)) == [4, 4]  # 8 is beyond the free-memory limit
+    assert b._plan(12, 8, (8, 8)) == [4, 4, 4]  # no bucket within the limit takes 12
+    del b.graphs[(8, 8, 8)]
+    assert b._plan(8, 8, (8, 8)) == [4, 4]  # not held: nothing to re-time
+    assert not b.remeasure
