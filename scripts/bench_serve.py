@@ -248,10 +248,11 @@ def daemon_ports(sock: str) -> tuple[int, int]:
 
 
 class StatusSampler:
-    """Polls the daemon's status every ``interval`` s in a thread while a load runs: when each
-    sample was taken (CLOCK_MONOTONIC), the queue slots in use and the warm standbys READY."""
+    """Polls the daemon's status every ``interval`` s (not at all if 0) in a thread while a
+    load runs: when each sample was taken (CLOCK_MONOTONIC), the queue slots in use and the
+    warm standbys READY."""
 
-    def __init__(self, sock: str, interval: float = 0.05) -> None:
+    def __init__(self, sock: str, interval: float = 0.1) -> None:
         self.sock, self.interval = sock, interval
         self.samples: list[tuple[float, int, int]] = []
         self._stop = threading.Event()
@@ -266,6 +267,9 @@ class StatusSampler:
         self._thread.join()
 
     def _run(self) -> None:
+        if self.interval <= 0:
+            return  # --status-interval 0: the load alone (each status request costs the
+            # daemon's event loop a percentile over its latency window)
         with Client(self.sock, timeout=5) as client:
             while not self._stop.wait(self.interval):
                 status = client.status()
@@ -280,7 +284,7 @@ def kill_run(args: argparse.Namespace, sock: str) -> tuple[dict[str, Any], list[
     daemon's status showed in it) and each kill its time ``at_s`` on that axis."""
     duration = args.kill_gap * (args.kills + 1)
     names = worker_names(sock)
-    with StatusSampler(sock) as sampler:
+    with StatusSampler(sock, args.status_interval) as sampler:
         procs = start_clients(args, sock, "poisson", args.kill_rate, duration, trace=True)
         t0, kills = time.monotonic() + 0.2, []
         for k in range(args.kills):
@@ -413,6 +417,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--markdown", default=None, metavar="MD", help="rewrite its section")
     p.add_argument("--section", default="bench_serve_gpu", help="the markdown section's name")
     p.add_argument("--daemon-log", default=None, help="copy the daemon's log here at the end")
+    p.add_argument(
+        "--status-interval",
+        type=float,
+        default=0.1,
+        help="s between the kill run's status samples (0: none)",
+    )
     p.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--trace", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--frames", default="", help=argparse.SUPPRESS)
