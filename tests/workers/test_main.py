@@ -237,6 +237,6 @@ def test_a_cuda_standby_does_not_time_its_graphs_and_a_worker_does(
 
     monkeypatch.setattr(cuda, "CudaBackend", Recorder)
     for slot in (0, STANDBY_SLOT):
-        spec = WorkerSpec("/q", slot, "cuda", "", 8, 0, 100, 1, [])
+        spec = WorkerSpec("/q", slot, "cuda", "", 8, 0, 100, 1, ())
         make_backend(parse_args(spec.argv(ready_fd=3, death_fd=4, work_fd=5, done_fd=6)[3:]))
     assert made == [True, False]
