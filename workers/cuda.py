@@ -104,12 +104,7 @@ class CudaBackend:
         warm_sizes: Sequence[tuple[int, int]] = WARM_SIZES,
         arena_mb: int = 16384,
         views: Sequence[str] | None = None,  # config model.views; None: the model file's
-        time_graphs: bool = True,
     ) -> None:
-        """``time_graphs``: time each warm graph at boot (``_time``). A standby does not: it
-        boots while the worker it may replace computes on the same card, so its timings come
-        out wrong (twice the true time, seen on the H200) and its replays take the card from
-        the serving worker; it learns its graphs' times from its first batches instead."""
         from scratchd.kernels import _cuda as cu
         from scratchd.kernels.cuda_graph import CudaScratchNet
         from scratchd.kernels.model import load_model
@@ -137,7 +132,6 @@ class CudaBackend:
         self.version: str = model.version
         self.device = f"cuda:{bus_id.lower()}"
         self.max_batch = max_batch
-        self.time_graphs = time_graphs
         self.warm_sizes = [(int(h), int(w)) for h, w in warm_sizes]
         # The reserve is outside the arena already: inside it, the largest free block is
         # what a new graph can get.
@@ -157,8 +151,7 @@ class CudaBackend:
 
     def warm_up(self) -> None:
         """Capture the warm sizes' graphs for every bucket free memory allows (``graphs``:
-        modules from CuPy's disk cache, buffers, capture, timing unless ``time_graphs`` is
-        off, one real pass)."""
+        modules from CuPy's disk cache, buffers, capture, one real pass)."""
         t0 = time.perf_counter()
         for size in self.warm_sizes:
             footprints: dict[int, int] = {}
@@ -170,8 +163,7 @@ class CudaBackend:
                 g = self._capture(b, size)
                 if g is None:
                     break
-                if self.time_graphs:
-                    self._time(g)
+                self._time(g)
                 footprints[b] = int(g.footprint_bytes)
                 if len(footprints) == 1:
                     self.sizer.measured(size, footprints)
@@ -360,8 +352,9 @@ class CudaBackend:
         """A new graph's device time (boot only; the device synchronise orders the inputs'
         zeroing before the replays): the fastest of ``TIME_REPLAYS`` replays after an
         untimed one. A graph's first replay can run slow (cold caches, clocks still rising),
-        and another process's work on the card only ever adds time. A bucket timed too slow
-        is avoided by the split; ``_plan`` re-measures it."""
+        and another process's work on the card only ever adds time: a standby times its
+        graphs while the worker it may replace computes on the same card. A bucket timed
+        too slow is avoided by the split; ``_plan`` re-measures it."""
         self.cp.cuda.Device().synchronize()
         samples = []
         for _ in range(TIME_REPLAYS + 1):

@@ -135,7 +135,7 @@ def make_backend(args: argparse.Namespace) -> Backend:
         sizes = [_parse_size(s) for s in args.gpu_warm_size] or list(WARM_SIZES)
         return CudaBackend(
             args.model or None, args.max_batch, args.gpu_reserve_mb, sizes, args.gpu_arena_mb,
-            views=args.views, time_graphs=args.slot != STANDBY_SLOT,
+            views=args.views,
         )  # fmt: skip
     from scratchd.workers.cpu import CpuBackend  # the model's imports, only in workers
 

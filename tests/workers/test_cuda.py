@@ -36,13 +36,10 @@ def real_frames(data_dir: Path, n: int, size: tuple[int, int] = SIZE) -> list[np
     return frames
 
 
-def backend(max_batch: int = 4, arena_mb: int = 4096, sizes=(SIZE,), time_graphs: bool = True):
+def backend(max_batch: int = 4, arena_mb: int = 4096, sizes=(SIZE,)):
     from scratchd.workers.cuda import CudaBackend
 
-    b = CudaBackend(
-        None, max_batch, reserve_mb=1024, warm_sizes=sizes, arena_mb=arena_mb,
-        time_graphs=time_graphs,
-    )  # fmt: skip
+    b = CudaBackend(None, max_batch, reserve_mb=1024, warm_sizes=sizes, arena_mb=arena_mb)
     b.warm_up()
     return b
 
@@ -111,23 +108,6 @@ def test_a_batch_runs_in_the_cheapest_buckets_measured_at_warm_up(gpu, data_dir:
         gpu.graph_ms.update(measured)
         gpu.graph_at.clear()
         gpu.graph_at.update(measured_at)
-
-
-def test_a_standby_learns_its_graphs_times_from_its_batches(gpu, data_dir: Path) -> None:
-    # time_graphs off (a standby): nothing is replayed at boot but the warm-up's one real
-    # pass, a frame alone in the 1-frame graph, which is timed as any lone batch is; a
-    # batch in a graph not timed yet is split by bucket size and its time learned from it
-    frames = real_frames(data_dir, 4)
-    want = gpu.infer(frames, [False] * 4)
-    standby = backend(arena_mb=2048, time_graphs=False)  # its arena is CuPy's until close
-    try:
-        assert set(standby.graph_ms) == {(1, *SIZE)}
-        for g, w in zip(standby.infer(frames, [False] * 4), want, strict=True):
-            same(g, w)
-        assert set(standby.graph_ms) == {(1, *SIZE), (4, *SIZE)}
-        assert all(ms > 0 for ms in standby.graph_ms.values())
-    finally:
-        standby.close()
 
 
 def test_masks_only_where_asked_and_bad_frames_answered_alone(gpu, data_dir: Path) -> None:

@@ -218,25 +218,3 @@ def test_boot_time_is_measured_from_exec() -> None:
     )  # fmt: skip
     assert 300 <= float(child.stdout) < 60_000  # the sleep counts: the clock starts at exec
     assert since_exec_ms() > 0
-
-
-def test_a_cuda_standby_does_not_time_its_graphs_and_a_worker_does(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A standby boots beside the serving worker on the same card, so its graph timings would
-    be wrong and would take the card from it (workers/cuda.py: ``time_graphs``)."""
-    import scratchd.workers.cuda as cuda
-    from scratchd.workers.main import make_backend, parse_args
-    from scratchd.workers.protocol import STANDBY_SLOT
-
-    made: list[bool] = []
-
-    class Recorder:
-        def __init__(self, *args: object, time_graphs: bool = True, **kwargs: object) -> None:
-            made.append(time_graphs)
-
-    monkeypatch.setattr(cuda, "CudaBackend", Recorder)
-    for slot in (0, STANDBY_SLOT):
-        spec = WorkerSpec("/q", slot, "cuda", "", 8, 0, 100, 1, ())
-        make_backend(parse_args(spec.argv(ready_fd=3, death_fd=4, work_fd=5, done_fd=6)[3:]))
-    assert made == [True, False]
