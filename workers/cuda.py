@@ -371,7 +371,7 @@ class CudaBackend:
         if key in self.remeasure:
             self.remeasure.discard(key)
             before = self.graph_ms.get(key, 0.0)
-            if abs(ms - before) > REMEASURE_NOTE * before:  # the split changes: say why
+            if before and abs(ms - before) > REMEASURE_NOTE * before:  # the split changes
                 name = f"{key[0]} x {key[1]}x{key[2]}"
                 print(f"scratchd cuda worker: graph {name} re-timed: {before:.2f} → {ms:.2f} ms",
                       file=sys.stderr)  # fmt: skip

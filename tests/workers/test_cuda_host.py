@@ -142,6 +142,10 @@ def test_a_bucket_timed_too_slow_is_run_again_once_its_time_is_stale(
     b._observe(g8, 3.0)  # that batch's device time replaces the stale one (no EWMA)
     assert b.graph_ms[(8, 8, 8)] == 3.0 and not b.remeasure
     assert "graph 8 x 8x8 re-timed: 10.00 → 3.00 ms" in capsys.readouterr().err
+    del b.graph_ms[(2, 8, 8)]  # a graph captured while serving, never run alone yet
+    b.remeasure.add((2, 8, 8))
+    b._observe(b.graphs[(2, 8, 8)], 0.9)  # its first time is not a correction: no note
+    assert b.graph_ms[(2, 8, 8)] == 0.9 and capsys.readouterr().err == ""
     assert b._plan(8, 8, (8, 8)) == [8]  # now cheaper than 4 + 4 by its own time
     b._observe(g8, 5.0)  # an ordinary batch is blended in
     assert b.graph_ms[(8, 8, 8)] == pytest.approx(0.9 * 3.0 + 0.1 * 5.0)
