@@ -332,6 +332,14 @@ def raw_body(n: int, seed: int, **extra: object) -> bytes:
     return bytes(wire.encode_frame(request)[wire.PREFIX_BYTES :])
 
 
+def frame_bodies(frames: list[tuple[str, int]], seed: int) -> list[bytes]:
+    """The bodies of a ``frame_mixes`` draw: raw requests, or ``n`` opaque bytes."""
+    return [
+        raw_body(n, seed + i) if kind == "raw" else bytes([seed]) * n
+        for i, (kind, n) in enumerate(frames)
+    ]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     frames=frame_mixes(6),
@@ -344,10 +352,7 @@ def test_raw_frames_through_a_slot_arrive_as_the_same_messages_and_no_slot_is_ke
     frames: list[tuple[str, int]], cuts: list[int], lend: bool, take: bool, seed: int
 ) -> None:
     async def run() -> None:
-        bodies = [
-            raw_body(n, seed + i) if kind == "raw" else bytes([seed]) * n
-            for i, (kind, n) in enumerate(frames)
-        ]
+        bodies = frame_bodies(frames, seed)
         handler = Lender(lend=lend, take=take)
         conn, _ = open_connection(handler)
         deliver(conn, framed(bodies), cuts)

@@ -25,7 +25,7 @@ from scratchd.daemon.connection import HEAD_BYTES, SCAN_BYTES, Connection, ReadS
 from scratchd.daemon.receiver import MAX_WAIT_S, MIN_BYTES, PoolState, ReceiveJob, ReceivePool
 from scratchd.ipc._native import recv_into_exact
 
-from .test_connection import Lender, decoded, frame_mixes, framed, raw_body
+from .test_connection import Lender, decoded, frame_bodies, frame_mixes, framed, raw_body
 
 
 def run_uvloop(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -124,10 +124,7 @@ async def receive_all(
 def test_frames_received_by_threads_arrive_as_on_the_loop(
     frames: list[tuple[str, int]], cuts: list[int], lend: bool, take: bool, seed: int
 ) -> None:
-    bodies = [
-        raw_body(n, seed + i) if kind == "raw" else bytes([seed]) * n
-        for i, (kind, n) in enumerate(frames)
-    ]
+    bodies = frame_bodies(frames, seed)
     expected = [decoded(b) for b in bodies]
 
     async def main() -> None:
