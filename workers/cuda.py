@@ -388,18 +388,18 @@ class CudaBackend:
 
         Only a batch that runs alone is timed (``_observe``), so a bucket whose time came
         out too high would never run, never be timed again, and stay avoided for good. On
-        the H200 a standby that timed its graphs while the serving worker used the card
-        took over after a kill -9 with 8 frames going as 4 + 4 (two launches of one graph,
-        each waiting for the other's collect): the backlog of the kill drained at ~50
-        requests/s instead of ~500."""
+        the H200 a standby that timed its 8-frame graph at 6.83 ms (3.23 by itself) while the
+        serving worker used the card took over after a kill -9 running 8 frames as 4 + 4,
+        and the kill's backlog drained at ~80 requests/s (``bench_serve`` kill run timeline
+        at a3e2cec, docs/benchmarks.md)."""
         plan = split_batch(n, limit, BUCKETS, self._bucket_cost(size))
         if len(plan) == 1:
             return plan
         bucket = next((b for b in BUCKETS if b >= n), limit + 1)
         key = (bucket, *size)
-        now = time.monotonic()
         if bucket > limit or key not in self.graphs:
             return plan
+        now = time.monotonic()
         if now - self.graph_at.get(key, 0.0) < REMEASURE_S:
             return plan
         self.graph_at[key] = now  # one re-measurement at a time

@@ -158,24 +158,18 @@ def boot(args: argparse.Namespace) -> tuple[RequestQueue, Backend]:
     """Attach and register (a standby maps the queue without taking a slot), load, warm up,
     page-lock the queue's inputs for a GPU backend: a standby does that at boot too, so a
     take-over only registers the slot (``take_slot``)."""
-    if args.slot == STANDBY_SLOT:
-        queue = RequestQueue.attach(args.queue, completion_fd=args.done_fd)
-    else:
-        queue = attach_slot(args.queue, args.slot, args.done_fd, args.work_fd)
+    queue = RequestQueue.attach(args.queue, completion_fd=args.done_fd)
+    if args.slot != STANDBY_SLOT:
+        take_slot(queue, args.slot, args.work_fd)
     backend = make_backend(args)
     backend.warm_up()
     share_inputs(queue, backend)
     return queue, backend
 
 
-def attach_slot(name: str, slot: int, done_fd: int, work_fd: int) -> RequestQueue:
-    queue = RequestQueue.attach(name, completion_fd=done_fd, work_fd=work_fd)
-    queue.register_worker(slot, os.getpid())
-    return queue
-
-
 def take_slot(queue: RequestQueue, slot: int, work_fd: int) -> None:
-    """A standby's take-over of ``slot`` on the mapping it made at boot."""
+    """Serve from worker ``slot``: its work doorbell and our row in the worker table (at
+    boot, or a standby's take-over on the mapping it made at boot)."""
     queue.adopt_work_fd(work_fd)
     queue.register_worker(slot, os.getpid())
 
