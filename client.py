@@ -62,7 +62,6 @@ __all__ = [
 ImageInput = str | os.PathLike[str] | bytes | np.ndarray
 MAX_REPLY_BYTES: Final = 256 * 1024 * 1024
 SEND_BUFFER_BYTES: Final = 4 * 1024 * 1024
-_encoder: Final = msgspec.msgpack.Encoder()  # wire's encoder's settings (the defaults)
 
 
 def build_request(
@@ -95,10 +94,7 @@ def request_frame(
     from the array into the frame, which grows as msgpack is written (not zero-filled).
     ``into``: a buffer to write the frame into (its contents replaced), else a new one."""
     request = _request(request_id, image, part_class, priority, deadline_ms, want_mask)
-    frame = bytearray(wire.PREFIX_BYTES) if into is None else into
-    _encoder.encode_into(request, frame, wire.PREFIX_BYTES)
-    wire.LENGTH_PREFIX.pack_into(frame, 0, len(frame) - wire.PREFIX_BYTES)
-    return frame
+    return wire.encode_frame_into(request, bytearray(wire.PREFIX_BYTES) if into is None else into)
 
 
 def _request(

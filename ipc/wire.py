@@ -258,7 +258,15 @@ def encode_frame(message: ClientMessage | DaemonMessage) -> bytearray:
     (``encode_into`` truncates it to the message), so a 1 MiB frame is encoded in one pass.
     """
     image = message.pixels or message.encoded if isinstance(message, InferRequest) else None
-    buf = bytearray(PREFIX_BYTES + (len(image) if image else 0) + _SMALL_MESSAGE)
+    return encode_frame_into(
+        message, bytearray(PREFIX_BYTES + (len(image) if image else 0) + _SMALL_MESSAGE)
+    )
+
+
+def encode_frame_into(message: ClientMessage | DaemonMessage, buf: bytearray) -> bytearray:
+    """Write ``message``'s length-prefixed frame into ``buf`` (its contents replaced: it is
+    grown or truncated to the frame) and return ``buf``. ``buf`` must hold at least the
+    prefix's bytes; encoding starts after them."""
     _encoder.encode_into(message, buf, PREFIX_BYTES)
     LENGTH_PREFIX.pack_into(buf, 0, len(buf) - PREFIX_BYTES)
     return buf
