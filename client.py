@@ -263,18 +263,13 @@ class Client:
         deadline_ms: int | None = None,
         want_mask: bool = False,
     ) -> Reply:
-        request_id = next(self._ids)
-        frame = request_frame(
-            request_id,
+        request_id = self._send(
             image,
             part_class=part_class,
             priority=priority,
             deadline_ms=deadline_ms,
             want_mask=want_mask,
-            into=self._spare,
         )
-        self._sock.sendall(frame)
-        self._spare = frame
         reply = self._receive_for(request_id)
         assert isinstance(reply, Reply)
         return reply
@@ -286,15 +281,20 @@ class Client:
         in completion order. ``options`` are ``infer``'s keyword arguments."""
         in_flight: dict[int, int] = {}
         for index, image in enumerate(images):
-            request_id = next(self._ids)
-            frame = request_frame(request_id, image, into=self._spare, **options)  # type: ignore[arg-type]
-            self._sock.sendall(frame)
-            self._spare = frame
-            in_flight[request_id] = index
+            in_flight[self._send(image, **options)] = index
             while len(in_flight) >= concurrency:
                 yield self._collect_one(in_flight)
         while in_flight:
             yield self._collect_one(in_flight)
+
+    def _send(self, image: ImageInput, **options: object) -> int:
+        """Send ``image``'s request (``options``: ``infer``'s keyword arguments) in the last
+        frame's buffer, which ``sendall`` has sent all of; returns the request's id."""
+        request_id = next(self._ids)
+        frame = request_frame(request_id, image, into=self._spare, **options)  # type: ignore[arg-type]
+        self._sock.sendall(frame)
+        self._spare = frame
+        return request_id
 
     def _collect_one(self, in_flight: dict[int, int]) -> tuple[int, Reply]:
         while True:
