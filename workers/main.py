@@ -379,11 +379,12 @@ class PipelinedLoop(WorkerLoop):
         expected_ns = int(self.expected_ms(batch) * 1e6) if self.expected_ms is not None else 0
         self.busy_until_ns = now + expected_ns
         # A submit that captured a new graph takes far longer than any batch computes: it
-        # cannot be hidden behind one, so it must not stretch the lead.
-        sample = submitted - self.claimed_ns
+        # cannot be hidden behind one, so it must not stretch the lead. The lead only
+        # matters against an expected device time: with none (a graph not timed yet, which
+        # is what a capture on first use gives) nothing is learned.
         if expected_ns:
-            sample = min(sample, expected_ns)
-        self.submit_ns = ewma(self.submit_ns, sample, LEAD_WEIGHT)
+            sample = min(submitted - self.claimed_ns, expected_ns)
+            self.submit_ns = ewma(self.submit_ns, sample, LEAD_WEIGHT)
         self.inflight = (claims, batch, now)
         self._finish()
 

@@ -120,37 +120,49 @@ class WrongFinishBackend(FakeAsyncBackend):
 
 
 @contextlib.contextmanager
-def running_loop(
-    max_delay_ms: int, backend: FakeAsyncBackend | None = None, before: int = 0
-) -> Iterator[tuple[RequestQueue, FakeAsyncBackend]]:
-    """A queue (the daemon's side) and a PipelinedLoop on a thread serving it with a fake
-    backend (``before`` requests, ids 0.., queued before it starts); the loop is stopped,
-    and everything closed, on exit."""
+def pipelined_loop(
+    backend: FakeAsyncBackend, max_delay_ms: int
+) -> Iterator[tuple[RequestQueue, PipelinedLoop, StopFlag]]:
+    """A queue (the daemon's side) and a PipelinedLoop for worker slot 0 with ``backend``,
+    not running; everything closed on exit."""
     name = f"/scratchd-test-pipeline-{os.getpid()}"
     main = RequestQueue.create(name, Geometry(slots=64, slot_bytes=64, max_workers=2))
     death_r, death_w = os.pipe()
     worker = RequestQueue.attach(name, completion_fd=main.completion_fd, work_fd=main.work_fd(0))
     worker.register_worker(0, os.getpid())
-    backend = backend if backend is not None else FakeAsyncBackend()
     stop = StopFlag(main.work_fd(0))
     loop = PipelinedLoop(
         worker, 0, backend, stop, death_r, max_delay_ms=max_delay_ms, heartbeat_ms=50
     )
-    for rid in range(before):
-        submit(main, rid, 10 * (rid + 1))
-    thread = threading.Thread(target=loop.run)
-    thread.start()
     try:
-        yield main, backend
+        yield main, loop, stop
     finally:
-        stop.requested = True
-        os.eventfd_write(main.work_fd(0), 1)
-        thread.join(10)
         os.close(death_w)
         os.close(death_r)
         worker.close()
         main.close()
-    assert not thread.is_alive()
+
+
+@contextlib.contextmanager
+def running_loop(
+    max_delay_ms: int, backend: FakeAsyncBackend | None = None, before: int = 0
+) -> Iterator[tuple[RequestQueue, FakeAsyncBackend]]:
+    """A queue and a PipelinedLoop on a thread serving it with a fake backend (``before``
+    requests, ids 0.., queued before it starts); the loop is stopped, and everything
+    closed, on exit."""
+    backend = backend if backend is not None else FakeAsyncBackend()
+    with pipelined_loop(backend, max_delay_ms) as (main, loop, stop):
+        for rid in range(before):
+            submit(main, rid, 10 * (rid + 1))
+        thread = threading.Thread(target=loop.run)
+        thread.start()
+        try:
+            yield main, backend
+        finally:
+            stop.requested = True
+            os.eventfd_write(main.work_fd(0), 1)
+            thread.join(10)
+        assert not thread.is_alive()
 
 
 def submit(main: RequestQueue, rid: int, value: int) -> None:
@@ -226,27 +238,47 @@ def test_a_backend_that_skips_or_repeats_a_frame_stops_the_worker(
     """A batch of 3 whose finish_each breaks its contract: the loop raises (the worker
     process dies and the supervisor re-queues what was not completed) after answering only
     the frames it was given once each."""
-    name = f"/scratchd-test-pipeline-bad-{os.getpid()}"
-    main = RequestQueue.create(name, Geometry(slots=64, slot_bytes=64, max_workers=2))
-    death_r, death_w = os.pipe()
-    worker = RequestQueue.attach(name, completion_fd=main.completion_fd, work_fd=main.work_fd(0))
-    worker.register_worker(0, os.getpid())
-    stop = StopFlag(main.work_fd(0))
-    loop = PipelinedLoop(
-        worker, 0, WrongFinishBackend(max_batch=3, positions=positions), stop, death_r,
-        max_delay_ms=600_000, heartbeat_ms=50,
-    )  # fmt: skip
-    try:
+    backend = WrongFinishBackend(max_batch=3, positions=positions)
+    with pipelined_loop(backend, max_delay_ms=600_000) as (main, loop, _):
         for rid, value in enumerate((10, 20, 30)):
             submit(main, rid, value)
         with pytest.raises(RuntimeError, match=error):
             loop.run()
         assert sorted(c.request_id for c in main.collect_completed()) == answered
-    finally:
-        os.close(death_w)
-        os.close(death_r)
-        worker.close()
-        main.close()
+
+
+@dataclass
+class CapturingBackend(FakeAsyncBackend):
+    """Its submit takes ``submit_s`` (a graph captured on first use), and it expects
+    ``expected`` ms of device time for the batch (0: the new graph has no time yet)."""
+
+    submit_s: float = 0.05
+    expected: float = 0.0
+
+    def submit(self, images: Sequence[np.ndarray], want_mask: Sequence[bool]) -> FakeBatch:
+        time.sleep(self.submit_s)
+        return super().submit(images, want_mask)
+
+    def expected_ms(self, batch: FakeBatch) -> float:
+        return self.expected
+
+
+@pytest.mark.parametrize(("expected_ms", "learned_ns"), [(0.0, 0.0), (1.0, 1e6)])
+def test_a_slow_submit_does_not_stretch_the_lead_past_the_batchs_device_time(
+    expected_ms: float, learned_ns: float
+) -> None:
+    """A submit that captured a graph takes far longer than a batch computes: the lead
+    (claim + submit time) learns at most the batch's expected device time from it, and
+    nothing when there is no expectation yet (a new graph, not timed)."""
+    backend = CapturingBackend(submit_s=0.05, expected=expected_ms)
+    with pipelined_loop(backend, max_delay_ms=0) as (main, loop, _):
+        submit(main, 1, 10)
+        loop.claimed_ns = time.monotonic_ns()
+        claims = loop.queue.claim_batch(0, 1, time.monotonic_ns())
+        loop.take(claims)
+        assert loop.submit_ns == learned_ns
+        loop.drain()
+        assert [c.request_id for c in main.collect_completed()] == [1]
 
 
 def test_an_idle_device_takes_a_lone_request_without_waiting_for_the_fill_window() -> None:
