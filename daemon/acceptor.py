@@ -241,8 +241,7 @@ class Acceptor:
         """A slot for ``nbytes`` of raw pixels about to arrive on ``conn``, while lending one
         cannot change the frame's reply and leaves ``lend_limit`` slots free (module
         docstring); else None."""
-        limit = self.config.server.max_in_flight_per_connection
-        if self.draining or self.lent >= self.lend_limit or conn.in_flight() >= limit:
+        if self.lent >= self.lend_limit or self._refusal_at_door(conn) is not None:
             return None
         if not 0 < nbytes <= self.config.queue.slot_bytes:
             return None
@@ -352,13 +351,21 @@ class Acceptor:
             check_image(request, self.config.queue.slot_bytes)
         except Invalid as exc:
             raise Refused("invalid", str(exc)) from None
-        if self.draining:
-            raise Refused("overloaded", "daemon is shutting down")
-        limit = self.config.server.max_in_flight_per_connection
-        if flight.conn.in_flight() >= limit:
-            reason = f"{limit} requests already in flight on this connection (limit per connection)"
-            raise Refused("overloaded", reason)
+        refusal = self._refusal_at_door(flight.conn)
+        if refusal is not None:
+            raise refusal
         return admission
+
+    def _refusal_at_door(self, conn: Connection) -> Refused | None:
+        """Why any inference request arriving on ``conn`` now is refused, whatever it holds:
+        in this order, a draining daemon, the connection's in-flight limit; else None."""
+        if self.draining:
+            return Refused("overloaded", "daemon is shutting down")
+        limit = self.config.server.max_in_flight_per_connection
+        if conn.in_flight() >= limit:
+            reason = f"{limit} requests already in flight on this connection (limit per connection)"
+            return Refused("overloaded", reason)
+        return None
 
     async def _convert_and_submit(
         self, flight: InFlight, admission: Admission, request: wire.InferFrame
