@@ -297,15 +297,13 @@ class Acceptor:
         flight = InFlight(conn, request.id, "unknown", 0, received_ns, request.want_mask)
         try:
             admission = self._admission(request, flight)
-        except Refused as exc:
-            if lent is not None:
+        except BaseException as exc:
+            if lent is not None:  # refused or whatever went wrong, a lent slot goes back
                 self.queue.release(lent)
+            if not isinstance(exc, Refused):
+                raise
             self.dispatcher.reject(flight, exc.status, str(exc))
             return
-        except BaseException:
-            if lent is not None:  # whatever went wrong, a lent slot goes back
-                self.queue.release(lent)
-            raise
         handle = self.queue.reserve() if lent is None else lent
         if handle is None:
             slots = self.config.queue.slots
