@@ -186,8 +186,7 @@ class Connection(asyncio.BufferedProtocol):
         self.converting = 0  # images of this connection in the decode pool, not yet queued
         self.transport: asyncio.Transport | None = None
         self.state = ReadState.HEAD
-        self._loop = asyncio.get_running_loop()
-        self.gone: asyncio.Future[None] = self._loop.create_future()
+        self.gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._head = bytearray(HEAD_BYTES)
         self._head_view = memoryview(self._head)
         self._have = 0  # bytes of head in use, from its start
