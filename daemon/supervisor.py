@@ -12,9 +12,9 @@ Each worker has a stable logical id (``cpu0``, ``cpu1``, …) and, while it runs
                                           │
                       BOOT_ERROR before READY → the pool HALTS (no crash loop)
                       retired / pool stopping → gone
-                      otherwise               → replace after backoff (first one at once):
-                                                the card's (or pool's) warm standby when it
-                                                is READY, else a fresh process
+                      otherwise               → the card's (or pool's) warm standby at
+                                                once when it is READY, else a fresh process
+                                                after backoff (the first one at once)
 
 Deaths are seen through a pidfd (``os.pidfd_open``) registered with ``loop.add_reader``:
 readable the instant the process exits, whatever killed it; no SIGCHLD handler, no polling

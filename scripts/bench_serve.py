@@ -59,8 +59,8 @@ rewrites the ``--section`` (``bench_serve_gpu``) of the given markdown file.
 
 CPU record mode (no ``--size``): ``--rates`` then the burst, then each worker SIGKILLed
 ``--kills`` times in turn under a light load (3 req/s), with what replaced it: the warm
-standby, or a fresh process (a death in a row backs off 0.1 s first, then takes the standby
-if a new one is READY by then, else starts a fresh process).
+standby (at once, when it is READY), or a fresh process (after a backoff when deaths come in
+a row).
 """
 
 from __future__ import annotations

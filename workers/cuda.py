@@ -305,9 +305,10 @@ class CudaBackend:
             raise RuntimeError("CudaBackend.finish before collect")
         for pos, (status, reason) in batch.errors.items():
             yield pos, error_result(reason, batch.size, status)
-        for c in batch.chunks:
-            if len(batch.chunks) == 1:  # chunks of one batch overlap on the device (each
-                self._observe(c.graph, c.collected.compute_ms)  # graph has its own stream)
+        alone = len(batch.chunks) == 1  # chunks of one batch overlap on the device (each
+        for c in batch.chunks:  # graph has its own stream): only a lone one is timed
+            if alone:
+                self._observe(c.graph, c.collected.compute_ms)
             compute_ns = int(c.collected.compute_ms * 1e6)
             n = len(c.positions)
             for j, (pos, want) in enumerate(zip(c.positions, c.want_mask, strict=True)):
@@ -337,7 +338,9 @@ class CudaBackend:
     def _graph_for(self, n: int, size: tuple[int, int]) -> Any:
         """The held graph of the smallest bucket ≥ n, capturing it if memory allows; else a
         held smaller one is not enough (the caller split by ``limit``), so None."""
-        bucket = next(b for b in BUCKETS if b >= n)
+        bucket = _bucket_for(n)
+        if bucket is None:  # split_batch's chunks all fit a bucket
+            raise ValueError(f"no bucket holds {n} frames (largest {BUCKETS[-1]})")
         g = self.graphs.get((bucket, *size))
         if g is not None:
             return g
@@ -356,13 +359,13 @@ class CudaBackend:
         graphs while the worker it may replace computes on the same card. A bucket timed
         too slow is avoided by the split; ``_plan`` re-measures it."""
         self.cp.cuda.Device().synchronize()
-        samples = []
-        for _ in range(TIME_REPLAYS + 1):
+        g.launch(0)
+        g.collect(1)  # untimed
+        replays = []
+        for _ in range(TIME_REPLAYS):
             g.launch(0)
-            samples.append(g.collect(1).compute_ms)
-        key = _key(g)
-        self.graph_ms[key] = min(samples[1:])
-        self.graph_at[key] = time.monotonic()
+            replays.append(g.collect(1).compute_ms)
+        self._set_time(_key(g), min(replays))
 
     def _observe(self, g: Any, ms: float) -> None:
         """A lone batch's device time: blended into its graph's (EWMA), or replacing it when
@@ -375,9 +378,12 @@ class CudaBackend:
                 name = f"{key[0]} x {key[1]}x{key[2]}"
                 print(f"scratchd cuda worker: graph {name} re-timed: {before:.2f} → {ms:.2f} ms",
                       file=sys.stderr)  # fmt: skip
-            self.graph_ms[key] = ms
         else:
-            self.graph_ms[key] = ewma(self.graph_ms.get(key, 0.0), ms, GRAPH_MS_WEIGHT)
+            ms = ewma(self.graph_ms.get(key, 0.0), ms, GRAPH_MS_WEIGHT)
+        self._set_time(key, ms)
+
+    def _set_time(self, key: tuple[int, int, int], ms: float) -> None:
+        self.graph_ms[key] = ms
         self.graph_at[key] = time.monotonic()
 
     def _plan(self, n: int, limit: int, size: tuple[int, int]) -> list[int]:
@@ -395,10 +401,10 @@ class CudaBackend:
         plan = split_batch(n, limit, BUCKETS, self._bucket_cost(size))
         if len(plan) == 1:
             return plan
-        bucket = next((b for b in BUCKETS if b >= n), limit + 1)
-        key = (bucket, *size)
-        if bucket > limit or key not in self.graphs:
+        bucket = _bucket_for(n)
+        if bucket is None or bucket > limit or (bucket, *size) not in self.graphs:
             return plan
+        key = (bucket, *size)
         now = time.monotonic()
         if now - self.graph_at.get(key, 0.0) < REMEASURE_S:
             return plan
@@ -471,6 +477,11 @@ class CudaBackend:
             self._staging = cupyx.empty_pinned((max(need, 16 * nbytes),), np.uint8)
         self._staging[j * nbytes : need] = np.ascontiguousarray(img).reshape(-1)
         return int(self._staging.ctypes.data) + j * nbytes
+
+
+def _bucket_for(n: int) -> int | None:
+    """The smallest bucket that holds ``n`` frames; None when none does."""
+    return next((b for b in BUCKETS if b >= n), None)
 
 
 def _key(g: Any) -> tuple[int, int, int]:

@@ -340,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 class PipelinedLoop(WorkerLoop):
     """The loop of a backend that computes asynchronously (CUDA: ``submit`` uploads,
     ``start`` launches, ``collect`` waits for the device and copies the small outputs,
-    ``finish`` works on the host). Batch k+1 is claimed and uploaded while batch k
+    ``finish_each`` works on the host). Batch k+1 is claimed and uploaded while batch k
     computes, and k is finished on the host and completed while k+1 computes::
 
         claim k+1 ─ submit k+1 ─ collect k ─ start k+1 ─ finish k ─ complete k ─ claim k+2 …
