@@ -36,19 +36,10 @@ import serve_load as sl
 
 from scratchd.kernels import _runs
 from scratchd.kernels.model import load_model
-from scratchd.kernels.postprocess import finish_runs, threshold_runs
-from scratchd.kernels.row_runs import RECORD, unpack_runs
+from scratchd.kernels.postprocess import finish_runs
+from scratchd.kernels.row_runs import row_runs_ref, unpack_runs
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def records_of(prob: np.ndarray, threshold: float) -> tuple[np.ndarray, int]:
-    """The device's run records of a probability map (row, start, end, float32 sum bits)."""
-    row, start, end, sums = threshold_runs(prob, threshold)
-    rec = np.zeros((len(row), RECORD), np.int32)
-    rec[:, 0], rec[:, 1], rec[:, 2] = row, start, end
-    rec[:, 3] = sums.astype(np.float32).view(np.int32)
-    return rec, len(row)
 
 
 def best_ms(fn: Callable[[], object], reps: int) -> float:
@@ -61,8 +52,9 @@ def best_ms(fn: Callable[[], object], reps: int) -> float:
 
 
 def bench_frame(prob: np.ndarray, threshold: float, min_area: int, reps: int) -> dict[str, Any]:
-    h, w = prob.shape
-    rec, count = records_of(prob, threshold)
+    h, w = prob.shape  # the device's records: row_runs_ref has its layout; room for all runs
+    runs = row_runs_ref(prob[None], threshold, capacity=h * ((w + 1) // 2))
+    rec, count = runs.runs[0], int(runs.count[0])
     mask = np.empty((h, w), np.uint8)
 
     def numpy_finish(paint: bool) -> Any:
