@@ -185,6 +185,7 @@ class Connection(asyncio.BufferedProtocol):
         self.in_queue: set[Handle] = set()
         self.converting = 0  # images of this connection in the decode pool, not yet queued
         self.transport: asyncio.Transport | None = None
+        self._fd = -1  # the transport's socket's descriptor (connection_made), -1: none
         self.state = ReadState.HEAD
         self.gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._head = bytearray(HEAD_BYTES)
@@ -248,6 +249,10 @@ class Connection(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        # Looked up once: the loop closes this descriptor only after connection_lost, which
+        # leaves SLOT, so in SLOT (where the receive pool uses it) it is this socket's.
+        sock = self.transport.get_extra_info("socket")
+        self._fd = -1 if sock is None else sock.fileno()
         refusal = self.handler.opened(self)
         if refusal is not None:
             self.send(wire.Reply(id=0, status="error", error=refusal))
@@ -373,17 +378,16 @@ class Connection(asyncio.BufferedProtocol):
         receiver, at, loan = self.handler.receiver, self._at, self._loan
         assert at is not None and loan is not None
         rest = at.start + at.length - self._got
-        if receiver is None or self.transport is None:
+        if receiver is None or self.transport is None or self._fd < 0:
             return False
-        sock = self.transport.get_extra_info("socket")
-        if sock is None or not receiver.worth(sock.fileno(), rest):
+        if not receiver.worth(self._fd, rest):
             return False
         if not paused:
             self.transport.pause_reading()  # before the thread starts: one reader at a time
         done = functools.partial(self._received, loan)
         pixels = loan.view[self._got - at.start :]
         tail = self._head_view[at.hidden_end : at.hidden_length(self._length)]
-        self._job = receiver.receive(sock.fileno(), pixels, done, tail)
+        self._job = receiver.receive(self._fd, pixels, done, tail)
         if self._job is None and not paused:
             self.transport.resume_reading()
         return self._job is not None
