@@ -22,11 +22,7 @@ from __future__ import annotations
 
 from typing import Final, NamedTuple
 
-import msgspec
-
 from scratchd.ipc import wire
-
-_loose_decoder: Final = msgspec.msgpack.Decoder()
 
 
 class PixelsAt(NamedTuple):
@@ -136,7 +132,7 @@ def decode_without_pixels(body: memoryview) -> wire.InferFrame | None:
     message = wire.decode_client_frame(body)
     if not isinstance(message, wire.InferFrame) or message.pixels is not None:
         return None
-    if PIXELS_KEY in bytes(body) and "pixels" in _loose_decoder.decode(body):
+    if PIXELS_KEY in bytes(body) and "pixels" in wire.decode_loose(body):
         return None
     return message
 

@@ -37,7 +37,7 @@ dominate the cost anyway.
 from __future__ import annotations
 
 import struct
-from typing import Annotated, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 import numpy as np
@@ -296,6 +296,11 @@ def decode_client_frame(body: bytes | bytearray | memoryview) -> ClientFrame:
 def decode_daemon_message(body: bytes | bytearray | memoryview) -> DaemonMessage:
     """Decode a reply body (client side)."""
     return _daemon_decoder.decode(body)
+
+
+def decode_loose(body: bytes | bytearray | memoryview) -> Any:
+    """Decode any msgpack body without a schema (maps as ``dict``); raises :data:`DecodeError`."""
+    return _loose_decoder.decode(body)
 
 
 def salvage_request_id(body: bytes | memoryview) -> int:
