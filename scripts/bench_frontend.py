@@ -257,14 +257,12 @@ def split_threads(
     return split
 
 
-def percentiles(latencies: list[float]) -> dict[str, float]:
+def percentiles(latencies: list[float]) -> dict[str, float | None]:
     if not latencies:
         return {}
-    qs = np.percentile(np.asarray(latencies), [50, 90, 99, 99.9])
-    return {
-        **{k: round(float(v), 2) for k, v in zip(["p50", "p90", "p99", "p99.9"], qs, strict=True)},
-        "max": round(max(latencies), 2),
-    }
+    values = np.asarray(latencies, np.float64)
+    quantiles = (("p50", 50), ("p90", 90), ("p99", 99), ("p99.9", 99.9))
+    return {**{k: sl.percentile(values, q) for k, q in quantiles}, "max": round(max(latencies), 2)}
 
 
 def no_accounting(flight: InFlight, reply: wire.Reply, completion: Completion | None) -> None:

@@ -161,8 +161,9 @@ def wait_ready(
     raise SystemExit(f"{what} not ready after 120 s")
 
 
-def kill_worker(sock: str, name: str) -> dict[str, Any]:
-    """SIGKILL worker ``name``; time until status shows its replacement READY."""
+def kill_worker(sock: str, name: str) -> tuple[dict[str, Any], float]:
+    """SIGKILL worker ``name``; time until status shows its replacement READY. Also returns
+    when it was killed (CLOCK_MONOTONIC)."""
     with Client(sock, timeout=5) as client:
         status = client.status()
     current = {w.name: w for w in status.workers}[name]
@@ -174,7 +175,7 @@ def kill_worker(sock: str, name: str) -> dict[str, Any]:
     with Client(sock, timeout=5) as client:
         new_pid = {w.name: w.pid for w in client.status().workers}[name]
     path = "standby" if new_pid in spares else "fresh process"
-    return {"worker": name, "restart_s": round(elapsed, 3), "replaced_by": path, "killed_at": t0}
+    return {"worker": name, "restart_s": round(elapsed, 3), "replaced_by": path}, t0
 
 
 def worker_names(sock: str) -> list[str]:
@@ -259,17 +260,18 @@ class StatusSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> StatusSampler:
-        self._thread.start()
+        # --status-interval 0: the load alone (each status request costs the daemon's event
+        # loop a percentile over its latency window)
+        if self.interval > 0:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def _run(self) -> None:
-        if self.interval <= 0:
-            return  # --status-interval 0: the load alone (each status request costs the
-            # daemon's event loop a percentile over its latency window)
         with Client(self.sock, timeout=5) as client:
             while not self._stop.wait(self.interval):
                 status = client.status()
@@ -286,20 +288,26 @@ def kill_run(args: argparse.Namespace, sock: str) -> tuple[dict[str, Any], list[
     names = worker_names(sock)
     with StatusSampler(sock, args.status_interval) as sampler:
         procs = start_clients(args, sock, "poisson", args.kill_rate, duration, trace=True)
-        t0, kills = time.monotonic() + 0.2, []
+        t0, kills, killed_at = time.monotonic() + 0.2, [], []
         for k in range(args.kills):
             time.sleep(max(0.0, t0 + (k + 1) * args.kill_gap - time.monotonic()))
-            kills.append(kill_worker(sock, names[k % len(names)]))
+            kill, at = kill_worker(sock, names[k % len(names)])
+            kills.append(kill)
+            killed_at.append(at)
         results = collect(procs)
     # the clients' own start (each ~0.2 s after it began) is the axis' zero
     start = min((r["trace"]["due_s"][0] for r in results if r["trace"]["due_s"]), default=t0)
-    for kill in kills:
-        kill["at_s"] = round(kill.pop("killed_at") - start, 3)
+    for kill, at in zip(kills, killed_at, strict=True):
+        kill["at_s"] = round(at - start, 3)
     row = sl.summarize(results, duration)
-    row["timeline"] = sl.timeline(results, start, TIMELINE_BIN_S)
-    for b in row["timeline"]:
-        lo, hi = start + b["t_s"], start + b["t_s"] + TIMELINE_BIN_S
-        mine = [(used, ready) for at, used, ready in sampler.samples if lo <= at < hi]
+    row["timeline"] = timeline = sl.timeline(results, start, TIMELINE_BIN_S)
+    row["timeline_bin_s"] = TIMELINE_BIN_S
+    seen: list[list[tuple[int, int]]] = [[] for _ in timeline]
+    for at, used, ready in sampler.samples:  # into sl.timeline's bins, in one pass
+        k = int((at - start) // TIMELINE_BIN_S)
+        if 0 <= k < len(seen):
+            seen[k].append((used, ready))
+    for b, mine in zip(timeline, seen, strict=True):
         b["queue_in_use_max"] = max((u for u, _ in mine), default=None)
         b["standbys_ready_min"] = min((r for _, r in mine), default=None)
     load = f"poisson@{args.kill_rate:g}/s + kill -9"
@@ -315,9 +323,7 @@ def measure_restarts(args: argparse.Namespace, sock: str) -> list[dict[str, Any]
     for name in worker_names(sock):
         for _ in range(args.kills):
             time.sleep(3.0)  # time for a new standby to boot after the previous kill
-            kill = kill_worker(sock, name)
-            del kill["killed_at"]
-            out.append(kill)
+            out.append(kill_worker(sock, name)[0])
     result = collect([background])[0]
     lost = result["sent"] - result["answered"]
     out.append(

@@ -88,13 +88,12 @@ def print_raw_table(doc: dict[str, Any]) -> None:
         print(f"lost under kill: {doc['lost_under_kill']}")
     timeline = doc["kill_run"].get("timeline", [])
     if timeline:
-        at = [k["at_s"] for k in doc["kill_run"]["kills"]]
+        at, width = [k["at_s"] for k in doc["kill_run"]["kills"]], bin_s(doc)
         print(
             "kill run by scheduled send time (s: sent, p50/p99/max ms of ok, "
             "queue slots in use (max), standbys READY (min), statuses):"
         )
         for b in timeline:
-            width = bin_s(timeline)
             mark = " <- kill -9" if any(b["t_s"] <= a < b["t_s"] + width for a in at) else ""
             print(
                 f"  {b['t_s']:6.1f}  {b['sent']:5}  {_ms(b['p50_ms'])}/{_ms(b['p99_ms'])}/"
@@ -103,8 +102,9 @@ def print_raw_table(doc: dict[str, Any]) -> None:
             )
 
 
-def bin_s(timeline: list[dict[str, Any]]) -> float:
-    return timeline[1]["t_s"] - timeline[0]["t_s"] if len(timeline) > 1 else 1.0
+def bin_s(doc: dict[str, Any]) -> float:
+    """The kill run's timeline bins' width (records before it was written: 0.5 s)."""
+    return float(doc["kill_run"].get("timeline_bin_s", 0.5))
 
 
 RECOVERED_P99_MS = 20.0
@@ -112,11 +112,11 @@ RECOVERED_P99_MS = 20.0
 limit) and every request due in it was answered ok."""
 
 
-def recovered_after(timeline: list[dict[str, Any]], at_s: float) -> float | None:
+def recovered_after(timeline: list[dict[str, Any]], at_s: float, width: float) -> float | None:
     """Seconds from a kill at ``at_s`` to the end of the first bin after it that is normal
     again (p99 ≤ ``RECOVERED_P99_MS``, every request due in it answered ok): how long the
-    line felt the kill, at the bins' resolution. None if no later bin is normal."""
-    width = bin_s(timeline)
+    line felt the kill, at the bins' resolution (``width`` s). None if no later bin is
+    normal."""
     for b in timeline:
         if b["t_s"] >= at_s and _normal(b):
             return round(b["t_s"] + width - at_s, 3)
@@ -132,7 +132,7 @@ def _back(doc: dict[str, Any], kill: dict[str, Any]) -> str:
     timeline = doc["kill_run"].get("timeline", [])
     if not timeline or "at_s" not in kill:
         return ""
-    back = recovered_after(timeline, kill["at_s"])
+    back = recovered_after(timeline, kill["at_s"], bin_s(doc))
     return (
         f", latency normal again after {back:.1f} s" if back is not None else ", never normal again"
     )

@@ -356,8 +356,8 @@ def test_a_kill_is_over_at_the_end_of_the_first_normal_bin_after_it() -> None:
         _bin(2.0, 14.0, ok=1000),
         _bin(2.5, 90.0, ok=1000),  # a later spike does not undo the recovery
     ]
-    assert report.recovered_after(timeline, 0.6) == 1.9
-    assert report.recovered_after(timeline, 2.2) is None  # nothing normal after it
+    assert report.recovered_after(timeline, 0.6, 0.5) == 1.9
+    assert report.recovered_after(timeline, 2.2, 0.5) is None  # nothing normal after it
 
 
 def test_the_console_table_shows_the_timeline_and_each_kills_recovery(
@@ -372,6 +372,7 @@ def test_the_console_table_shows_the_timeline_and_each_kills_recovery(
     for b in doc["kill_run"]["timeline"]:
         b |= {"p50_ms": 1.0, "max_ms": 50.0}
     doc["kill_run"]["kills"][0]["at_s"] = 0.7
+    doc["kill_run"]["timeline_bin_s"] = 0.5
     report.print_table(doc)
     out = capsys.readouterr().out
     assert "latency normal again after 0.8 s" in out
