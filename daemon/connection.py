@@ -429,10 +429,7 @@ class Connection(asyncio.BufferedProtocol):
             raw_frames.rebuild_body(memoryview(whole), body, loan.view, at)
         finally:
             self.handler.return_slot(loan)
-        try:
-            self.handler.frame(self, memoryview(whole)[:length], received_ns)
-        finally:
-            self.handler.pool.give(whole)
+        self._handle_pooled(whole, length, received_ns)
 
     def _start_body(self, length: int, already: memoryview) -> None:
         self._body = self.handler.pool.take(length)
@@ -448,10 +445,15 @@ class Connection(asyncio.BufferedProtocol):
         assert body is not None
         self._disarm()
         self._enter(ReadState.HEAD)
+        self._handle_pooled(body, length, time.monotonic_ns())
+
+    def _handle_pooled(self, buf: bytearray, length: int, received_ns: int) -> None:
+        """Hand the frame in ``buf[:length]`` (a pool buffer) to the handler; the buffer goes
+        back to the pool whatever happens."""
         try:
-            self.handler.frame(self, memoryview(body)[:length], time.monotonic_ns())
+            self.handler.frame(self, memoryview(buf)[:length], received_ns)
         finally:
-            self.handler.pool.give(body)
+            self.handler.pool.give(buf)
 
     def _arm(self, length: int) -> None:
         if self._timer is None:
