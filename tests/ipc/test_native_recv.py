@@ -21,7 +21,6 @@ from scratchd.ipc._native import (
     RECV_CANCELLED,
     RECV_EOF,
     RECV_FULL,
-    RECV_SLICE_MS,
     RECV_TIMEOUT,
     recv_into_exact,
 )
@@ -93,32 +92,36 @@ def test_a_peer_that_closes_early_gives_what_it_sent_and_eof(
 def test_a_silent_peer_times_out_with_what_it_sent(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
+    """Bytes that come while the timeout runs are taken (it does not give up while the peer
+    is quiet), then it returns what came; with a timeout of 0, only what the socket holds."""
     a, b = pair
     b.sendall(b"z" * 10)
-    start = time.monotonic()
-    assert recv_into_exact(a.fileno(), bytearray(100), 60, bytearray(1)) == (10, RECV_TIMEOUT)
-    assert time.monotonic() - start >= 0.06
+    send_later(b, [b"y" * 5], 0.01, close=False)  # well within the timeout
+    buf = bytearray(100)
+    assert recv_into_exact(a.fileno(), buf, 500, bytearray(1)) == (15, RECV_TIMEOUT)
+    assert buf[:15] == b"z" * 10 + b"y" * 5
+    b.sendall(b"x" * 3)
+    assert recv_into_exact(a.fileno(), bytearray(100), 0, bytearray(1)) == (3, RECV_TIMEOUT)
     assert recv_into_exact(a.fileno(), bytearray(100), 0, bytearray(1)) == (0, RECV_TIMEOUT)
 
 
-def test_a_cancel_from_another_thread_stops_it_promptly_and_the_gil_is_free_meanwhile(
+def test_a_cancel_from_another_thread_stops_it_and_the_gil_is_free_meanwhile(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
+    """A cancel set while it waits ends the wait with what came and RECV_CANCELLED, not at the
+    10 s timeout (RECV_TIMEOUT); the canceller is Python, so it ran while the GIL was free."""
     a, b = pair
     b.sendall(b"q" * 1000)
-    cancel, ran = bytearray(1), []
+    cancel = bytearray(1)
 
     def canceller() -> None:  # runs only if the receiving thread has let go of the GIL
-        time.sleep(0.05)
-        ran.append(time.monotonic())
+        time.sleep(0.05)  # the receiver is waiting for more by then
         cancel[0] = 1
 
-    threading.Thread(target=canceller).start()
-    got, why = recv_into_exact(a.fileno(), bytearray(4096), 10_000, cancel)
-    stopped = time.monotonic()
-    assert (got, why) == (1000, RECV_CANCELLED)
-    assert ran and stopped - ran[0] < 0.5  # within a poll slice or so, not the 10 s timeout
-    assert RECV_SLICE_MS <= 5
+    thread = threading.Thread(target=canceller)
+    thread.start()
+    assert recv_into_exact(a.fileno(), bytearray(4096), 10_000, cancel) == (1000, RECV_CANCELLED)
+    thread.join()
     # Cancelled before it starts: nothing is read, the bytes stay in the socket.
     b.sendall(b"w")
     assert recv_into_exact(a.fileno(), bytearray(1), 1000, bytearray(b"\x01")) == (
