@@ -29,7 +29,7 @@ no slot is lent when draining, nor to a connection at its in-flight limit, nor f
 pixels than a slot holds (the frame then takes the usual path, which answers as before).
 With ``[server] receive_threads`` > 0 the kernel's copy into the slot runs in this acceptor's
 receive threads (``daemon/receiver.py``), not on the loop's thread.
-While lent (at most ``lend_limit`` = ``slots // 4`` at once, each for up to
+While lent (at most ``lend_limit`` = ``max(1, slots // 4)`` at once, each for up to
 ``frame_timeout_ms``) a slot is not available to other frames, which may be answered
 ``queue full`` sooner; so a slot is lent only while more than ``lend_limit`` are free, and
 clients that stall mid-frame cannot take the last free slots from complete frames.

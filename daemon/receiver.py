@@ -71,8 +71,9 @@ from scratchd.ipc._native import recv_into_exact
 
 MIN_BYTES: Final = 64 * 1024
 """Pixels still to come, and bytes already in the socket, for which a thread is worth its
-hand-offs (~64 KiB: the kernel's copy of that many costs about what the loop spends handing a
-job over and taking it back)."""
+hand-offs: fewer still to come, and one read of the loop's (``SLOT_READ_BYTES``, also 64 KiB)
+takes them. The value is not tuned against a measurement: ``docs/bench/frontend.json`` only
+bounds a hand-off from above (well under the 100-140 us of loop CPU a 1 MiB frame saves)."""
 MAX_WAIT_S: Final = 0.0
 """The longest one job waits for bytes that are not there yet: none. Tests raise it to hold a
 thread mid-frame (cancel and close while a thread owns the slot)."""
