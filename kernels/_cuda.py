@@ -124,7 +124,7 @@ def blocks_per_sm(func: Any, threads: int, smem: int) -> int:
     regs = max(int(func.num_regs), 1)
     warp_regs = -(-regs * 32 // 256) * 256  # registers are allocated per warp, 256 at a time
     by_regs = 65536 // (warp_regs * -(-threads // 32))
-    by_smem = (228 * 1024) // (smem + int(func.shared_size_bytes) + 1024)
+    by_smem = smem_blocks(smem + int(func.shared_size_bytes))
     return max(1, min(32, 2048 // threads, by_regs, by_smem))
 
 
@@ -166,6 +166,16 @@ def pw_smem_bytes(cin: int, cout: int) -> int:
 
 
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory one block may opt in to (sm_90)
+SM_SMEM = 228 * 1024  # shared memory of an SM (sm_90), 1 KB of it reserved per block
+GEMM_BM = 128  # mma_tile.cuh: rows (pixels) of a tensor-core GEMM tile
+GEMM_THREADS = 256  # mma_tile.cuh: threads of a GEMM block
+
+
+def smem_blocks(smem: int) -> int:
+    """Blocks of ``smem`` bytes of shared memory (dynamic + static) an SM holds."""
+    return SM_SMEM // (smem + 1024)
+
+
 MAX_SLICE = 192  # output channels per block: 96 fp32 accumulators a thread in the GEMM
 
 

@@ -23,9 +23,10 @@
  * The records are checked first (each run inside the frame, start < end, row-major and
  * disjoint within a row): a ValueError, never a wrong answer or a crash, for records the
  * device did not write as promised. The GIL is released while it computes.
- * On a 1024x1024 frame of ~4000 runs the numpy version costs ~0.5 ms, this one 40-90 µs (the
- * 2-core development machine); that is what lets one worker keep an H200 busy with one-view
- * frames (the whole host finish measured 0.13-0.22 ms a frame of ~6000 runs on the H200 host).
+ * On a 1024x1024 frame of ~4000 runs this one costs 37-44 µs, 58-67 µs with the mask, on the
+ * 2-core development machine (docs/bench/host-finish.json; the numpy version ~0.5 ms); that is
+ * what lets one worker keep an H200 busy with one-view frames (the whole host finish, 0.11-0.18
+ * ms a frame without the mask on the H200 host: docs/bench/serve-graph.json).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -13,17 +13,17 @@ every launch a ``<op>_cuda`` of this package, fused where it pays::
       output_path              prob, raw mask, entropy, input histogram,      2 kernels
                                window score (+ 2 memsets of its accumulators)
 
-That is one launch per block (two for a split one, below), the stem's and the output path's
-2, and 2 memsets: 22 launches for the shipped 48..384-wide model (14 blocks, two per
-decoder stage, 4 of them split). Each block's path is chosen once per model by
-``ds_split.block_path`` (``CudaForward.path``): the stride-1 blocks up to 288 channels in
-and 96 out (the shipped enc0.0, enc1.1, dec1.1, dec1.0, dec0.0 and dec0.1) run as
-``ds_halo`` (input tiles staged in shared memory, ``ds_halo.py``); the other wide blocks
-(pointwise GEMM of ≥ 192x384 MACs a pixel) and wide decoder joins (the shipped enc3.* and
-dec2.0) as two launches (``ds_split``: depthwise into ``Buffers.dw_scratch``, then a tiled
-GEMM), except at sizes where the block's depthwise output would pass the kernels' int32
-indexing (``Buffers.split`` lists the blocks split at that size); the rest fused
-(``ds_block``), or ``ds_tiled`` (one launch on the GEMM's tiling) when asked for.
+That is one launch per block (two for a split one, below), the stem's one and the output
+path's two: 21 launches and 2 memsets for the shipped 48..384-wide model (14 blocks, two per
+decoder stage; 6 halo, 4 split, 4 fused: ``ds_split.plan_paths``). Each block's path is
+chosen once per model by ``ds_split.block_path`` (``CudaForward.path``): the stride-1 blocks
+up to 288 channels in and 96 out (the shipped enc0.0, enc1.1, dec1.1, dec1.0, dec0.0 and
+dec0.1) run as ``ds_halo`` (input tiles staged in shared memory, ``ds_halo.py``); the other
+wide blocks (pointwise GEMM of ≥ 192x384 MACs a pixel) and wide decoder joins (the shipped
+enc3.* and dec2.0) as two launches (``ds_split``: depthwise into ``Buffers.dw_scratch``,
+then a tiled GEMM), except at sizes where the block's depthwise output would pass the
+kernels' int32 indexing (``Buffers.split`` lists the blocks split at that size); the rest
+fused (``ds_block``), or ``ds_tiled`` (one launch on the GEMM's tiling) when asked for.
 
 Buffers (:class:`Buffers`) are allocated once per (batch, height, width) and every launch
 writes into them (``out=``), so the same launch sequence can be recorded and captured into a
@@ -33,8 +33,9 @@ until the decoder reads them (≈ 60 MB per 1024² frame at the default widths).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -165,11 +166,9 @@ class CudaForward:
             )  # fmt: skip
         head = p == self.head_block
         path = self.path[p]
-        launcher = {"tiled": ds_tiled_cuda, "halo": ds_halo_cuda}.get(path, ds_block_cuda)
-        transposed = path in ("tiled", "halo")  # (a split block not in buf.split runs fused)
+        launcher, pw = ONE_LAUNCH[path]
         return launcher(
-            h, w[f"{p}.dw.w"], w[f"{p}.dw.b"], w[f"{p}.pw.wt" if transposed else f"{p}.pw.w"],
-            w[f"{p}.pw.b"],
+            h, w[f"{p}.dw.w"], w[f"{p}.dw.b"], w[f"{p}.{pw}"], w[f"{p}.pw.b"],
             stride=b.stride, dilation=b.dilation,
             skip=None if b.join is None else skips[b.join],
             residual=b.residual,
@@ -177,6 +176,15 @@ class CudaForward:
             head_b=w["head.b"] if head else None,
             out=buf.logits if head else buf.acts[p],
         )  # fmt: skip
+
+
+ONE_LAUNCH: Final[dict[str, tuple[Callable[..., Any], str]]] = {
+    "fused": (ds_block_cuda, "pw.w"),
+    "split": (ds_block_cuda, "pw.w"),  # a split block not in Buffers.split runs fused
+    "tiled": (ds_tiled_cuda, "pw.wt"),  # the pointwise weight transposed
+    "halo": (ds_halo_cuda, "pw.wt"),
+}
+"""A block path's one-launch kernel and the pointwise weight it takes."""
 
 
 def fused_logits_ref(

@@ -32,7 +32,7 @@
 // Numerics are the other paths': taps summed in (ky, kx) order after the bias in fp32 (the
 // padding as zeros, like the hoisted schedule), fp16 depthwise output, products summed over
 // k in ascending 16-steps, half(acc + bias), then residual and ReLU in fp32; the head's dot
-// product in store_tile_head's order. So the four paths give the same bits.
+// product in head_logit's order (common.cuh). So the four paths give the same bits.
 #include "mma_tile.cuh"
 
 namespace sd {

@@ -18,11 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 from scratchd.kernels._checks import env_choice
-from scratchd.kernels._cuda import SMEM_LIMIT
+from scratchd.kernels._cuda import GEMM_BM, GEMM_THREADS, SMEM_LIMIT, smem_blocks
 from scratchd.kernels.ds_block import check_block
 
-THREADS = 256  # mma_tile.cuh's GEMM_THREADS
-TILE_PIXELS = 128  # GEMM_BM: the output tile, TH x TW
+TILE_PIXELS = GEMM_BM  # the output tile, TH x TW
 TILE_W_ENV = "SCRATCHD_HALO_TILE_W"  # TW of the 128-pixel output tile: "8", "16" or "32"
 DEFAULT_TILE_W = "16"  # TH = 8: the smallest halo of the three
 MAX_COUT = 96  # more output channels take more accumulator registers than the block has
@@ -47,8 +46,8 @@ def halo_shape_ok(ca: int, cb: int, cout: int, stride: int = 1, dilation: int = 
 
 
 BLOCKS_ENV = "SCRATCHD_HALO_BLOCKS"  # resident blocks an SM asks for: "2" or "3"
-DEFAULT_BLOCKS = "2"  # 3 (80 registers) ran no faster: enc0.0 626 vs 620 µs, dec0.1 741 vs 715
-SM_SMEM = 228 * 1024  # shared memory of an H200 SM, 1 KB of it reserved per block
+DEFAULT_BLOCKS = "2"  # 3 (80 registers) ran no faster: enc0.0 626 vs 620 µs, dec0.1 741 vs
+# 715 (bench_ds_split on the H200, the kernel before its 2x4 register blocks, 351e08e)
 SWEEP_ENV = "SCRATCHD_HALO_SWEEP"  # P of the depthwise stage: "2" or "4" (benchmarks)
 DEFAULT_SWEEP = "4"
 
@@ -79,7 +78,7 @@ def halo_blocks(smem: int) -> int:
     its registers: 128 for 2, 80 for 3), as ``BLOCKS_ENV`` asks where their shared memory
     fits, else 2."""
     mode = env_choice(BLOCKS_ENV, DEFAULT_BLOCKS, ("2", "3"))
-    return 3 if mode == "3" and 3 * (smem + 1024) <= SM_SMEM else 2
+    return 3 if mode == "3" and smem_blocks(smem) >= 3 else 2
 
 
 def halo_smem_bytes(ca: int, cb: int, cout: int) -> int:
@@ -137,7 +136,7 @@ def ds_halo_cuda(
     func = cu.kernel("ds_halo.cu", name)
     th = TILE_PIXELS // tw
     tiles = n * -(-c.ho // th) * -(-c.wo // tw)
-    grid = cu.persistent_grid(func, THREADS, smem, tiles)
+    grid = cu.persistent_grid(func, GEMM_THREADS, smem, tiles)
     args = (*c.block_args(), *map(cu.i32, (n, c.ho, c.wo)))
-    cu.launch(func, (grid,), (THREADS,), args, smem)
+    cu.launch(func, (grid,), (GEMM_THREADS,), args, smem)
     return out

@@ -32,6 +32,7 @@ from typing import Any, Literal
 import numpy as np
 
 from scratchd.kernels._checks import env_choice
+from scratchd.kernels._cuda import GEMM_BM, GEMM_THREADS
 from scratchd.kernels.ds_block import check_block, dw_schedule, dw_smem_bytes
 from scratchd.kernels.ds_halo import halo_shape_ok
 from scratchd.kernels.net import NetConfig, block_plan
@@ -45,10 +46,9 @@ DEFAULT_GEMM = "64:3"  # measured best on the H200 (docs/bench/ds-split.json)
 # The rule: split where the pointwise GEMM is at least this many MACs per pixel (the
 # shipped model's enc3.* blocks and dec2.0; see docs/benchmarks.md for the measurements).
 SPLIT_MIN_MACS = 192 * 384
-JOIN_SPLIT_MIN_MACS = 288 * 96  # a decoder join: dec2.0 and dec1.0 split, dec0.0 (144 x 48) not
+JOIN_SPLIT_MIN_MACS = 288 * 96  # a decoder join this wide splits (dec2.0; dec1.0 runs halo)
 HALO_MAX_CIN = 288  # stride-1 blocks up to dec1.0's 288 channels run on ds_halo, ...
 TILED_MAX_CIN = 64  # ... and the other narrow stride-1 blocks tiled (see block_path)
-GEMM_BM = 128  # rows of A per block (ds_split.cu: GEMM_BM)
 
 
 def split_shape_ok(cin: int, cout: int) -> bool:
@@ -203,7 +203,7 @@ def ds_split_cuda(
          *map(cu.i32, (n, height, width, ho, wo))), dw_smem,
     )  # fmt: skip
     cu.launch(
-        gemm, (-(-m // GEMM_BM), cout // bn), (256,),
+        gemm, (-(-m // GEMM_BM), cout // bn), (GEMM_THREADS,),
         (mid, pw_wt, pw_b, x if residual else mid, out, cu.i32(m)), smem,
     )  # fmt: skip
     return out
@@ -262,5 +262,5 @@ def ds_tiled_cuda(
     cu.opt_in_smem(func, smem)
     m = n * ho * wo
     args = (*c.block_args(), *map(cu.i32, (n, height, width, ho, wo)))
-    cu.launch(func, (-(-m // GEMM_BM), cout // bn), (256,), args, smem)
+    cu.launch(func, (-(-m // GEMM_BM), cout // bn), (GEMM_THREADS,), args, smem)
     return out

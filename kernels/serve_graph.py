@@ -47,7 +47,7 @@ included).
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -278,18 +278,13 @@ class ServeGraph:
         )
 
     def finish(self, batch: Collected, want_mask: Sequence[bool]) -> list[FrameResult]:
-        """Finish each collected frame on the host (no device work); masks where wanted."""
-        return list(self.finish_frames(batch, want_mask))
-
-    def finish_frames(self, batch: Collected, want_mask: Sequence[bool]) -> Iterator[FrameResult]:
-        """:meth:`finish` one frame at a time, in order, so a caller can answer each as soon
-        as it is done (the flags are checked before the first frame)."""
+        """Finish each collected frame on the host (no device work); masks where wanted.
+        (A worker answers each frame as soon as it is done: :meth:`finish_frame`.)"""
         if len(want_mask) != len(batch.count):
             raise ValueError(
                 f"ServeGraph.finish: {len(want_mask)} flags, {len(batch.count)} frames"
             )
-        for j in range(len(batch.count)):
-            yield self.finish_frame(batch, j, bool(want_mask[j]))
+        return [self.finish_frame(batch, j, bool(w)) for j, w in enumerate(want_mask)]
 
     def finish_frame(self, batch: Collected, j: int, want_mask: bool) -> FrameResult:
         """Finish collected frame ``j`` on the host (no device work); its mask if wanted."""
