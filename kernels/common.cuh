@@ -110,6 +110,26 @@ __device__ __forceinline__ void store_h(__half* p, const float (&f)[V]) {
     }
 }
 
+// o[0..V) = act(s[0..V) (+ res[0..V))) as halves: an epilogue's V channels of one pixel,
+// `s` staged in shared memory, `res` read only with RES, ReLU with RELU.
+template <int V, bool RES, bool RELU>
+__device__ __forceinline__ void finish_vec(
+    const __half* s, const __half* __restrict__ res, __half* __restrict__ o) {
+    float v[V];
+    load_h_smem<V>(s, v);
+    if constexpr (RES) {
+        float rv[V];
+        load_h<V>(res, rv);
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[j] += rv[j];
+    }
+    if constexpr (RELU) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[j] = fmaxf(v[j], 0.0f);
+    }
+    store_h<V>(o, v);
+}
+
 template <int V>
 __device__ __forceinline__ void fill(float (&f)[V], float v) {
 #pragma unroll
@@ -170,11 +190,11 @@ __device__ __forceinline__ void dw_point(
 }
 
 // The 1x1 head's logit of pixel p from its staged pointwise row `row` (fp16: acc + bias,
-// before the residual and the ReLU): two threads per pixel (part 0 and 1) each sum half the
+// before the residual and the block's ReLU, which it applies): two threads per pixel (part 0 and 1) each sum half the
 // channels in ascending order, joined with a shuffle, so every DS path's logits are the same
 // bits. Both threads of a pair call it (the shuffle); with `valid` false the residual is
 // not read. The caller adds the head's bias.
-template <int COUT, bool RES, bool RELU>
+template <int COUT, bool RES>
 __device__ __forceinline__ float head_logit(
     const __half* row, const __half* __restrict__ res, int p, bool valid,
     const float* __restrict__ hw, int part) {  // res rows: COUT channels
@@ -186,7 +206,7 @@ __device__ __forceinline__ float head_logit(
         if (c >= COUT) break;
         float v = __half2float(row[c]);
         if constexpr (RES) v += valid ? __half2float(res[p * COUT + c]) : 0.0f;
-        if constexpr (RELU) v = fmaxf(v, 0.0f);
+        v = fmaxf(v, 0.0f);
         s = fmaf(v, __ldg(hw + c), s);
     }
     s += __shfl_xor_sync(0xffffffffu, s, 1);

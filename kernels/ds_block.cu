@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(sd::PW_THREADS) ds_block(
         __syncthreads();
         sd::gemm_tile<CIN, CO>(sW, sA, pw_b + n0);
         if constexpr (HEAD) {
-            sd::store_tile_head<CO, RES, true>(sA, x, head_w, head_b[0], static_cast<float*>(out), base, M);
+            sd::store_tile_head<CO, RES>(sA, x, head_w, head_b[0], static_cast<float*>(out), base, M);
         } else {
             sd::store_tile<CO, RES, true>(sA, x, static_cast<__half*>(out), base, M, COUT, n0);
         }

@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(sd::GEMM_THREADS, MINB) ds_halo(
             const int r = threadIdx.x >> 1, part = threadIdx.x & 1;
             const int oy = oy0 + r / TW, ox = ox0 + r % TW, p = (n * H + oy) * W + ox;
             const bool valid = oy < H && ox < W;
-            const float s = sd::head_logit<COUT, RES, true>(sC + r * CS, x, p, valid, head_w, part);
+            const float s = sd::head_logit<COUT, RES>(sC + r * CS, x, p, valid, head_w, part);
             if (valid && part == 0) static_cast<float*>(out)[p] = s + head_b[0];
         } else {
             constexpr int GROUPS = COUT / 8;
@@ -258,17 +258,7 @@ __global__ void __launch_bounds__(sd::GEMM_THREADS, MINB) ds_halo(
                 const int oy = oy0 + r / TW, ox = ox0 + r % TW;
                 if (oy >= H || ox >= W) continue;
                 const int p = (n * H + oy) * W + ox;
-                float v[8];
-                sd::load_h_smem<8>(sC + r * CS + c, v);
-                if constexpr (RES) {
-                    float rv[8];
-                    sd::load_h<8>(x + p * COUT + c, rv);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) v[e] += rv[e];
-                }
-#pragma unroll
-                for (int e = 0; e < 8; ++e) v[e] = fmaxf(v[e], 0.0f);
-                sd::store_h<8>(o + p * COUT + c, v);
+                sd::finish_vec<8, RES, true>(sC + r * CS + c, x + p * COUT + c, o + p * COUT + c);
             }
         }
     }

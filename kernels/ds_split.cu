@@ -222,7 +222,7 @@ __global__ void __launch_bounds__(sd::GEMM_THREADS, 2) ds_tiled(
         static_assert(sd::GEMM_THREADS == 2 * BM, "two threads per tile row");
         const int r = threadIdx.x >> 1, part = threadIdx.x & 1, p = m0 + r;
         const bool valid = p < M;
-        const float s = sd::head_logit<COUT, RES, true>(sC + r * CS, x, p, valid, head_w, part);
+        const float s = sd::head_logit<COUT, RES>(sC + r * CS, x, p, valid, head_w, part);
         if (valid && part == 0) static_cast<float*>(out)[p] = s + head_b[0];
     } else {
         sd::store_rows<BN, COUT, RES>(sC, x, static_cast<__half*>(out), m0, n0, M);

@@ -140,10 +140,10 @@ __device__ __forceinline__ void store_tile(
     }
 }
 
-// (4) with the head fused: logit[p] = hb + sum_c hw[c] * act(sC[r, c] (+ res[p, c])).
+// (4) with the head fused: logit[p] = hb + sum_c hw[c] * relu(sC[r, c] (+ res[p, c])).
 // Two threads per pixel (all 128 threads for the 64 rows), each summing half the channels,
 // joined with a shuffle: the per-pixel dot product is the epilogue's critical path.
-template <int COUT, bool RES, bool RELU>
+template <int COUT, bool RES>
 __device__ __forceinline__ void store_tile_head(
     const __half* sC, const __half* __restrict__ res, const float* __restrict__ hw, float hb,
     float* __restrict__ logits, int base, int M) {  // res rows: COUT channels (no slicing)
@@ -151,7 +151,7 @@ __device__ __forceinline__ void store_tile_head(
     static_assert(PW_THREADS == 2 * PW_BM, "two threads per tile row");
     const int r = threadIdx.x >> 1, part = threadIdx.x & 1, p = base + r;
     const bool valid = p < M;
-    const float s = head_logit<COUT, RES, RELU>(sC + r * S::CS, res, p, valid, hw, part);
+    const float s = head_logit<COUT, RES>(sC + r * S::CS, res, p, valid, hw, part);
     if (valid && part == 0) logits[p] = s + hb;
 }
 
