@@ -123,17 +123,7 @@ __device__ __forceinline__ void store_rows(
     for (int i = threadIdx.x; i < GEMM_BM * GROUPS; i += GEMM_THREADS) {
         const int r = i / GROUPS, c = (i - r * GROUPS) * 8, row = m0 + r;
         if (row >= M) continue;
-        float v[8];
-        load_h_smem<8>(sC + r * CS + c, v);
-        if constexpr (RES) {
-            float rv[8];
-            load_h<8>(res + row * COUT + n0 + c, rv);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) v[j] += rv[j];
-        }
-#pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = fmaxf(v[j], 0.0f);
-        store_h<8>(out + row * COUT + n0 + c, v);
+        finish_vec<8, RES, true>(sC + r * CS + c, res + row * COUT + n0 + c, out + row * COUT + n0 + c);
     }
 }
 

@@ -124,19 +124,7 @@ __device__ __forceinline__ void store_tile(
     for (int i = threadIdx.x; i < PW_BM * GROUPS; i += PW_THREADS) {
         const int r = i / GROUPS, c = (i - r * GROUPS) * V, p = base + r;
         if (p >= M) continue;
-        float v[V];
-        load_h_smem<V>(sC + r * S::CS + c, v);
-        if constexpr (RES) {
-            float rv[V];
-            load_h<V>(res + p * ld + n0 + c, rv);
-#pragma unroll
-            for (int j = 0; j < V; ++j) v[j] += rv[j];
-        }
-        if constexpr (RELU) {
-#pragma unroll
-            for (int j = 0; j < V; ++j) v[j] = fmaxf(v[j], 0.0f);
-        }
-        store_h<V>(out + p * ld + n0 + c, v);
+        finish_vec<V, RES, RELU>(sC + r * S::CS + c, res + p * ld + n0 + c, out + p * ld + n0 + c);
     }
 }
 
