@@ -13,12 +13,12 @@ EXTENSIONS: list[Extension] = [
     # Each entry: Extension("scratchd.<subpkg>._<name>", ["<subpkg>/_<name>.c"], ...)
     Extension("scratchd.ipc._native", ["ipc/_native.c"], extra_compile_args=CFLAGS),
     Extension(
-        "scratchd.kernels._cpu",
-        ["kernels/_cpu.c"],
-        depends=["kernels/_cpu_kernels.h"],
+        "scratchd.cpu._cpu",
+        ["cpu/_cpu.c"],
+        depends=["cpu/_cpu_kernels.h"],
         extra_compile_args=[*CFLAGS, "-Wno-psabi"],
     ),
-    Extension("scratchd.kernels._runs", ["kernels/_runs.c"], extra_compile_args=CFLAGS),
+    Extension("scratchd.cpu._runs", ["cpu/_runs.c"], extra_compile_args=CFLAGS),
 ]
 
 setup(ext_modules=EXTENSIONS)

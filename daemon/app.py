@@ -40,16 +40,16 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-from scratchd.daemon.acceptor import Acceptor
 from scratchd.daemon.config import Config
-from scratchd.daemon.dispatch import Dispatcher, InFlight
-from scratchd.daemon.gpus import Placement, place
+from scratchd.daemon.frontend.acceptor import Acceptor
+from scratchd.daemon.frontend.dispatch import Dispatcher, InFlight
 from scratchd.daemon.log import log_event
-from scratchd.daemon.observability import Observability, read_model_reference
-from scratchd.daemon.service import ServiceManager
-from scratchd.daemon.supervisor import PoolHalted, Supervisor, WorkerState
-from scratchd.ipc import wire
+from scratchd.daemon.ops.observability import Observability, read_model_reference
+from scratchd.daemon.ops.service import ServiceManager
+from scratchd.daemon.pool.gpus import Placement, place
+from scratchd.daemon.pool.supervisor import PoolHalted, Supervisor, WorkerState
 from scratchd.ipc.queue import Completion, DescState, Geometry, ReclaimReport, RequestQueue
+from scratchd.protocol import wire
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -98,7 +98,7 @@ class Daemon:
         self.halt_reason = ""
         self._signals = 0
         self._stop = asyncio.Event()
-        # Metrics, drift, entropy, /livez /readyz /metrics (daemon/observability.py).
+        # Metrics, drift, entropy, /livez /readyz /metrics (daemon/ops/observability.py).
         self.obs = Observability(
             config,
             read_model_reference(config.model.path),

@@ -14,12 +14,12 @@ import click
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("scratchd.daemon.commands", "serve"),
-    "infer": ("scratchd.daemon.commands", "infer"),
-    "status": ("scratchd.daemon.commands", "status"),
-    "reload": ("scratchd.daemon.reload", "reload"),
+    "infer": ("scratchd.client.commands", "infer"),
+    "status": ("scratchd.client.commands", "status"),
+    "reload": ("scratchd.client.commands", "reload"),
     "shard": ("scratchd.dataset.cli", "shard"),
-    "eval": ("scratchd.kernels.cli", "eval_cmd"),
-    "model": ("scratchd.kernels.cli", "model"),
+    "eval": ("scratchd.model.cli", "eval_cmd"),
+    "model": ("scratchd.model.cli", "model"),
 }
 
 

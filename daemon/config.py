@@ -23,8 +23,8 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-SOCKET_ENV: Final = "SCRATCHD_SOCKET"
-DEFAULT_SOCKET: Final = "/run/scratchd/scratchd.sock"
+from scratchd.protocol.defaults import DEFAULT_SOCKET, SOCKET_ENV
+
 MAX_PRIORITY: Final = 7
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -58,7 +58,7 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     is answered ``invalid`` and closed (a stalled sender must not hold memory and a slot)."""
     receive_threads: Annotated[int, msgspec.Meta(ge=0, le=64)] = 4
     """Threads that receive large raw frames' pixels off the event loop's thread (the kernel's
-    socket copy, ~150-200 us per MiB; ``daemon/receiver.py``); 0: the loop receives them.
+    socket copy, ~150-200 us per MiB; ``daemon/frontend/receiver.py``); 0: the loop receives them.
     Read at start only (a reload does not resize the pool)."""
 
 
@@ -91,7 +91,7 @@ class WorkersConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     gpu_reserve_mb: Positive = 1024
     """Device memory (MiB) a CUDA worker leaves free beside its arena (gpu_memory.py)."""
     gpu_arena_mb: Positive = 16384
-    """The most device memory (MiB) one CUDA worker takes for its arena (kernels/arena.py);
+    """The most device memory (MiB) one CUDA worker takes for its arena (gpu/arena.py);
     a warm standby takes as much again on the same card."""
     gpu_warm_sizes: list[tuple[Positive, Positive]] = msgspec.field(
         default_factory=lambda: [(1024, 1024)]
@@ -193,7 +193,7 @@ def check_views(views: list[str]) -> None:
     """``model.views``: names the kernels know, each at most once (the model averages its
     views in the listed order; a view twice would weigh it twice and the GPU layout refuses
     it)."""
-    from scratchd.kernels.model import VIEWS  # numpy and the net: only when a config is read
+    from scratchd.model.scratchnet import VIEWS  # numpy and the net: only when a config is read
 
     for i, view in enumerate(views):
         if view not in VIEWS:
@@ -235,10 +235,3 @@ def load_config(
         return _convert(raw)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}" if path is not None else str(exc)) from None
-
-
-def socket_path(flag: str | None, environ: Mapping[str, str] | None = None) -> str:
-    """The socket a client command talks to: ``--socket``, else ``SCRATCHD_SOCKET``, else
-    the default."""
-    env = os.environ if environ is None else environ
-    return flag or env.get(SOCKET_ENV) or DEFAULT_SOCKET

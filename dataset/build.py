@@ -21,7 +21,7 @@ from scratchd.dataset.folders import Sample, scan_dataset, split_of
 from scratchd.dataset.layout import RecordMeta, Rejection
 from scratchd.dataset.masks import MaskRejected, validate_mask
 from scratchd.dataset.writer import ShardWriter
-from scratchd.ipc.image import ImageError, decode_image, encode_png, sniff_format
+from scratchd.protocol.image import ImageError, decode_image, encode_png, sniff_format
 
 
 @dataclass

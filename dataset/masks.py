@@ -12,7 +12,7 @@ tools do not always deliver exactly that, and the two ways they miss differ:
   (binarising it at 128 would silently erase every defect). These raise
   :class:`MaskRejected` with the file name and the reason; the sample is left out.
 
-Decoding is not done here: the caller decodes with :func:`scratchd.ipc.image.decode_image`
+Decoding is not done here: the caller decodes with :func:`scratchd.protocol.image.decode_image`
 (an undecodable mask is rejected by the caller with that error's reason).
 """
 

@@ -55,7 +55,7 @@ Checks: the header, index, tiling and every metadata CRC are checked **at open**
 record's image+mask CRC **on access** (:meth:`ShardSet.__getitem__`). :func:`check_shards`
 does both for every record. Any failure is a :class:`ShardError` naming the shard file and
 the record index within it. Nothing is decoded by the reader: decode ``Record.image`` and
-``Record.mask`` with :func:`scratchd.ipc.image.decode_image`.
+``Record.mask`` with :func:`scratchd.protocol.image.decode_image`.
 
 Writers: only ``shard build`` (one process); files appear under their final names by
 rename, the manifest last. Readers map files read-only and share nothing mutable, so any

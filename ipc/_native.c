@@ -26,7 +26,7 @@
  *
  * And one function, recv_into_exact: a socket's bytes received into a buffer with the GIL
  * released for the whole run, so the daemon's receive threads copy large frames off the event
- * loop's thread (daemon/receiver.py).
+ * loop's thread (daemon/frontend/receiver.py).
  *
  * Ordering: a SIGKILL can land between any two instructions, so the compiler must not move
  * the lifecycle write (``state``) before the link writes it publishes; state and the done

@@ -35,7 +35,7 @@ from scratchd.kernels._checks import env_choice
 from scratchd.kernels._cuda import GEMM_BM, GEMM_THREADS
 from scratchd.kernels.ds_block import check_block, dw_schedule, dw_smem_bytes
 from scratchd.kernels.ds_halo import halo_shape_ok
-from scratchd.kernels.net import NetConfig, block_plan
+from scratchd.model.net import NetConfig, block_plan
 
 # The path of each block: "auto" (block_path's rule), "none" (all fused), "all" (all split),
 # "tiled" (all tiled) or "halo" (all ds_halo), wherever the path has tiles for the block.

@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from scratchd.kernels._checks import check_array
-from scratchd.kernels.model import VIEWS, apply_view
 from scratchd.kernels.postprocess import binary_entropy_bits, peak_local_mean
+from scratchd.model.scratchnet import VIEWS, apply_view
 
 CODES = {view: code for code, view in enumerate(VIEWS)}  # the order view_code() decodes
 TILE, ROWS = 32, 8  # views.cu

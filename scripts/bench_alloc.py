@@ -9,7 +9,7 @@ block is dropped while its own stream is current (the rule stream-ordered reuse 
 
 Allocators, each through its CuPy allocator call (``malloc(size) -> MemoryPointer``):
 
-- ``arena``: ``scratchd.kernels.arena.DeviceArena`` (one region, buddy + slabs, events);
+- ``arena``: ``scratchd.gpu.arena.DeviceArena`` (one region, buddy + slabs, events);
 - ``cupy_pool``: a fresh ``cupy.cuda.MemoryPool`` (CuPy's default allocator);
 - ``cupy_async``: ``cupy.cuda.MemoryAsyncPool`` (cudaMallocAsync), where it works.
 
@@ -157,7 +157,7 @@ def summarise(samples: list[dict[str, float]], key: str) -> dict[str, float]:
 
 
 def bench_arena(cp: Any, ops: list[Op], nbytes: int) -> dict[str, Any]:
-    from scratchd.kernels.arena import ArenaError, DeviceArena
+    from scratchd.gpu.arena import ArenaError, DeviceArena
 
     t0 = time.perf_counter()
     arena = DeviceArena(nbytes)
@@ -217,7 +217,7 @@ def steady(cp: Any, malloc: Callable[[int], Any], iters: int = 2000) -> dict[str
 
 
 def bench_steady(cp: Any, nbytes: int) -> dict[str, Any]:
-    from scratchd.kernels.arena import DeviceArena
+    from scratchd.gpu.arena import DeviceArena
 
     arena, pool = DeviceArena(nbytes), cp.cuda.MemoryPool()
     out = {"arena": steady(cp, arena.malloc), "cupy_pool": steady(cp, pool.malloc)}

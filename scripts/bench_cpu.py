@@ -37,10 +37,13 @@ import onnxruntime as ort
 import torch
 import torch.nn.functional as F
 
-from scratchd.kernels import _cpu, cpu_bands, cpu_schedule, net
-from scratchd.kernels.model import ScratchNet, load_model
+from scratchd.cpu import _cpu
+from scratchd.cpu import bands as cpu_bands
+from scratchd.cpu import schedule as cpu_schedule
 from scratchd.kernels.normalize_pad import normalize_pad_ref
-from scratchd.kernels.torchnet import TorchScratchNet, load_weights
+from scratchd.model import net
+from scratchd.model.scratchnet import ScratchNet, load_model
+from scratchd.model.torchnet import TorchScratchNet, load_weights
 
 SIZES = ((200, 200), (1024, 1024))
 

@@ -30,14 +30,14 @@ from typing import Any
 import numpy as np
 
 from scratchd.kernels.ds_split import DEFAULT_GEMM, GEMM_ENV, SPLIT_ENV
-from scratchd.kernels.model import load_model
+from scratchd.model.scratchnet import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = 1024
 
 
 def forward(mode: str) -> Any:
-    from scratchd.kernels.cuda_net import CudaForward
+    from scratchd.gpu.cuda_net import CudaForward
 
     os.environ[SPLIT_ENV] = mode
     m = load_model()
@@ -116,7 +116,7 @@ def per_block(
 
 
 def whole(cp: Any, batch: int, reps: int, rounds: int) -> dict[str, float]:
-    from scratchd.kernels.cuda_graph import capture
+    from scratchd.gpu.cuda_graph import capture
 
     result = {}
     for mode in ("none", "auto", "all", "tiled", "halo"):

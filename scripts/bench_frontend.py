@@ -77,13 +77,13 @@ from typing import Any
 import numpy as np
 import serve_load as sl
 
-from scratchd.client import AsyncClient, request_frame
-from scratchd.daemon.acceptor import Acceptor
+from scratchd.client.api import AsyncClient, request_frame
 from scratchd.daemon.config import Config, QueueConfig, ServerConfig
-from scratchd.daemon.dispatch import Accountant, Dispatcher, InFlight
-from scratchd.daemon.observability import Observability, read_model_reference
-from scratchd.ipc import wire
+from scratchd.daemon.frontend.acceptor import Acceptor
+from scratchd.daemon.frontend.dispatch import Accountant, Dispatcher, InFlight
+from scratchd.daemon.ops.observability import Observability, read_model_reference
 from scratchd.ipc.queue import Completion, Geometry, RequestQueue, Result, Status
+from scratchd.protocol import wire
 
 ROOT = Path(__file__).resolve().parent.parent
 

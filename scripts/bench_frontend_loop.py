@@ -30,12 +30,12 @@ from typing import Any
 import bench_frontend as fe
 import numpy as np
 
-from scratchd.daemon.acceptor import Acceptor
 from scratchd.daemon.config import Config, QueueConfig, ServerConfig
-from scratchd.daemon.connection import Connection
-from scratchd.daemon.dispatch import Dispatcher
-from scratchd.ipc import wire
+from scratchd.daemon.frontend.acceptor import Acceptor
+from scratchd.daemon.frontend.connection import Connection
+from scratchd.daemon.frontend.dispatch import Dispatcher
 from scratchd.ipc.queue import Geometry, RequestQueue, Result, Status
+from scratchd.protocol import wire
 
 SLOTS = 64
 

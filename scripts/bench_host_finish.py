@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 import serve_load as sl
 
-from scratchd.kernels import _runs
-from scratchd.kernels.model import load_model
+from scratchd.cpu import _runs
 from scratchd.kernels.postprocess import finish_runs
 from scratchd.kernels.row_runs import row_runs_ref, unpack_runs
+from scratchd.model.scratchnet import load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

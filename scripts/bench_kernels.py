@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 from serve_report import markers, rewrite_section
 
-from scratchd.kernels.model import DEFAULT_PATH, ModelMeta, ScratchNet, load_model
-from scratchd.kernels.net import NetConfig, count_params, random_weights
+from scratchd.model.net import NetConfig, count_params, random_weights
+from scratchd.model.scratchnet import DEFAULT_PATH, ModelMeta, ScratchNet, load_model
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = [(1, 1024), (4, 1024), (16, 1024), (1, 256), (4, 256), (16, 256)]
@@ -164,7 +164,7 @@ def torch_pipeline(model: ScratchNet, channels_last: bool) -> tuple[Any, Callabl
     import torch
     import torch.nn.functional as F
 
-    from scratchd.kernels.torchnet import load_weights
+    from scratchd.model.torchnet import load_weights
 
     tnet = load_weights(model.weights, model.config).half().cuda().eval()
     if channels_last:
@@ -216,8 +216,8 @@ def bench_variants(
     (``SWEEP:HOIST``, see ``ds_block.dw_schedule``) and leave the fastest one set."""
     import cupy as cp
 
+    from scratchd.gpu.cuda_graph import CudaScratchNet
     from scratchd.kernels import ds_block as dsb
-    from scratchd.kernels.cuda_graph import CudaScratchNet
 
     rows: list[dict[str, Any]] = []
     specs = [v.split(":") for v in args.variants.split(",") if v]
@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import cupy as cp
     import torch
 
-    from scratchd.kernels.cuda_graph import CudaScratchNet
+    from scratchd.gpu.cuda_graph import CudaScratchNet
 
     torch.backends.cudnn.benchmark = True
     rng = np.random.default_rng(0)
@@ -401,7 +401,7 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
     if args.profile:
-        from scratchd.kernels.cuda_graph import CudaScratchNet
+        from scratchd.gpu.cuda_graph import CudaScratchNet
 
         CudaScratchNet(load_bench_model()[0]).graph(16, 1024, 1024)
         return

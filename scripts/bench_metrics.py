@@ -37,10 +37,10 @@ from typing import Any
 import numpy as np
 
 from scratchd.daemon.config import Config
-from scratchd.daemon.dispatch import InFlight
-from scratchd.daemon.observability import ModelReference, Observability
-from scratchd.ipc import wire
+from scratchd.daemon.frontend.dispatch import InFlight
+from scratchd.daemon.ops.observability import ModelReference, Observability
 from scratchd.ipc.queue import Completion, Handle, Result, Status
+from scratchd.protocol import wire
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,7 +130,7 @@ def main_process_cost(requests: int, rounds: int, model: str) -> dict[str, Any]:
     """
     import msgspec
 
-    from scratchd.client import Client
+    from scratchd.client.api import Client
 
     frame = np.random.default_rng(0).integers(0, 255, (64, 64), dtype=np.uint8)
     per_request: dict[str, list[float]] = {"on": [], "off": []}
@@ -177,7 +177,7 @@ def main_process_cost(requests: int, rounds: int, model: str) -> dict[str, Any]:
 
 
 def _wait_serving(sock: str) -> int:
-    from scratchd.client import Client
+    from scratchd.client.api import Client
 
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

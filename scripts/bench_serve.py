@@ -86,8 +86,8 @@ import serve_load as sl
 import uvloop
 from serve_report import print_table, record_markdown, rewrite_section
 
-from scratchd.client import Client
-from scratchd.ipc.wire import StatusReply
+from scratchd.client.api import Client
+from scratchd.protocol.wire import StatusReply
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data"

@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from scratchd.ipc.image import decode_image
-from scratchd.kernels.cuda_graph import BUCKETS, CudaScratchNet
-from scratchd.kernels.model import load_model
-from scratchd.kernels.serve_graph import ServeGraph
+from scratchd.gpu.cuda_graph import BUCKETS, CudaScratchNet
+from scratchd.gpu.serve_graph import ServeGraph
+from scratchd.model.scratchnet import load_model
+from scratchd.protocol.image import decode_image
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = 1024

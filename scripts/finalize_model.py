@@ -7,7 +7,7 @@
 The weights are unchanged. The ``val`` split of the shards is evaluated with the numpy
 forward and the new settings, and ``val_metrics`` in the metadata is replaced by the result
 (the settings were chosen on that split: a few scalars, no weights; the held-back data is
-the real test). Used to produce ``kernels/weights/scratchnet.npz`` from a training run.
+the real test). Used to produce ``model/weights/scratchnet.npz`` from a training run.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train import evaluate, load_split
 
-from scratchd.kernels.model import VIEWS, ScratchNet, load_model, save_model
+from scratchd.model.scratchnet import VIEWS, ScratchNet, load_model, save_model
 
 
 def main() -> None:

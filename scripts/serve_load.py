@@ -36,8 +36,8 @@ from typing import Any, Final
 import numpy as np
 from PIL import Image
 
-from scratchd.client import AsyncClient, ImageInput
-from scratchd.ipc.image import decode_image
+from scratchd.client.api import AsyncClient, ImageInput
+from scratchd.protocol.image import decode_image
 
 GRID: Final = 4
 """Frames are GRID x GRID mosaics of real images."""

@@ -38,12 +38,12 @@ import torch
 import torch.nn.functional as F
 
 from scratchd.dataset.shard import open_shards
-from scratchd.ipc.image import decode_image
-from scratchd.kernels.evaluate import Evaluation
-from scratchd.kernels.model import ModelMeta, ScratchNet, save_model
-from scratchd.kernels.net import NetConfig, count_params
 from scratchd.kernels.postprocess import intensity_histogram
-from scratchd.kernels.torchnet import TorchScratchNet, export_weights, full_logits
+from scratchd.model.evaluate import Evaluation
+from scratchd.model.net import NetConfig, count_params
+from scratchd.model.scratchnet import ModelMeta, ScratchNet, save_model
+from scratchd.model.torchnet import TorchScratchNet, export_weights, full_logits
+from scratchd.protocol.image import decode_image
 
 CROPS = (192, 224, 256)
 VERSION_PREFIX = "scratchnet-1"

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from scratchd.daemon.config import DEFAULT_CLASSES, DriftConfig
-from scratchd.daemon.metrics import Metrics
+from scratchd.daemon.ops.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "scratchd-rules.yml"

@@ -1,4 +1,4 @@
-"""The CPU backend: ScratchNet's numpy forward (``scratchd.kernels.model``) on uint8 frames.
+"""The CPU backend: ScratchNet's numpy forward (``scratchd.model.scratchnet``) on uint8 frames.
 
 The worker hands it the zero-copy input views of a claimed batch; it returns one queue
 ``Result`` per image, in order. One bad image must not fail its batch neighbours: if the
@@ -19,7 +19,7 @@ from typing import Final
 import numpy as np
 
 from scratchd.ipc.queue import Result
-from scratchd.kernels.model import Prediction, ScratchNet, load_model
+from scratchd.model.scratchnet import Prediction, ScratchNet, load_model
 from scratchd.workers.results import error_result, ok_result
 
 WARM_UP_SHAPE: Final = (64, 64)

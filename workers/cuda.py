@@ -105,9 +105,9 @@ class CudaBackend:
         arena_mb: int = 16384,
         views: Sequence[str] | None = None,  # config model.views; None: the model file's
     ) -> None:
+        from scratchd.gpu.cuda_graph import CudaScratchNet
         from scratchd.kernels import _cuda as cu
-        from scratchd.kernels.cuda_graph import CudaScratchNet
-        from scratchd.kernels.model import load_model
+        from scratchd.model.scratchnet import load_model
 
         self.boot_ms: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -176,7 +176,7 @@ class CudaBackend:
     def _open_arena(self, want: int, reserve: int) -> Any:
         """One arena for all of this worker's device memory, sized by NVML's free memory
         now (v2) less the reserve, at most ``want`` bytes; CuPy allocates from it."""
-        from scratchd.kernels.arena import DeviceArena
+        from scratchd.gpu.arena import DeviceArena
 
         free = free_bytes(self.nvml)
         size = min(want, free - reserve)
@@ -191,7 +191,7 @@ class CudaBackend:
         return arena
 
     def fragmentation_ratio(self) -> float:
-        """The arena's ``(free − largest free block) / total`` (kernels/arena.py)."""
+        """The arena's ``(free − largest free block) / total`` (gpu/arena.py)."""
         return float(self.arena.fragmentation_ratio())
 
     def register_host(self, region: np.ndarray) -> None:
@@ -428,7 +428,7 @@ class CudaBackend:
         return cost
 
     def _capture(self, bucket: int, size: tuple[int, int]) -> Any:
-        from scratchd.kernels.serve_graph import ServeGraph
+        from scratchd.gpu.serve_graph import ServeGraph
 
         try:
             g = ServeGraph(self.net, bucket, size[0], size[1], n_inputs=2)

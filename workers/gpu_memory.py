@@ -2,7 +2,7 @@
 
 Batch size (issue 5, item 2) is the smallest of: what is ready, ``max_batch``, and what the
 card's free memory allows. The device memory a batch needs is held by its captured serving
-graph (``kernels/serve_graph.py``): every buffer is allocated when the graph is captured and
+graph (``gpu/serve_graph.py``): every buffer is allocated when the graph is captured and
 reused by every replay, so serving itself never allocates. Memory is therefore decided when a
 graph is captured, and :class:`BatchSizer` decides it from a ``free`` function::
 

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from scratchd.client import Client
+from scratchd.client.api import Client
 from scratchd.daemon.app import queue_name
-from scratchd.ipc.wire import StatusReply
+from scratchd.protocol.wire import StatusReply
 
 SERVE = [sys.executable, "-c", "from scratchd.daemon.cli import main; main()", "serve"]
 

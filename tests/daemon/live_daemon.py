@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from scratchd.client import Client
+from scratchd.client.api import Client
 from scratchd.daemon.log import parse_line
-from scratchd.ipc import wire
-from scratchd.ipc.image import decode_image
+from scratchd.protocol import wire
+from scratchd.protocol.image import decode_image
 
 BOOT_TIMEOUT_S = 90.0
 MODEL_PATH = os.environ.get("SCRATCHD_TEST_MODEL", "")
@@ -234,7 +234,7 @@ def real_crops(data_dir: Path, count: int, size: int = 64) -> list[np.ndarray]:
 
 def expected_predictions(images: list[tuple[Path, bytes]]) -> list[tuple[str, float]]:
     """(verdict, score) of the shipped model for each image, computed in this process."""
-    from scratchd.kernels.model import load_model
+    from scratchd.model.scratchnet import load_model
 
     model = load_model(MODEL_PATH or None)
     preds = model.predict([decode_image(data) for _, data in images])

@@ -16,9 +16,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from scratchd.client import Client, build_request
-from scratchd.ipc import wire
-from scratchd.ipc.image import decode_image
+from scratchd.client.api import Client, build_request
+from scratchd.protocol import wire
+from scratchd.protocol.image import decode_image
 
 from .harness import DaemonProcess
 

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from scratchd.daemon.cli import main
-from scratchd.ipc.image import decode_image
+from scratchd.protocol.image import decode_image
 
 from .harness import SERVE, DaemonProcess
 

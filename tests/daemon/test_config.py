@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from scratchd.daemon.config import DEFAULT_SOCKET, ConfigError, load_config, socket_path
+from scratchd.daemon.config import ConfigError, load_config
+from scratchd.protocol.defaults import DEFAULT_SOCKET, socket_path
 
 SKELETON = """
 [server]

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from scratchd.dataset.shard import BuildReport, build_shards, check_shards, open_shards
-from scratchd.ipc.image import decode_image
+from scratchd.protocol.image import decode_image
 
 
 def save(path: Path, array: np.ndarray, fmt: str) -> bytes:

@@ -18,8 +18,8 @@ from scratchd.kernels.ds_split import (
     split_shape_ok,
     tiled_shape_ok,
 )
-from scratchd.kernels.model import load_model
-from scratchd.kernels.net import NetConfig, block_plan
+from scratchd.model.net import NetConfig, block_plan
+from scratchd.model.scratchnet import load_model
 
 from .cuda_helpers import assert_close, block_data, cupy, dev, fresh_rng, half, poisoned
 
@@ -233,8 +233,8 @@ def test_the_shipped_forward_gives_the_same_bits_split_or_fused(
     depthwise output would pass the int32 indexing limit there (it stays fused; the default
     paths split no block whose scratch is larger than the stem's output, which the limit
     refuses first): logits and probabilities agree bit for bit."""
+    from scratchd.gpu.cuda_graph import CudaScratchNet
     from scratchd.kernels import _cuda as cu
-    from scratchd.kernels.cuda_graph import CudaScratchNet
 
     model = load_model()
     rng, seed = fresh_rng()

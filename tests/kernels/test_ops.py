@@ -9,13 +9,13 @@ import torch.nn.functional as F
 
 from scratchd.kernels.conv3x3 import conv3x3_ref
 from scratchd.kernels.dwconv3x3 import dwconv3x3_ref
-from scratchd.kernels.fold_bn import fold_bn_ref
 from scratchd.kernels.normalize_pad import normalize_pad_ref
 from scratchd.kernels.prob_head import prob_head_ref
 from scratchd.kernels.pwconv import pwconv_ref
 from scratchd.kernels.sigmoid import sigmoid_ref
 from scratchd.kernels.upsample_bilinear2x import upsample_bilinear2x_ref
 from scratchd.kernels.upsample_concat import upsample_concat_ref
+from scratchd.model.fold_bn import fold_bn_ref
 
 SHAPES = [(1, 1, 1, 1), (2, 7, 5, 3), (1, 13, 17, 8), (3, 16, 9, 5)]
 

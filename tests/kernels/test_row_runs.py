@@ -13,9 +13,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from scratchd.ipc.image import decode_image
 from scratchd.kernels.postprocess import finish_runs, postprocess
 from scratchd.kernels.row_runs import row_runs_ref, unpack_runs
+from scratchd.protocol.image import decode_image
 
 from .cuda_helpers import cupy, fresh_rng
 

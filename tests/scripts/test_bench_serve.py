@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from PIL import Image
 
-from scratchd.ipc.image import decode_image
+from scratchd.protocol.image import decode_image
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
@@ -141,7 +141,7 @@ def test_workers_are_killed_under_the_highest_rate_that_held() -> None:
 
 
 def _status(backend: str, workers: list[tuple[str, str, int]], spares: list[str]) -> Any:
-    from scratchd.ipc.wire import QueueStatus, StatusReply, WorkerStatus
+    from scratchd.protocol.wire import QueueStatus, StatusReply, WorkerStatus
 
     def worker(i: int, name: str, state: str, restarts: int) -> WorkerStatus:
         return WorkerStatus(

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scratchd.ipc.image import decode_image
 from scratchd.ipc.queue import Status
-from scratchd.kernels.model import load_model
+from scratchd.model.scratchnet import load_model
+from scratchd.protocol.image import decode_image
 from scratchd.workers.cpu import CpuBackend
 
 MODEL = os.environ.get("SCRATCHD_TEST_MODEL") or None

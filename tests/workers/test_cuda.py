@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scratchd.ipc.image import decode_image
 from scratchd.ipc.queue import Geometry, RequestQueue, Result, Status
+from scratchd.protocol.image import decode_image
 from scratchd.workers.cuda import REMEASURE_S
 
 pytestmark = pytest.mark.gpu
@@ -201,7 +201,7 @@ def test_batch_limit_follows_the_memory_the_card_lets_us_have(gpu, data_dir: Pat
 
 
 def test_killed_gpu_worker_is_replaced_and_nothing_is_lost(data_dir: Path) -> None:
-    from scratchd.client import Client
+    from scratchd.client.api import Client
     from tests.daemon.harness import DaemonProcess
 
     frames = real_frames(data_dir, 4)

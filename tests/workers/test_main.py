@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scratchd.ipc.image import decode_image
 from scratchd.ipc.queue import Completion, Geometry, RequestQueue, Status
-from scratchd.kernels.model import load_model
+from scratchd.model.scratchnet import load_model
+from scratchd.protocol.image import decode_image
 from scratchd.workers.protocol import ExitCode, WorkerSpec, parse_ready
 
 MODEL = os.environ.get("SCRATCHD_TEST_MODEL", "")

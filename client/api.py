@@ -1,0 +1,347 @@
+"""The Python client of the scratchd daemon (``scratchd.client``), sync and asyncio.
+
+This is what ``scratchd infer`` / ``scratchd status`` use and what a PLC gateway imports::
+
+    from scratchd.client import Client
+    with Client("/run/scratchd/scratchd.sock") as client:
+        reply = client.infer("part-0042.png", part_class="safety", want_mask=True)
+        if reply.status == "ok":
+            print(reply.verdict, reply.score, reply.boxes)
+
+    async with await AsyncClient.connect() as client:          # pipelined: many in flight
+        replies = await asyncio.gather(*(client.infer(p) for p in paths))
+
+An image is a path (its bytes are sent encoded: PNG, BMP or JPEG), encoded ``bytes``, or a
+uint8 numpy array ``(H, W)`` (grey) or ``(H, W, 3)`` (RGB) sent raw. Replies are
+``scratchd.protocol.wire.Reply``; ``unpack_mask(reply)`` gives the mask as a 0/255 array.
+Failures of the daemon are replies with a status, not exceptions; a lost connection raises
+``ConnectionError`` for every request still in flight.
+
+An array's pixels are copied once on their way to the socket: ``request_frame`` encodes them
+straight from the array into the frame (a view of the array stands for ``pixels``, which
+msgpack encodes as the same bin as the ``bytes`` would be), instead of ``tobytes`` and then a
+zero-filled frame buffer and a second copy into it; the bytes sent are the same as
+``wire.encode_frame(build_request(...))``'s. A connection also reuses its last frame's buffer
+for the next one once the socket has taken all of it (``Client``: always; ``AsyncClient``:
+when the transport kept none of it, so it holds no reference): a fresh megabyte buffer a
+request costs its page faults again whenever malloc has handed the last one back to the
+kernel, ~130 faults and ~0.3 ms of CPU a 1 MiB request in ``bench_serve``'s client
+(``docs/bench/frontend.json``, ``client``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import socket
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Final, cast
+
+import msgspec
+import numpy as np
+
+from scratchd.protocol import wire
+from scratchd.protocol.defaults import socket_path
+from scratchd.protocol.wire import Reply, StatusReply, unpack_mask
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "ImageInput",
+    "Reply",
+    "StatusReply",
+    "build_request",
+    "request_frame",
+    "unpack_mask",
+]
+
+ImageInput = str | os.PathLike[str] | bytes | np.ndarray
+MAX_REPLY_BYTES: Final = 256 * 1024 * 1024
+SEND_BUFFER_BYTES: Final = 4 * 1024 * 1024
+
+
+def build_request(
+    request_id: int,
+    image: ImageInput,
+    *,
+    part_class: str | None = None,
+    priority: int | None = None,
+    deadline_ms: int | None = None,
+    want_mask: bool = False,
+) -> wire.InferRequest:
+    """The wire request for ``image`` (see the module docstring for accepted inputs)."""
+    request = _request(request_id, image, part_class, priority, deadline_ms, want_mask)
+    if isinstance(request.pixels, memoryview):
+        return msgspec.structs.replace(request, pixels=request.pixels.tobytes())
+    return request
+
+
+def request_frame(
+    request_id: int,
+    image: ImageInput,
+    *,
+    part_class: str | None = None,
+    priority: int | None = None,
+    deadline_ms: int | None = None,
+    want_mask: bool = False,
+    into: bytearray | None = None,
+) -> bytearray:
+    """``wire.encode_frame(build_request(...))``'s bytes, an array's pixels copied only once:
+    from the array into the frame, which grows as msgpack is written (not zero-filled).
+    ``into``: a buffer to write the frame into (its contents replaced), else a new one."""
+    request = _request(request_id, image, part_class, priority, deadline_ms, want_mask)
+    return wire.encode_frame_into(request, bytearray(wire.PREFIX_BYTES) if into is None else into)
+
+
+def _request(
+    request_id: int,
+    image: ImageInput,
+    part_class: str | None,
+    priority: int | None,
+    deadline_ms: int | None,
+    want_mask: bool,
+) -> wire.InferRequest:
+    """The request, an array's ``pixels`` a flat view of it (msgpack: the same bin)."""
+    common = {
+        "id": request_id,
+        "part_class": part_class or "normal",
+        "priority": priority,
+        "deadline_ms": deadline_ms,
+        "want_mask": want_mask,
+    }
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim not in (2, 3):
+            raise ValueError(f"expected uint8 (H, W) or (H, W, 3), got {image.dtype} {image.shape}")
+        channels = 1 if image.ndim == 2 else image.shape[2]
+        view = np.ascontiguousarray(image).data.cast("B")
+        return wire.InferRequest(
+            pixels=cast(bytes, view),  # encoded from the buffer as is; never decoded
+            height=image.shape[0],
+            width=image.shape[1],
+            channels=channels,
+            **common,  # type: ignore[arg-type]
+        )
+    data = image if isinstance(image, bytes) else Path(image).read_bytes()
+    return wire.InferRequest(encoded=data, **common)  # type: ignore[arg-type]
+
+
+def _widen_send_buffer(sock: socket.socket | None) -> None:
+    """Let a whole 1 MiB frame sit in the daemon's receive queue (the kernel caps this at
+    ``net.core.wmem_max``): the daemon then reads a frame in one or two ``recv`` calls
+    instead of one per ~200 KiB (the default send buffer), and wakes up that much less."""
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+
+
+class AsyncClient:
+    """A pipelined asyncio connection: any number of ``infer`` calls may be awaited at once."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._ids = itertools.count(1)
+        self._spare: bytearray | None = None  # the last frame, all of it sent: reused
+        self._waiting: dict[int, asyncio.Future[wire.DaemonMessage]] = {}
+        self._receiver = asyncio.get_running_loop().create_task(self._receive())
+
+    @classmethod
+    async def connect(cls, path: str | None = None) -> AsyncClient:
+        """Connect to ``path`` (default: ``SCRATCHD_SOCKET``, else the standard socket)."""
+        reader, writer = await asyncio.open_unix_connection(
+            socket_path(path), limit=MAX_REPLY_BYTES
+        )
+        _widen_send_buffer(writer.get_extra_info("socket"))
+        return cls(reader, writer)
+
+    async def infer(
+        self,
+        image: ImageInput,
+        *,
+        part_class: str | None = None,
+        priority: int | None = None,
+        deadline_ms: int | None = None,
+        want_mask: bool = False,
+    ) -> Reply:
+        request_id = next(self._ids)
+        frame = request_frame(
+            request_id,
+            image,
+            part_class=part_class,
+            priority=priority,
+            deadline_ms=deadline_ms,
+            want_mask=want_mask,
+            into=self._spare,
+        )
+        self._spare = None
+        reply = await self._call(request_id, frame, reuse=True)
+        if not isinstance(reply, Reply):
+            raise ConnectionError(f"daemon answered request {request_id} with {type(reply)}")
+        return reply
+
+    async def status(self) -> StatusReply:
+        request_id = next(self._ids)
+        reply = await self._call(request_id, wire.encode_frame(wire.StatusRequest(id=request_id)))
+        if not isinstance(reply, StatusReply):
+            raise ConnectionError(f"daemon answered a status request with {type(reply)}")
+        return reply
+
+    async def _call(
+        self, request_id: int, frame: bytearray, reuse: bool = False
+    ) -> wire.DaemonMessage:
+        if self._receiver.done():
+            raise ConnectionError("connection to scratchd is closed")
+        future: asyncio.Future[wire.DaemonMessage] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = future
+        try:
+            self._writer.write(frame)
+            if reuse and self._writer.transport.get_write_buffer_size() == 0:
+                self._spare = frame  # the socket took it all: the transport keeps no reference
+            await self._writer.drain()
+            return await future
+        finally:
+            self._waiting.pop(request_id, None)
+
+    async def _receive(self) -> None:
+        error: BaseException = ConnectionError("scratchd closed the connection")
+        try:
+            while True:
+                prefix = await self._reader.readexactly(wire.PREFIX_BYTES)
+                body = await self._reader.readexactly(wire.frame_length(prefix))
+                message = wire.decode_daemon_message(body)
+                future = self._waiting.get(message.id)
+                if future is not None and not future.done():
+                    future.set_result(message)
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            error = ConnectionError(f"connection to scratchd lost: {exc}")
+        except wire.DecodeError as exc:
+            error = ConnectionError(f"scratchd sent an undecodable reply: {exc}")
+        finally:
+            for future in self._waiting.values():
+                if not future.done():
+                    future.set_exception(error)
+
+    async def close(self) -> None:
+        self._writer.close()
+        with contextlib.suppress(OSError):
+            await self._writer.wait_closed()
+        self._receiver.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._receiver
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+
+class Client:
+    """A blocking connection. ``infer`` is one round trip; ``map`` pipelines many."""
+
+    def __init__(self, path: str | None = None, timeout: float | None = None) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        self._sock.connect(socket_path(path))
+        _widen_send_buffer(self._sock)
+        self._ids = itertools.count(1)
+        self._spare: bytearray | None = None  # the last frame (sendall sent it): reused
+        self._early: dict[int, wire.DaemonMessage] = {}
+
+    def infer(
+        self,
+        image: ImageInput,
+        *,
+        part_class: str | None = None,
+        priority: int | None = None,
+        deadline_ms: int | None = None,
+        want_mask: bool = False,
+    ) -> Reply:
+        request_id = self._send(
+            image,
+            part_class=part_class,
+            priority=priority,
+            deadline_ms=deadline_ms,
+            want_mask=want_mask,
+        )
+        reply = self._receive_for(request_id)
+        assert isinstance(reply, Reply)
+        return reply
+
+    def map(
+        self, images: Iterable[ImageInput], *, concurrency: int = 8, **options: object
+    ) -> Iterator[tuple[int, Reply]]:
+        """Send ``images`` with up to ``concurrency`` in flight; yields ``(index, reply)``
+        in completion order. ``options`` are ``infer``'s keyword arguments."""
+        in_flight: dict[int, int] = {}
+        for index, image in enumerate(images):
+            in_flight[self._send(image, **options)] = index
+            while len(in_flight) >= concurrency:
+                yield self._collect_one(in_flight)
+        while in_flight:
+            yield self._collect_one(in_flight)
+
+    def _send(self, image: ImageInput, **options: object) -> int:
+        """Send ``image``'s request (``options``: ``infer``'s keyword arguments) in the last
+        frame's buffer, which ``sendall`` has sent all of; returns the request's id."""
+        request_id = next(self._ids)
+        frame = request_frame(request_id, image, into=self._spare, **options)  # type: ignore[arg-type]
+        self._sock.sendall(frame)
+        self._spare = frame
+        return request_id
+
+    def _collect_one(self, in_flight: dict[int, int]) -> tuple[int, Reply]:
+        while True:
+            message = self._read_message()
+            if message.id in in_flight and isinstance(message, Reply):
+                return in_flight.pop(message.id), message
+
+    def status(self) -> StatusReply:
+        request_id = next(self._ids)
+        self._sock.sendall(wire.encode_frame(wire.StatusRequest(id=request_id)))
+        reply = self._receive_for(request_id)
+        assert isinstance(reply, StatusReply)
+        return reply
+
+    def _receive_for(self, request_id: int) -> wire.DaemonMessage:
+        if request_id in self._early:
+            return self._early.pop(request_id)
+        while True:
+            message = self._read_message()
+            if message.id == request_id:
+                return message
+            self._early[message.id] = message
+
+    def _read_message(self) -> wire.DaemonMessage:
+        length = wire.frame_length(self._read_exactly(wire.PREFIX_BYTES))
+        if length > MAX_REPLY_BYTES:
+            raise ConnectionError(f"reply frame of {length} bytes is larger than any reply")
+        return wire.decode_daemon_message(self._read_exactly(length))
+
+    def _read_exactly(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self._sock.recv_into(view[got:])
+            if k == 0:
+                raise ConnectionError("scratchd closed the connection")
+            got += k
+        return buf  # msgspec decodes from it as it is: no copy to bytes
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

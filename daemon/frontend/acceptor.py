@@ -1,0 +1,428 @@
+"""The acceptor: the daemon's Unix socket; each client connection is a ``Connection``
+protocol (``daemon/frontend/connection.py``) that reads frames straight into reused buffers.
+
+Per frame (see ``scratchd.protocol.wire`` for the format), in this order:
+
+1. the 4-byte length is checked against the frame cap *before* the body is read
+   (cap = 3 x ``slot_bytes`` for raw RGB + 64 KiB); an oversized frame gets one ``invalid``
+   reply (id 0: its body is never read) and the connection is closed, since the stream can
+   no longer be trusted; so is a body that does not arrive within ``frame_timeout_ms``;
+2. typed msgpack decode (``wire.decode_client_frame``: raw pixels stay a view of the
+   received frame); a body that fails it is answered ``invalid`` with msgspec's reason
+   (addressed to the body's ``id`` when one can be read) and the connection carries on;
+3. resolve the part class (``daemon/frontend/admission.py``) and check the image's declared size
+   (``invalid`` with a reason; ``daemon/frontend/images.py``);
+4. ``reserve()`` a descriptor; none free → ``overloaded`` at once (backpressure);
+5. write the image into the reserved payload slot as raw greyscale: raw grey pixels are copied
+   on the loop, from the frame's buffer (one memcpy: the only copy the daemon makes of
+   them); encoded images (PNG/BMP/JPEG, ``decode_image``) and raw RGB (copied out of the
+   frame first: the buffer is reused by the next frame) are converted in a thread pool
+   straight into the slot, never on the loop;
+6. ``submit()`` and record the request in the dispatcher's in-flight table.
+
+Large raw frames skip the copy of step 5: the connection asks for a slot (``lend_slot``) as
+soon as it has read where the frame's pixels lie, and the kernel writes them straight into
+it (those that arrived in the connection's head with the frame's start, up to ``HEAD_BYTES``,
+are copied from there once); the frame then arrives through ``slot_frame`` with steps 1-6
+as above, 4 already done (and, for raw grey, 5). Lending cannot change this frame's reply:
+no slot is lent when draining, nor to a connection at its in-flight limit, nor for more
+pixels than a slot holds (the frame then takes the usual path, which answers as before).
+With ``[server] receive_threads`` > 0 the kernel's copy into the slot runs in this acceptor's
+receive threads (``daemon/frontend/receiver.py``), not on the loop's thread.
+While lent (at most ``lend_limit`` = ``max(1, slots // 4)`` at once, each for up to
+``frame_timeout_ms``) a slot is not available to other frames, which may be answered
+``queue full`` sooner; so a slot is lent only while more than ``lend_limit`` are free, and
+clients that stall mid-frame cannot take the last free slots from complete frames.
+
+No slot leaks: a reserved descriptor is either submitted or released on every path
+(a decode failure, any exception, the client having left meanwhile); a lent one is the
+connection's until its frame is whole (``daemon/frontend/connection.py``), then this module's.
+Decode tasks are never cancelled: a thread may still be writing into the slot, so the slot
+is released only after the thread is done. When a client disconnects,
+``abandon_connection`` hands the queue the rest: queued requests are freed, claimed ones
+when their worker finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Final
+
+import msgspec
+
+from scratchd.daemon.config import Config
+from scratchd.daemon.frontend import raw_frames
+from scratchd.daemon.frontend.access import AccessGate, AccessPolicy
+from scratchd.daemon.frontend.admission import Admission, PartClasses, Refused
+from scratchd.daemon.frontend.connection import BufferPool, Connection, SlotLoan
+from scratchd.daemon.frontend.dispatch import Dispatcher, InFlight
+from scratchd.daemon.frontend.images import (
+    Invalid,
+    check_image,
+    convert_into,
+    write_raw_grey,
+)
+from scratchd.daemon.frontend.receiver import ReceivePool
+from scratchd.daemon.log import log_event
+from scratchd.ipc.queue import Handle, RequestQueue
+from scratchd.protocol import wire
+from scratchd.protocol.image import ImageError
+
+__all__ = [
+    "Acceptor",
+    "Admission",
+    "Connection",
+    "Invalid",
+    "check_image",
+    "convert_into",
+]
+
+MS: Final = 1_000_000
+DECODE_THREADS: Final = 2
+
+
+class Acceptor:
+    """Accepts connections and turns frames into queued requests or immediate replies.
+
+    ``status`` builds the reply to a status request; ``draining`` (set by the daemon on
+    SIGTERM) makes new inference requests get ``overloaded`` while accepted ones finish.
+    It is every connection's ``FrameHandler`` (``daemon/frontend/connection.py``).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        queue: RequestQueue,
+        dispatcher: Dispatcher,
+        status: Callable[[int], wire.StatusReply],
+    ) -> None:
+        self.config = config
+        self.queue = queue
+        self.dispatcher = dispatcher
+        self.status = status
+        self.draining = False
+        self.max_frame = 3 * config.queue.slot_bytes + wire.MAX_FRAME_OVERHEAD
+        self.frame_timeout_s = config.server.frame_timeout_ms / 1000.0
+        self.pool = BufferPool()
+        threads = config.server.receive_threads
+        self.receiver = ReceivePool(threads) if threads else None
+        self.lent = 0  # payload slots lent to connections receiving pixels into them
+        self.lend_limit = max(1, config.queue.slots // 4)
+        self.connections: dict[int, Connection] = {}
+        self.classes = PartClasses(config)
+        self.gate = AccessGate.from_config(config.server.allowed_uids, config.server.allowed_gids)
+        self._ids = itertools.count(1)
+        self._decoding: set[asyncio.Task[None]] = set()
+        self._lingering: set[asyncio.Task[None]] = set()
+        self._pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="scratchd-decode")
+        self._server: asyncio.AbstractServer | None = None
+        self._path: str | None = None
+
+    # ---- the listening socket ---------------------------------------------------------
+
+    async def listen(self, path: str, sock: socket.socket | None = None) -> None:
+        """Listen on ``path`` (or on an inherited, already-bound ``sock``)."""
+        loop = asyncio.get_running_loop()
+
+        def connection() -> Connection:
+            return Connection(next(self._ids), self)
+
+        if sock is None:
+            _clear_stale_socket(path)
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._server = await loop.create_unix_server(connection, path=path)
+            os.chmod(path, self.config.server.socket_mode)
+            self._path = path
+        else:
+            self._server = await loop.create_unix_server(connection, sock=sock)
+
+    def stop_listening(self) -> None:
+        """Stop accepting connections; the socket file goes (established ones stay)."""
+        if self._server is not None:
+            self._server.close()
+        if self._path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path)
+            self._path = None
+
+    async def wait_for_decodes(self) -> None:
+        """Until every image conversion in progress has submitted or released its slot."""
+        while self._decoding:
+            await asyncio.wait(list(self._decoding))
+
+    async def close_connections(self) -> None:
+        """Wait for running decodes, then flush and close every connection (which cancels its
+        receive thread's job), and wait for the receive threads to give their slots back."""
+        await self.wait_for_decodes()
+        conns = list(self.connections.values())
+        for conn in conns:
+            conn.close()
+        for conn in conns:
+            await conn.wait_closed(1.0)
+        if self.receiver is not None:
+            await self.receiver.wait_idle()
+            self.receiver.shutdown()
+        self._pool.shutdown(wait=True)
+
+    # ---- one connection (FrameHandler) ------------------------------------------------
+
+    def opened(self, conn: Connection) -> str | None:
+        """Register ``conn``; None to serve it, else why it is refused (not on the
+        allow-list, or one connection too many)."""
+        self.connections[conn.id] = conn
+        refusal = self.gate.admit(conn.socket())
+        if refusal is None:
+            limit = self.config.server.max_connections
+            refusal = self.gate.over_capacity(len(self.connections), limit)
+        return refusal
+
+    def refused(self, conn: Connection, reader: asyncio.StreamReader) -> None:
+        """After the refusal reply: let the peer's first request arrive (``linger``),
+        then close."""
+        assert conn.transport is not None
+        loop = asyncio.get_running_loop()
+        writer = asyncio.StreamWriter(conn.transport, conn, reader, loop)
+
+        async def linger() -> None:
+            try:
+                await self.gate.linger(reader, writer)
+            finally:
+                conn.close()
+
+        task = loop.create_task(linger())
+        self._lingering.add(task)
+        task.add_done_callback(self._lingering.discard)
+
+    def oversized(self, conn: Connection, length: int) -> None:
+        self._close_stream(conn, f"frame of {length} bytes exceeds the limit of {self.max_frame}")
+
+    def stalled(self, conn: Connection, length: int) -> None:
+        timeout_ms = self.config.server.frame_timeout_ms
+        self._close_stream(
+            conn, f"frame body of {length} bytes not received within {timeout_ms} ms"
+        )
+
+    def _close_stream(self, conn: Connection, reason: str) -> None:
+        """A stream that can no longer be trusted: one ``invalid`` reply (id 0), then close."""
+        flight = InFlight(conn, 0, "unknown", 0, time.monotonic_ns())
+        self.dispatcher.reject(flight, "invalid", reason + "; closing the connection")
+        conn.close()
+
+    def closed(self, conn: Connection) -> None:
+        """The client left (or was closed): drop its requests from the books."""
+        self.connections.pop(conn.id, None)
+        self.dispatcher.forget_connection(conn)
+        self.queue.abandon_connection(conn.id)
+
+    def frame(self, conn: Connection, body: memoryview, received_ns: int) -> None:
+        try:
+            self.handle_frame(conn, body, received_ns)
+        except Exception as exc:
+            self._answer_bug(conn, wire.salvage_request_id(body), received_ns, exc)
+
+    def _answer_bug(
+        self, conn: Connection, request_id: int, received_ns: int, exc: Exception
+    ) -> None:
+        """A bug must cost one reply, not the connection: logged, answered ``error``."""
+        log_event("request_failed", logging.ERROR, error=repr(exc))
+        flight = InFlight(conn, request_id, "unknown", 0, received_ns)
+        self.dispatcher.reject(flight, "error", f"internal error: {exc}")
+
+    def lend_slot(self, conn: Connection, nbytes: int) -> SlotLoan | None:
+        """A slot for ``nbytes`` of raw pixels about to arrive on ``conn``, while lending one
+        cannot change the frame's reply and leaves ``lend_limit`` slots free (module
+        docstring); else None."""
+        if self.lent >= self.lend_limit or self._refusal_at_door(conn) is not None:
+            return None
+        if not 0 < nbytes <= self.config.queue.slot_bytes:
+            return None
+        if self.queue.free_count() <= self.lend_limit:
+            return None  # scarce: the last free slots go to frames already whole
+        handle = self.queue.reserve()
+        if handle is None:
+            return None
+        self.lent += 1
+        return SlotLoan(handle, self.queue.payload(handle)[:nbytes])
+
+    def return_slot(self, loan: SlotLoan) -> None:
+        self.lent -= 1
+        self.queue.release(loan.handle)
+
+    def slot_frame(
+        self, conn: Connection, body: memoryview, loan: SlotLoan, received_ns: int
+    ) -> bool:
+        """A frame whose pixels arrived in ``loan``'s slot and ``body`` is the rest (see
+        ``raw_frames.hide_pixels``). False, touching nothing, unless it is an inference request
+        whose only ``pixels`` are those; else handled as ``frame`` would, the slot with it."""
+        try:
+            message = raw_frames.decode_without_pixels(body)
+            if message is None:
+                return False
+            request = msgspec.structs.replace(message, pixels=loan.view)
+        except Exception:  # the frame path decodes the body as sent, for the same reason
+            return False
+        self.lent -= 1  # the slot is _admit's now: submitted or released there
+        try:
+            self._admit(conn, request, received_ns, loan.handle)
+        except Exception as exc:
+            self._answer_bug(conn, request.id, received_ns, exc)
+        return True
+
+    def handle_frame(self, conn: Connection, body: memoryview | bytes, received_ns: int) -> None:
+        try:
+            message = wire.decode_client_frame(body)
+        except wire.DecodeError as exc:
+            flight = InFlight(conn, wire.salvage_request_id(body), "unknown", 0, received_ns)
+            self.dispatcher.reject(flight, "invalid", f"malformed request: {exc}")
+            return
+        if isinstance(message, wire.StatusRequest):
+            conn.send(self.status(message.id))
+            return
+        self._admit(conn, message, received_ns, None)
+
+    def _admit(
+        self, conn: Connection, request: wire.InferFrame, received_ns: int, lent: Handle | None
+    ) -> None:
+        """Queue ``request`` or answer it. ``lent``: the slot its pixels were received into
+        (``request.pixels`` is a view of it); submitted or released here, whatever happens."""
+        flight = InFlight(conn, request.id, "unknown", 0, received_ns, request.want_mask)
+        try:
+            admission = self._admission(request, flight)
+        except BaseException as exc:
+            if lent is not None:  # refused or whatever went wrong, a lent slot goes back
+                self.queue.release(lent)
+            if not isinstance(exc, Refused):
+                raise
+            self.dispatcher.reject(flight, exc.status, str(exc))
+            return
+        handle = self.queue.reserve() if lent is None else lent
+        if handle is None:
+            slots = self.config.queue.slots
+            self.dispatcher.reject(flight, "overloaded", f"queue full: all {slots} slots in use")
+            return
+        flight.handle = handle
+        flight.deadline_ns = received_ns + admission.deadline_ms * MS
+        try:
+            if request.encoded is None and request.channels == 1:
+                if lent is None:
+                    shape = write_raw_grey(self.queue.payload(handle), request)
+                else:  # received in place
+                    shape = request.height, request.width
+                self._submit(flight, admission, shape)
+                return
+            if request.pixels is not None:  # raw RGB: off the frame buffer (or slot) it is in
+                request = msgspec.structs.replace(request, pixels=memoryview(bytes(request.pixels)))
+        except Exception as exc:  # not published: the slot is still ours to give back
+            self.queue.release(handle)
+            self.dispatcher.reject(flight, "error", f"could not queue the request: {exc}")
+            return
+        self._start_conversion(flight, admission, request)  # its task releases the slot now
+
+    def _start_conversion(
+        self, flight: InFlight, admission: Admission, request: wire.InferFrame
+    ) -> None:
+        """Convert an encoded or raw RGB image (its pixels already copied off the frame) into
+        its slot in the decode pool, then submit."""
+        task = asyncio.get_running_loop().create_task(
+            self._convert_and_submit(flight, admission, request)
+        )
+        self._decoding.add(task)
+        task.add_done_callback(self._decoding.discard)
+        flight.conn.converting += 1
+        task.add_done_callback(flight.conn.converted)
+
+    def _admission(self, request: wire.InferFrame, flight: InFlight) -> Admission:
+        """Where ``request`` goes, or ``Refused``: in this order, an invalid class or image,
+        a draining daemon, the connection's in-flight limit."""
+        try:
+            admission = self.classes.classify(request)
+            flight.part_class, flight.priority = admission.class_name, admission.priority
+            check_image(request, self.config.queue.slot_bytes)
+        except Invalid as exc:
+            raise Refused("invalid", str(exc)) from None
+        refusal = self._refusal_at_door(flight.conn)
+        if refusal is not None:
+            raise refusal
+        return admission
+
+    def _refusal_at_door(self, conn: Connection) -> Refused | None:
+        """Why any inference request arriving on ``conn`` now is refused, whatever it holds:
+        in this order, a draining daemon, the connection's in-flight limit; else None."""
+        if self.draining:
+            return Refused("overloaded", "daemon is shutting down")
+        limit = self.config.server.max_in_flight_per_connection
+        if conn.in_flight() >= limit:
+            reason = f"{limit} requests already in flight on this connection (limit per connection)"
+            return Refused("overloaded", reason)
+        return None
+
+    async def _convert_and_submit(
+        self, flight: InFlight, admission: Admission, request: wire.InferFrame
+    ) -> None:
+        assert flight.handle is not None
+        handle, submitted = flight.handle, False
+        try:
+            payload = self.queue.payload(handle)
+            loop = asyncio.get_running_loop()
+            shape = await loop.run_in_executor(self._pool, convert_into, payload, request)
+            if not flight.conn.closed:
+                self._submit(flight, admission, shape)
+                submitted = True
+        except ImageError as exc:
+            self.dispatcher.reject(flight, "invalid", str(exc))
+        except Exception as exc:
+            self.dispatcher.reject(flight, "error", f"image conversion failed: {exc}")
+        finally:
+            if not submitted:
+                self.queue.release(handle)
+
+    def _submit(self, flight: InFlight, admission: Admission, shape: tuple[int, int]) -> None:
+        assert flight.handle is not None
+        self.queue.submit(
+            flight.handle,
+            request_id=flight.request_id,
+            conn_id=flight.conn.id,
+            priority=admission.priority,
+            part_class=admission.class_index,
+            deadline_ns=flight.deadline_ns,
+            height=shape[0],
+            width=shape[1],
+            want_mask=flight.want_mask,
+        )
+        self.dispatcher.enqueued(flight)
+
+    def reconfigure(self, config: Config) -> None:
+        """Take a reloaded configuration (classes, allow-list, in-flight limit); the socket
+        and the queue geometry do not change while running."""
+        self.config = config
+        self.classes = PartClasses(config)
+        self.gate.policy = AccessPolicy.from_lists(
+            config.server.allowed_uids, config.server.allowed_gids
+        )
+
+
+def _clear_stale_socket(path: str) -> None:
+    """Remove a socket file left by a dead daemon; refuse to steal a live one's."""
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    except OSError as exc:
+        raise OSError(f"socket {path} exists and cannot be probed: {exc}") from None
+    finally:
+        probe.close()
+    raise OSError(f"socket {path} is in use by a running daemon")

@@ -1,0 +1,70 @@
+"""Admission: the part class, priority and deadline a request gets, or why it gets none.
+
+A request names one of the configured part classes (``[classes.<name>]``, see
+``daemon/config.py``) and may set its own priority and deadline, which then override the
+class's. What cannot be served as sent is
+:class:`~scratchd.daemon.frontend.images.Invalid`, which the
+acceptor turns into ``Refused("invalid", message)`` (the message goes back to the client in
+an ``invalid`` reply); its other refusals at the door (draining, the per-connection limit)
+are :class:`Refused` with status ``overloaded``. A full queue is not one of them: the
+acceptor answers that itself when ``reserve()`` finds no free slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from scratchd.daemon.config import Config
+from scratchd.daemon.frontend.images import AnyInferRequest, Invalid
+from scratchd.protocol import wire
+
+MAX_DEADLINE_MS: Final = 86_400_000
+"""No part waits a day; and a deadline must fit the queue's int64 nanoseconds."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A validated request: where it goes in the queue."""
+
+    class_name: str
+    class_index: int
+    priority: int
+    deadline_ms: int
+
+
+class Refused(Exception):
+    """A request answered at the door, before a slot is reserved: its status and why
+    (``invalid`` for an :class:`Invalid` request; ``overloaded`` when draining or at the
+    per-connection limit)."""
+
+    def __init__(self, status: wire.ReplyStatus, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+
+
+class PartClasses:
+    """The configured part classes (rebuilt from the configuration on a reload)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._index = {name: i for i, name in enumerate(config.class_names())}
+
+    def classify(self, request: AnyInferRequest) -> Admission:
+        """The request's class, priority and deadline (its own values override the class's)."""
+        cls = self.config.classes.get(request.part_class)
+        if cls is None:
+            known = ", ".join(self.config.class_names())
+            raise Invalid(f"unknown part class {request.part_class!r}; configured: {known}")
+        priority = cls.priority if request.priority is None else request.priority
+        if not 0 <= priority <= 7:
+            raise Invalid(f"priority {priority} outside 0..7")
+        deadline_ms = cls.deadline_ms if request.deadline_ms is None else request.deadline_ms
+        if deadline_ms <= 0:
+            raise Invalid(f"deadline_ms must be positive, got {deadline_ms}")
+        if deadline_ms > MAX_DEADLINE_MS:
+            raise Invalid(
+                f"deadline_ms {deadline_ms} exceeds the maximum {MAX_DEADLINE_MS} (1 day)"
+            )
+        index = self._index[request.part_class]
+        return Admission(request.part_class, index, priority, deadline_ms)

@@ -1,0 +1,223 @@
+"""The in-flight table: from a queued descriptor back to the one reply its client gets.
+
+Every request the acceptor enqueues is recorded here under its queue handle
+``(index, generation)``. Completions reach the event loop without polling:
+
+- the queue's completion doorbell (an eventfd rung by a worker after it flips a descriptor
+  to DONE, and by reclaims) is registered with ``loop.add_reader``; its callback calls
+  ``collect_completed``, which drains it first (a completion landing meanwhile rings again);
+- deadlines: a single loop timer armed at the earliest queued deadline (no earlier than one
+  tick from now, so a deadline inside the current wheel tick cannot spin the loop) calls
+  ``expire_due``; the wheel answers expired requests ``timeout`` within a tick. A descriptor
+  becomes QUEUED only by ``submit`` (then ``enqueued`` arms at its own deadline, without asking
+  the queue) or by a reclaim (then ``requeued`` re-arms from ``next_deadline_ns()``), so the
+  timer is always due by the earliest deadline; a worker's completion can only make the
+  earliest deadline later, so the doorbell's ``collect`` never takes the queue lock to ask.
+
+Exactly once: a reply is sent only by :meth:`Dispatcher.answer`, and a queued request only
+after its entry is *popped* from the table, so a completion that shows up twice (say, from
+both a reclaim and a collect) or for a connection already gone is dropped, never re-sent.
+
+:meth:`Dispatcher.answer` is also the one place where each finished request is accounted
+(``account(flight, reply, completion)``): metrics hook in there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from scratchd.ipc.queue import Completion, Handle, RequestQueue, Status
+from scratchd.protocol import wire
+
+if TYPE_CHECKING:
+    from scratchd.daemon.frontend.acceptor import Connection
+
+MS: Final = 1_000_000
+
+STATUS_NAMES: Final[dict[Status, wire.ReplyStatus]] = {
+    Status.OK: "ok",
+    Status.TIMEOUT: "timeout",
+    Status.OVERLOADED: "overloaded",
+    Status.INVALID: "invalid",
+    Status.ERROR: "error",
+}
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A request between its frame arriving and its reply being written."""
+
+    conn: Connection
+    request_id: int
+    part_class: str
+    priority: int
+    received_ns: int
+    want_mask: bool = False
+    handle: Handle | None = None
+    deadline_ns: int = 0
+
+
+Accountant = Callable[[InFlight, wire.Reply, Completion | None], None]
+
+
+class Dispatcher:
+    """Owns the in-flight table, the completion doorbell reader and the expiry timer."""
+
+    def __init__(
+        self,
+        queue: RequestQueue,
+        tick_ns: int,
+        account: Accountant,
+        worker_name: Callable[[int], str | None],
+    ) -> None:
+        self.queue = queue
+        self.tick_ns = tick_ns
+        self.account = account
+        self.worker_name = worker_name
+        self.pending: dict[Handle, InFlight] = {}
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_ns = 0
+
+    def start(self) -> None:
+        self._loop.add_reader(self.queue.completion_fd, self.collect)
+
+    def stop(self) -> None:
+        self._loop.remove_reader(self.queue.completion_fd)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    # ---- the one way out ----------------------------------------------------------------
+
+    def answer(self, flight: InFlight, reply: wire.Reply, completion: Completion | None) -> None:
+        """Send ``reply`` to the flight's client (if still connected) and account it."""
+        flight.conn.send(reply)
+        self.account(flight, reply, completion)
+
+    def reject(self, flight: InFlight, status: wire.ReplyStatus, reason: str) -> None:
+        """Answer a request that never reached the queue."""
+        timings = wire.Timings(total_ms=(time.monotonic_ns() - flight.received_ns) / MS)
+        reply = wire.Reply(id=flight.request_id, status=status, timings=timings, error=reason)
+        self.answer(flight, reply, None)
+
+    # ---- requests in the queue ----------------------------------------------------------
+
+    def enqueued(self, flight: InFlight) -> None:
+        """Record a request just submitted to the queue."""
+        assert flight.handle is not None
+        self.pending[flight.handle] = flight
+        flight.conn.in_queue.add(flight.handle)
+        self.idle.clear()
+        self._arm_at(flight.deadline_ns)
+
+    def forget_connection(self, conn: Connection) -> int:
+        """A client left: drop its entries (the queue frees their slots). Returns how many."""
+        for handle in conn.in_queue:
+            self.pending.pop(handle, None)
+        dropped = len(conn.in_queue)
+        conn.in_queue.clear()
+        self._note_idle()
+        return dropped
+
+    def collect(self) -> None:
+        """Answer everything the queue has finished (it drains the doorbell first)."""
+        for completion in self.queue.collect_completed():
+            self._finish(completion)
+        self._note_idle()
+
+    def requeued(self) -> None:
+        """A dead worker's claims went back to the queue: answer what the reclaim finished
+        (timeouts, quarantined failures) and re-arm the timer for the requeued deadlines."""
+        self.collect()
+        self.arm_expiry()
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        for completion in self.queue.expire_due(time.monotonic_ns()):
+            self._finish(completion)
+        self.collect()
+        self.arm_expiry()
+
+    def arm_expiry(self) -> None:
+        """Make sure a timer fires by the earliest queued deadline (at least a tick out)."""
+        deadline = self.queue.next_deadline_ns()
+        if deadline is not None:
+            self._arm_at(deadline)
+
+    def _arm_at(self, deadline: int) -> None:
+        now = time.monotonic_ns()
+        at = max(deadline, now + self.tick_ns)
+        if self._timer is not None:
+            if self._timer_ns <= at:
+                return
+            self._timer.cancel()
+        self._timer_ns = at
+        self._timer = self._loop.call_at(self._loop.time() + (at - now) / 1e9, self._on_timer)
+
+    def _finish(self, completion: Completion) -> None:
+        flight = self.pending.pop(completion.handle, None)
+        if flight is None:
+            return  # its client left (abandoned) or it was answered already
+        flight.conn.in_queue.discard(completion.handle)
+        self.answer(flight, self._reply(flight, completion), completion)
+
+    def _reply(self, flight: InFlight, c: Completion) -> wire.Reply:
+        now = time.monotonic_ns()
+        queue_end = c.claim_ns if c.claim_ns > 0 else (c.done_ns or now)
+        result = c.result
+        timings = wire.Timings(
+            queue_ms=max(0, queue_end - c.enqueue_ns) / MS,
+            compute_ms=(result.compute_ns / MS) if result is not None else 0.0,
+            total_ms=(now - flight.received_ns) / MS,
+        )
+        # Only a worker that produced the result is named (a reclaimed claim that then timed
+        # out still records its dead owner's slot).
+        worker = self.worker_name(c.worker) if result is not None and c.worker >= 0 else None
+        status = STATUS_NAMES.get(c.status, "error")
+        if status != "ok" or result is None:
+            reason = (result.error if result is not None else "") or c.error or _REASONS[status]
+            return wire.Reply(
+                id=flight.request_id, status=status, timings=timings, worker=worker, error=reason
+            )
+        mask, shape = (None, None)
+        if flight.want_mask and result.mask is not None:
+            mask, shape = wire.pack_mask(result.mask)
+        return wire.Reply(
+            id=flight.request_id,
+            status="ok",
+            verdict="defect" if result.verdict_defect else "clean",
+            score=float(result.score),
+            boxes=[tuple(float(v) for v in box) for box in result.boxes],  # type: ignore[misc]
+            mask=mask,
+            mask_shape=shape,
+            timings=timings,
+            worker=worker,
+        )
+
+    def fail_pending(self, reason: str) -> None:
+        """Answer everything still in flight with ``error`` (shutdown past its bound)."""
+        for handle, flight in list(self.pending.items()):
+            del self.pending[handle]
+            flight.conn.in_queue.discard(handle)
+            self.reject(flight, "error", reason)
+        self._note_idle()
+
+    def _note_idle(self) -> None:
+        if not self.pending:
+            self.idle.set()
+
+
+_REASONS: Final[dict[wire.ReplyStatus, str]] = {
+    "ok": "the worker returned no result",
+    "timeout": "deadline passed before a worker could serve it",
+    "overloaded": "queue full",
+    "invalid": "invalid request",
+    "error": "request failed",
+}

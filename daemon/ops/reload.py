@@ -1,0 +1,203 @@
+"""Reloading a running daemon: SIGHUP (``systemctl reload scratchd``) or ``scratchd reload``.
+
+What a reload does, in order (:meth:`Reloader.reload_once`)::
+
+    SIGHUP ─▶ handler records + wakes (nothing else in signal context)
+           ─▶ RELOADING=1 to systemd, event=reload_start
+           ─▶ re-read the config file (same path and flags as at start)   ── error ─┐
+           ─▶ load the configured model once here, to refuse a broken file ── error ─┤
+              before any worker is touched                                          │
+           ─▶ apply the keys that can change live; keys that need a restart        │
+              keep their running value (event=reload_needs_restart names them)     │
+           ─▶ supervisor.rolling_restart(): for each worker, start its              │
+              replacement, wait for its READY (new model loaded and warmed up),     │
+              then retire the old one, which finishes its batch; anything it still  │
+              holds goes back to the queue. The queue keeps flowing throughout: at  │
+              no point are fewer workers READY than before.                         │
+           ─▶ READY=1 + STATUS=, event=reload_done ◀────────────────────────────────┘
+                                   (on error: event=reload_failed, the daemon keeps
+                                    serving with what it had; `scratchd reload` exits 1)
+
+SIGHUPs that arrive during a reload are folded into one more reload after it: the file may
+have changed again. ``scratchd reload`` finds the daemon's pid in its status reply, sends
+SIGHUP (so only the daemon's user or root may reload — a gateway that may connect may not)
+and waits for the status's reload counter to move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import msgspec
+
+from scratchd.daemon.config import Config, ConfigError
+from scratchd.daemon.log import log_event
+from scratchd.daemon.ops.notify import Notifier
+from scratchd.daemon.pool.supervisor import PoolHalted
+
+if TYPE_CHECKING:
+    pass
+
+LIVE_KEYS: Final = frozenset(
+    {
+        "server.allowed_uids",
+        "server.allowed_gids",
+        "server.drain_timeout_ms",
+        "server.max_in_flight_per_connection",
+        "server.max_connections",
+        "server.frame_timeout_ms",
+        "queue.max_queue_delay_ms",
+        "queue.max_batch",
+        "workers.cpu_max_batch",
+        "workers.heartbeat_ms",
+        "workers.hang_timeout_ms",
+        "workers.kill_grace_ms",
+        "workers.boot_timeout_ms",
+        "workers.max_kills",
+        "classes",
+        "model",
+        "drift",
+    }
+)
+"""Dotted keys (or whole sections) a reload applies. Everything else — the socket, ports,
+queue geometry, backend and worker count — is fixed for the life of the process: the shared
+memory and the listeners were built from it. Those need ``systemctl restart``."""
+
+
+def _flatten(config: Config) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for section, table in msgspec.structs.asdict(config).items():
+        if section in LIVE_KEYS or not isinstance(table, msgspec.Struct):
+            flat[section] = msgspec.to_builtins(table)
+            continue
+        for key, value in msgspec.structs.asdict(table).items():
+            flat[f"{section}.{key}"] = msgspec.to_builtins(value)
+    return flat
+
+
+def config_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
+    """``(live, restart_only)``: the dotted keys whose value differs, split by whether a
+    reload can apply them."""
+    before, after = _flatten(old), _flatten(new)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    live = [k for k in changed if k in LIVE_KEYS]
+    return live, [k for k in changed if k not in LIVE_KEYS]
+
+
+def effective_config(old: Config, new: Config) -> Config:
+    """``new`` with every restart-only key kept at its running value from ``old``."""
+    sections: dict[str, Any] = {}
+    for section in msgspec.structs.asdict(old):
+        old_table, new_table = getattr(old, section), getattr(new, section)
+        if section in LIVE_KEYS or not isinstance(old_table, msgspec.Struct):
+            sections[section] = new_table
+            continue
+        live = {
+            key: getattr(new_table, key)
+            for key in msgspec.structs.asdict(old_table)
+            if f"{section}.{key}" in LIVE_KEYS
+        }
+        sections[section] = msgspec.structs.replace(old_table, **live)
+    return msgspec.structs.replace(old, **sections)
+
+
+def model_version(config: Config) -> str:
+    """Load the configured model with the configured views, as the workers will (a broken
+    file raises, naming it), and return its version."""
+    from scratchd.model.scratchnet import load_model
+
+    return load_model(config.model.path or None, views=config.model.views or None).version
+
+
+class ReloadState(enum.Enum):
+    IDLE = "idle"
+    RELOADING = "reloading"
+
+
+@dataclass(frozen=True)
+class ReloadOutcome:
+    ok: bool
+    message: str
+
+
+class Reloader:
+    """Runs reloads one at a time on the daemon's loop; :meth:`request` is signal-safe.
+
+    The daemon supplies what differs between daemons: how to read the config again,
+    how to apply it to acceptor, supervisor and access policy, and the rolling restart.
+    """
+
+    def __init__(
+        self,
+        *,
+        read_config: Callable[[], Config],
+        current: Callable[[], Config],
+        apply: Callable[[Config], None],
+        rolling_restart: Callable[[], Awaitable[None]],
+        notifier: Notifier,
+        summary: Callable[[], str],
+        check_model: Callable[[Config], str] = model_version,
+    ) -> None:
+        self._read_config = read_config
+        self._current = current
+        self._apply = apply
+        self._rolling_restart = rolling_restart
+        self._notifier = notifier
+        self._summary = summary
+        self._check_model = check_model
+        self._wake = asyncio.Event()
+        self.state = ReloadState.IDLE
+        self.count = 0
+        self.last_error = ""
+
+    def request(self) -> None:
+        """Record a reload request and wake the loop (the SIGHUP handler)."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Serve reload requests until cancelled."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self.reload_once()
+
+    async def reload_once(self) -> ReloadOutcome:
+        self.state = ReloadState.RELOADING
+        started = time.monotonic()
+        self._notifier.reloading("reloading configuration and model")
+        log_event("reload_start")
+        try:
+            outcome = await self._reload()
+        finally:
+            self.state = ReloadState.IDLE
+        self.count += 1
+        self.last_error = "" if outcome.ok else outcome.message
+        level = logging.INFO if outcome.ok else logging.ERROR
+        name = "reload_done" if outcome.ok else "reload_failed"
+        log_event(name, level, reason=outcome.message, seconds=time.monotonic() - started)
+        self._notifier.ready(self._summary())
+        return outcome
+
+    async def _reload(self) -> ReloadOutcome:
+        old = self._current()
+        try:
+            new = self._read_config()
+            version = await asyncio.to_thread(self._check_model, new)
+        except (ConfigError, ValueError, OSError) as exc:
+            return ReloadOutcome(False, f"kept the running configuration: {exc}")
+        live, fixed = config_changes(old, new)
+        if fixed:
+            log_event("reload_needs_restart", logging.WARNING, keys=",".join(fixed))
+        self._apply(effective_config(old, new))
+        try:
+            await self._rolling_restart()
+        except PoolHalted as exc:
+            return ReloadOutcome(False, f"a replacement worker did not boot: {exc}")
+        changed = ",".join(live) or "nothing"
+        return ReloadOutcome(True, f"model {version}; applied {changed}")

@@ -1,0 +1,155 @@
+"""``scratchd eval`` and ``scratchd model``: the model in-process, without a daemon.
+
+``scratchd eval DIR [--json] [--mask-out OUT] [--model PATH] [--views V ...] [--split S]``
+runs the model over every input image under DIR (found by
+:func:`scratchd.dataset.folders.scan_dataset`):
+
+- ``--views V`` (repeatable) replaces the test-time views of the model's metadata, as the
+  daemon's ``model.views`` does; the summary's ``views`` says which ones ran;
+- ``--split val`` (or ``train``) keeps only the images :func:`scratchd.dataset.folders.split_of`
+  puts on that side with ``--val-fraction`` (default 0.2, as ``scratchd shard build``): run on
+  the folder the training shards were built from, ``--split val`` is the split the model's
+  ``val_metrics`` were measured on (scripts/finalize_model.py);
+- one row per image on stdout: text ``<rel> <verdict> <score> <boxes>``, or with ``--json``
+  ``{"image": rel, "score": float, "verdict": "defect"|"clean", "boxes": [[x0, y0, x1, y1,
+  score], ...]}``; an unreadable image gives ``{"image": rel, "error": reason}`` and the run
+  goes on (exit status 1 at the end);
+- with ``--mask-out OUT``, the predicted 0/255 mask at ``OUT/<rel with suffix .png>``;
+- then the summary (IoU per group over defect images, AUROC defects vs clean per top-level
+  group, timing; see :mod:`scratchd.model.evaluate`): with ``--json`` a last stdout line
+  ``{"summary": {...}}``, otherwise on stderr. Images whose mask is rejected by
+  :func:`scratchd.dataset.masks.validate_mask` are predicted but left out of the metrics.
+
+``scratchd model info [--json] [--model PATH]`` prints the model's metadata (with ``params``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from scratchd.dataset.folders import Sample, scan_dataset, split_of
+from scratchd.dataset.masks import MaskRejected, validate_mask
+from scratchd.model.evaluate import Evaluation
+from scratchd.model.scratchnet import VIEWS, ModelError, ScratchNet, load_model
+from scratchd.protocol.image import ImageError, decode_image, encode_png
+
+
+def _load(path: Path | None, views: tuple[str, ...] = ()) -> ScratchNet:
+    try:
+        return load_model(path, views=views or None)
+    except ModelError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.command("eval")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option(
+    "--mask-out", type=click.Path(file_okay=False, path_type=Path), help="Write masks here."
+)
+@click.option("--model", "model_path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--views", multiple=True, type=click.Choice(VIEWS), help="Test-time views (repeatable)."
+)
+@click.option("--split", type=click.Choice(["train", "val"]), help="Only this split's images.")
+@click.option("--val-fraction", default=0.2, show_default=True, type=click.FloatRange(0.0, 1.0))
+def eval_cmd(
+    directory: Path,
+    as_json: bool,
+    mask_out: Path | None,
+    model_path: Path | None,
+    views: tuple[str, ...],
+    split: str | None,
+    val_fraction: float,
+) -> None:
+    """Run the model over every image under DIRECTORY and report accuracy."""
+    if len(set(views)) != len(views):
+        raise click.BadParameter(
+            f"each view at most once, got {' '.join(views)}", param_hint="--views"
+        )
+    samples = scan_dataset(directory)
+    if split is not None:
+        samples = [s for s in samples if split_of(s.rel, val_fraction) == split]
+    if not samples:
+        where = f" in the {split} split" if split else ""
+        raise click.ClickException(f"no PNG, BMP or JPEG images under {directory}{where}")
+    model = _load(model_path, views)
+    ev = Evaluation()
+    errors = 0
+    for sample in samples:
+        row = _eval_one(model, sample, ev, mask_out)
+        errors += "error" in row
+        click.echo(json.dumps(row) if as_json else _text_row(row))
+    summary = ev.summary() | {"errors": errors, "model": model.version, "views": model.views}
+    if as_json:
+        click.echo(json.dumps({"summary": summary}))
+    else:
+        click.echo(json.dumps(summary, indent=1), err=True)
+    if errors:
+        sys.exit(1)
+
+
+def _eval_one(
+    model: ScratchNet, sample: Sample, ev: Evaluation, mask_out: Path | None
+) -> dict[str, Any]:
+    try:
+        image = decode_image(sample.image.read_bytes())
+    except (OSError, ImageError) as exc:
+        return {"image": sample.rel, "error": str(exc)}
+    start = time.perf_counter()
+    pred = model.predict([image])[0]
+    ev.seconds += time.perf_counter() - start
+    ev.add(sample.group, pred.mask, _ground_truth(sample, image.shape), pred.score, pred.verdict)
+    if mask_out is not None:
+        target = (mask_out / sample.rel).with_suffix(".png")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(encode_png(pred.mask))
+    boxes = [[round(v, 4) for v in box] for box in pred.boxes]
+    return {
+        "image": sample.rel,
+        "score": round(pred.score, 6),
+        "verdict": pred.verdict,
+        "boxes": boxes,
+    }
+
+
+def _ground_truth(sample: Sample, shape: tuple[int, ...]) -> Any:
+    if sample.mask is None:
+        return None
+    try:
+        mask = decode_image(sample.mask.read_bytes())
+        return validate_mask(mask, (shape[0], shape[1]), sample.mask.name).mask
+    except (OSError, ImageError, MaskRejected) as exc:
+        click.echo(f"warning: {sample.rel}: mask not used: {exc}", err=True)
+        return None
+
+
+def _text_row(row: dict[str, Any]) -> str:
+    if "error" in row:
+        return f"{row['image']}  ERROR {row['error']}"
+    return f"{row['image']}  {row['verdict']:6s}  {row['score']:.4f}  boxes={len(row['boxes'])}"
+
+
+@click.group("model")
+def model() -> None:
+    """Inspect the model (the shipped one unless --model says otherwise)."""
+
+
+@model.command("info")
+@click.option("--json", "as_json", is_flag=True, help="The metadata as one JSON object.")
+@click.option("--model", "model_path", type=click.Path(dir_okay=False, path_type=Path))
+def info(as_json: bool, model_path: Path | None) -> None:
+    """Print the model's metadata: version, architecture, params, metrics, ..."""
+    meta = _load(model_path).meta.to_json()
+    if as_json:
+        click.echo(json.dumps(meta))
+        return
+    for key in ("version", "params", "architecture", "mean", "std", "threshold", "min_area",
+                "score_window", "views", "train_data_sha256", "val_metrics"):  # fmt: skip
+        click.echo(f"{key:18s} {json.dumps(meta[key])}")
