@@ -1,7 +1,9 @@
 """Shared test configuration.
 
 GPU tests carry ``@pytest.mark.gpu``; they are skipped unless CuPy imports and sees a device.
-The real images live in ``../shared/data`` by default; ``SCRATCHD_DATA`` overrides it.
+Real images come from ``tests/fixtures/data`` (committed: a few dozen of each public data set,
+see its README), so a fresh clone tests with nothing beside it. The few tests that need the
+full data sets ask for ``full_data_dir``, which is ``SCRATCHD_DATA``; without it they skip.
 """
 
 from __future__ import annotations
@@ -38,10 +40,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+FIXTURE_DATA = ROOT / "tests" / "fixtures" / "data"
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
-    """The real defect images (../shared/data unless SCRATCHD_DATA says otherwise)."""
-    path = Path(os.environ.get("SCRATCHD_DATA", ROOT.parent / "shared" / "data"))
+    """The committed real images, laid out as the full sets are (sd900/, mtile/<class>/)."""
+    if not FIXTURE_DATA.is_dir():
+        pytest.fail(f"the committed test images are missing from {FIXTURE_DATA}")
+    return FIXTURE_DATA
+
+
+@pytest.fixture(scope="session")
+def full_data_dir() -> Path:
+    """The full SD-900 and magnetic-tile sets at ``SCRATCHD_DATA`` (skip without it)."""
+    value = os.environ.get("SCRATCHD_DATA")
+    if not value:
+        pytest.skip("needs the full data sets: set SCRATCHD_DATA (README, 'The data sets')")
+    path = Path(value)
     if not path.is_dir():
-        pytest.fail(f"real image data not found at {path} (set SCRATCHD_DATA)")
+        pytest.fail(f"SCRATCHD_DATA={value} is not a folder")
     return path

@@ -30,8 +30,8 @@ def images(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> l
     """Three real images as relative paths (the output must echo them exactly)."""
     monkeypatch.chdir(data_dir)
     return [
-        "sd900/images/Sc_7.png",
-        "sd900/images/In_7.png",
+        "sd900/images/Sc_2.png",
+        "sd900/images/In_2.png",
         str(sorted(Path("mtile/crack").glob("*.jpg"))[0]),
     ]
 

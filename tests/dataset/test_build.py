@@ -98,8 +98,8 @@ def test_records_hold_the_original_bytes_and_binary_masks(tree: Path, tmp_path: 
         assert records["mt/free/unlabelled.png"].mask is None
 
 
-def test_real_data_builds_with_the_expected_counts(data_dir: Path, tmp_path: Path) -> None:
-    report: BuildReport = build_shards(data_dir, tmp_path / "real")
+def test_real_data_builds_with_the_expected_counts(full_data_dir: Path, tmp_path: Path) -> None:
+    report: BuildReport = build_shards(full_data_dir, tmp_path / "real")
     assert report.rejected == []
     assert report.images == report.records == report.with_mask == 1416
     assert report.masks_repaired > 0  # the mtile masks have soft edges

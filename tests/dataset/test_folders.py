@@ -90,8 +90,8 @@ def test_split_is_stable_and_close_to_the_fraction() -> None:
 PINNED = ["val", "val", "train", "train", "val", "train", "train", "train"]
 
 
-def test_real_data_layouts(data_dir: Path) -> None:
-    samples = scan_dataset(data_dir)
+def test_real_data_layouts(full_data_dir: Path) -> None:
+    samples = scan_dataset(full_data_dir)
     by_group: dict[str, int] = {}
     for sample in samples:
         assert sample.mask is not None, sample.rel

@@ -29,6 +29,12 @@ from ..kernels.cuda_helpers import fresh_rng
 PROB_ATOL = 2e-2
 
 
+@pytest.fixture(scope="module")
+def data_dir(full_data_dir: Path) -> Path:
+    """The full sets: 40 validation images, more than the committed fixture holds."""
+    return full_data_dir
+
+
 @pytest.mark.parametrize(
     "cfg", [NetConfig(), NetConfig(widths=(48, 96, 192, 384), dec_depth=2)],
     ids=["default", "shipped-shape"],

@@ -106,9 +106,9 @@ def shipped() -> ScratchNet:
 
 @pytest.mark.gpu
 def test_serve_graph_matches_cpu_on_real_1024_square_frames(
-    data_dir: Path, shipped: ScratchNet
+    full_data_dir: Path, shipped: ScratchNet
 ) -> None:
-    frames = square_frames(data_dir, 3)
+    frames = square_frames(full_data_dir, 3)  # mosaics of 36 images each: the full sets
     want = shipped.predict(frames)
     assert "defect" in {p.verdict for p in want}, "the mosaics should show defects"
     got = serve(shipped, frames, bucket=2, capacity=1 << 17)  # a full batch, a partial one
@@ -119,18 +119,18 @@ def test_serve_graph_matches_cpu_on_real_1024_square_frames(
 
 @pytest.mark.gpu
 def test_serve_graph_matches_cpu_on_real_non_square_frames(
-    data_dir: Path, shipped: ScratchNet
+    full_data_dir: Path, shipped: ScratchNet
 ) -> None:
-    frames = tile_frames(data_dir, 9)
+    frames = tile_frames(full_data_dir, 9)  # six cracks: more than the committed fixture
     assert frames[0].shape[0] != frames[0].shape[1]
     want = shipped.predict(frames)
     assert_matches(serve(shipped, frames, bucket=4), want, f"{frames[0].shape}")
 
 
 @pytest.mark.gpu
-def test_serve_graph_single_identity_view(data_dir: Path) -> None:
+def test_serve_graph_single_identity_view(full_data_dir: Path) -> None:
     model = load_model(views=("identity",))
-    frames = tile_frames(data_dir, 6)
+    frames = tile_frames(full_data_dir, 6)
     assert_matches(serve(model, frames, bucket=8), model.predict(frames), "identity")
 
 

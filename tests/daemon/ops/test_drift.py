@@ -101,11 +101,11 @@ def test_entropy_monitor_is_a_rolling_mean() -> None:
 
 
 @pytest.fixture(scope="module")
-def split_images(data_dir: Path) -> dict[str, list[np.ndarray]]:
+def split_images(full_data_dir: Path) -> dict[str, list[np.ndarray]]:
     """The held-out `val` images (the training split is only seen through its histogram)."""
     val = [
         decode_image(sample.image.read_bytes())
-        for sample in scan_dataset(data_dir)
+        for sample in scan_dataset(full_data_dir)
         if split_of(sample.rel) == "val"
     ]
     assert len(val) > 200

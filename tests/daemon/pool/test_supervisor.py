@@ -157,13 +157,15 @@ def _run_clients(socket: str, images: list[str], clients: int) -> list[subproces
 
 
 def _tiles(data_dir: Path, out: Path, n: int, size: int = 96) -> list[str]:
-    """Centre crops of the first ``n`` real SD-900 images (real content at a quarter of the
-    compute: the CI machine has two cores)."""
+    """``n`` centre crops of real SD-900 images, taking the images in turn (real content at a
+    quarter of the compute: the CI machine has two cores)."""
+    sources = sorted((data_dir / "sd900" / "images").glob("*.png"))
     paths = []
-    for src in sorted((data_dir / "sd900" / "images").glob("*.png"))[:n]:
+    for i in range(n):
+        src = sources[i % len(sources)]
         image = decode_image(src.read_bytes())
         top, left = (image.shape[0] - size) // 2, (image.shape[1] - size) // 2
-        dst = out / src.name
+        dst = out / f"{i}-{src.name}"
         dst.write_bytes(
             encode_png(np.ascontiguousarray(image[top : top + size, left : left + size]))
         )
