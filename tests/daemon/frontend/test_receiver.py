@@ -150,14 +150,13 @@ def test_frames_received_by_threads_arrive_as_on_the_loop(
             assert handler.out == {}  # every slot taken or returned ...
             assert len(handler.returned) == len(set(handler.returned))  # ... once
             assert handler.events == [("closed", 1)]
-        # Sent at once, a lent frame's pixels outlast the head: the rest went to a thread.
-        # (Cut into pieces, the rest of one may all have been received on the loop.)
-        big = sum(kind == "raw" and n >= HEAD_BYTES for kind, n in frames)
+        # Whether a lent frame's rest goes to a thread depends on how much of it the sender
+        # has pushed into the socket when the loop looks (a thread never waits for a sender),
+        # so only what holds whatever the timing is asserted here; the thread path itself is
+        # the next test's, with frames too big for one read.
         assert on_loop.jobs == 0
         if not lend:
             assert threaded.jobs == 0
-        elif not cuts:
-            assert threaded.jobs >= big
 
     run_uvloop(main)
 
