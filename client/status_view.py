@@ -13,14 +13,15 @@ present):
       "queue"*:    {"depth": [n0, ..., n7], "slots", "in_use", "in_flight"},
       "latency"*:  {"<part class>": {"p50_ms", "p99_ms", "count", "deadline_ms"}, ...},
       "throughput": {"rps", "by_status": {"ok": x, "timeout": x, ...}},
-      "drift"*:    {"score", "threshold", "over_threshold", "window", "samples"},
-      "entropy"*:  {"bits", "window", "samples"},
+      "drift"*:    {"score", "threshold", "over_threshold", "window", "samples", "warming_up"},
+      "entropy"*:  {"bits", "window", "samples", "warming_up"},
       "requests": {"ok": n, ...}          replies since start, by status
     }
 
 Latency and throughput are over the daemon's sliding window (60 s), drift and entropy over
-the last `drift.window` requests. This module only reads the document: it never imports
-the daemon, so `scratchd status` stays quick to start.
+the last `drift.window` requests; both are "warming up" (`warming_up`, never
+`over_threshold`) until `drift.min_samples` are in it. This module only reads the document:
+it never imports the daemon, so `scratchd status` stays quick to start.
 """
 
 from __future__ import annotations
@@ -156,10 +157,16 @@ def render_signals(drift: Mapping[str, Any], entropy: Mapping[str, Any]) -> Text
     over = bool(drift.get("over_threshold"))
     line = Text("data drift ")
     score, threshold = _fmt(drift.get("score"), digits=3), _fmt(drift.get("threshold"), digits=2)
-    line.append(f"{score} (threshold {threshold})", style="bold red" if over else "green")
+    if drift.get("warming_up"):
+        line.append("warming up", style="yellow")
+    else:
+        line.append(f"{score} (threshold {threshold})", style="bold red" if over else "green")
     line.append(f" over {drift.get('samples', 0)}/{drift.get('window', '?')} requests")
     line.append("   output entropy ")
-    line.append(f"{_fmt(entropy.get('bits'), ' bits', digits=3)}", style="bold")
+    if entropy.get("warming_up"):
+        line.append("warming up", style="yellow")
+    else:
+        line.append(f"{_fmt(entropy.get('bits'), ' bits', digits=3)}", style="bold")
     line.append(f" over {entropy.get('samples', 0)} answers")
     return line
 

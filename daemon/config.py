@@ -130,6 +130,10 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class DriftConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     window: Positive = 500
     threshold: Annotated[float, msgspec.Meta(ge=0.0)] = 0.15
+    min_samples: Positive = 100
+    """Drift and entropy are "warming up" (no alarm) until this many answers (at most
+    ``window``) are in the window: a few single pictures are no product mix, and their
+    score says nothing about the line."""
 
 
 DEFAULT_CLASSES: Final[dict[str, ClassConfig]] = {

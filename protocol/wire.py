@@ -185,9 +185,10 @@ class DriftStatus(msgspec.Struct, frozen=True):
 
     score: float = 0.0
     threshold: float = 0.15
-    over_threshold: bool = False
+    over_threshold: bool = False  # never while warming up
     window: int = 0
     samples: int = 0
+    warming_up: bool = False  # fewer than drift.min_samples requests in the window
 
 
 class EntropyStatus(msgspec.Struct, frozen=True):
@@ -196,6 +197,7 @@ class EntropyStatus(msgspec.Struct, frozen=True):
     bits: float = 0.0
     window: int = 0
     samples: int = 0
+    warming_up: bool = False  # fewer than drift.min_samples answers in the window
 
 
 class StatusReply(msgspec.Struct, frozen=True, tag="status_reply", tag_field="type"):

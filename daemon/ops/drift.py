@@ -81,12 +81,19 @@ def normalise(histogram: np.ndarray, what: str) -> np.ndarray:
 class DriftMonitor:
     """The last `window` input histograms and their KL divergence from the training one."""
 
-    def __init__(self, reference: np.ndarray, window: int = 500, threshold: float = 0.15) -> None:
+    def __init__(
+        self,
+        reference: np.ndarray,
+        window: int = 500,
+        threshold: float = 0.15,
+        min_samples: int = 100,
+    ) -> None:
         if window < 1:
             raise ValueError(f"drift.window must be >= 1, got {window}")
         self.reference = normalise(reference, "training histogram")
         self.window = window
         self.threshold = threshold
+        self.min_samples = min(max(min_samples, 1), window)
         self._ring = np.zeros((window, BINS), dtype=np.float64)
         self._next = 0
         self._samples = 0
@@ -96,6 +103,11 @@ class DriftMonitor:
     def samples(self) -> int:
         """How many requests the current estimate covers (at most `window`)."""
         return self._samples
+
+    @property
+    def warming_up(self) -> bool:
+        """Fewer than `min_samples` requests in the window: the score is not yet a mix."""
+        return self._samples < self.min_samples
 
     def observe(self, histogram: np.ndarray) -> None:
         """Add one request's input histogram (counts), evicting the oldest when full.
@@ -129,19 +141,21 @@ class DriftMonitor:
         return {
             "score": round(score, 5),
             "threshold": self.threshold,
-            "over_threshold": self._samples > 0 and score > self.threshold,
+            "over_threshold": not self.warming_up and score > self.threshold,
             "window": self.window,
             "samples": self._samples,
+            "warming_up": self.warming_up,
         }
 
 
 class EntropyMonitor:
     """Rolling mean of the per-request output entropy (bits) over the last `window` answers."""
 
-    def __init__(self, window: int = 500) -> None:
+    def __init__(self, window: int = 500, min_samples: int = 100) -> None:
         if window < 1:
             raise ValueError(f"entropy window must be >= 1, got {window}")
         self.window = window
+        self.min_samples = min(max(min_samples, 1), window)
         self._ring = np.zeros(window, dtype=np.float64)
         self._next = 0
         self._samples = 0
@@ -157,5 +171,15 @@ class EntropyMonitor:
         """0.0 before the first answer."""
         return float(self._ring[: self._samples].mean()) if self._samples else 0.0
 
-    def snapshot(self) -> dict[str, float | int]:
-        return {"bits": round(self.mean(), 5), "window": self.window, "samples": self._samples}
+    @property
+    def warming_up(self) -> bool:
+        """Fewer than `min_samples` answers in the window."""
+        return self._samples < self.min_samples
+
+    def snapshot(self) -> dict[str, float | int | bool]:
+        return {
+            "bits": round(self.mean(), 5),
+            "window": self.window,
+            "samples": self._samples,
+            "warming_up": self.warming_up,
+        }

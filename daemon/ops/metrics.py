@@ -21,6 +21,7 @@ main process with the result:
 | scratchd_compute_seconds              | histogram | device              | observe_batch (4) |
 | scratchd_model_output_entropy         | gauge     |                     | LiveSources       |
 | scratchd_data_drift_score             | gauge     |                     | LiveSources       |
+| scratchd_drift_warming_up             | gauge     |                     | LiveSources       |
 | scratchd_workers                      | gauge     | state               | LiveSources       |
 | scratchd_worker_restarts_total        | counter   | device              | LiveSources       |
 | scratchd_vram_fragmentation_ratio     | gauge     | device              | LiveSources (5)   |
@@ -95,6 +96,7 @@ class LiveSources:
     worker_states: Callable[[], Mapping[str, int]] = dict  # state name -> count
     drift_score: Callable[[], float] = float
     output_entropy: Callable[[], float] = float
+    signals_warming_up: Callable[[], bool] = bool  # fewer than drift.min_samples answers
     restarts: Callable[[], Mapping[str, int]] = dict  # device -> since start
     fragmentation: Callable[[], Mapping[str, float]] = dict  # GPU device -> ratio
 
@@ -208,6 +210,10 @@ class _LiveCollector:
             "scratchd_data_drift_score",
             "KL divergence (nats) of recent input intensities from the training histogram.",
         )
+        warming = GaugeMetricFamily(
+            "scratchd_drift_warming_up",
+            "1 while fewer than drift.min_samples answers are in the drift/entropy window.",
+        )
         workers = GaugeMetricFamily(
             "scratchd_workers", "Worker processes by state.", labels=["state"]
         )
@@ -227,6 +233,7 @@ class _LiveCollector:
                 depth.add_metric([str(priority)], depths[priority] if priority < len(depths) else 0)
             entropy.add_metric([], src.output_entropy())
             drift.add_metric([], src.drift_score())
+            warming.add_metric([], 1.0 if src.signals_warming_up() else 0.0)
             counts = {**dict.fromkeys(m.worker_states, 0), **src.worker_states()}
             for state, count in counts.items():
                 workers.add_metric([state], count)
@@ -234,7 +241,7 @@ class _LiveCollector:
                 restarts.add_metric([device], count)
             for device, ratio in sorted(src.fragmentation().items()):
                 frag.add_metric([device], ratio)
-        yield from (p99, depth, entropy, drift, workers, restarts, frag)
+        yield from (p99, depth, entropy, drift, warming, workers, restarts, frag)
 
 
 class Metrics:

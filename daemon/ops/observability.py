@@ -76,6 +76,11 @@ def read_model_reference(path: str) -> ModelReference:
         return ModelReference("", None, f"{file}: {type(exc).__name__}: {exc}")
 
 
+def _drift_monitor(histogram: np.ndarray, config: Config) -> DriftMonitor:
+    drift = config.drift
+    return DriftMonitor(histogram, drift.window, drift.threshold, drift.min_samples)
+
+
 class Observability:
     """Metrics, drift, entropy, readiness and their listeners for one daemon."""
 
@@ -86,10 +91,10 @@ class Observability:
         self.model = model
         self.enabled = os.environ.get(DISABLE_ENV, "") not in ("1", "true", "yes")
         self.metrics = Metrics(config.class_names(), devices, worker_states=worker_states)
-        self.entropy = EntropyMonitor(config.drift.window)
+        self.entropy = EntropyMonitor(config.drift.window, config.drift.min_samples)
         self.drift: DriftMonitor | None = None
         if model.histogram is not None:
-            self.drift = DriftMonitor(model.histogram, config.drift.window, config.drift.threshold)
+            self.drift = _drift_monitor(model.histogram, config)
         else:
             log_event("drift_disabled", logging.WARNING, reason=model.problem)
         self.completed = 0  # requests a worker finished (ok or error): "the queue moves"
@@ -118,6 +123,7 @@ class Observability:
         src.fragmentation = lambda: _fragmentation(queue, supervisor)
         src.drift_score = lambda: self.drift.score() if self.drift else 0.0
         src.output_entropy = self.entropy.mean
+        src.signals_warming_up = lambda: self.entropy.warming_up
 
         def readiness_input() -> ReadinessInput:
             return ReadinessInput(
@@ -159,7 +165,7 @@ class Observability:
             return  # the reloader refuses a broken model; keep the reference we have
         old = self.model.histogram
         if self.drift is None or old is None or not np.array_equal(model.histogram, old):
-            self.drift = DriftMonitor(model.histogram, config.drift.window, config.drift.threshold)
+            self.drift = _drift_monitor(model.histogram, config)
         self.model = model
 
     def account(self, flight: InFlight, reply: wire.Reply, completion: Completion | None) -> None:

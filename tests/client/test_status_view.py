@@ -73,6 +73,15 @@ def test_table_shows_what_an_operator_needs() -> None:
     assert "output entropy 0.051 bits over 100 answers" in text
 
 
+def test_drift_and_entropy_warming_up_show_no_alarm() -> None:
+    drift = {**DOC["drift"], "samples": 18, "warming_up": True, "over_threshold": False}
+    entropy = {**DOC["entropy"], "samples": 18, "warming_up": True}
+    text = _text({**DOC, "drift": drift, "entropy": entropy})
+    assert "data drift warming up over 18/500 requests" in text
+    assert "output entropy warming up over 18 answers" in text
+    assert "0.213" not in text
+
+
 def test_an_empty_daemon_renders_without_errors() -> None:
     doc = {"workers": [], "queue": [0] * 8, "latency": {}, "drift": {}, "entropy": {}}
     text = _text(doc)

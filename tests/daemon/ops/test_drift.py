@@ -97,6 +97,28 @@ def test_entropy_monitor_is_a_rolling_mean() -> None:
         monitor.observe(float("nan"))
 
 
+def test_no_alarm_while_warming_up() -> None:
+    """A few pictures are no product mix: a high score from them is reported as warming up,
+    never over the threshold, until ``min_samples`` (at most the window) are in."""
+    ref = np.ones(BINS)
+    spike = np.zeros(BINS, np.uint32)
+    spike[0] = 1000
+    monitor = DriftMonitor(ref, window=10, threshold=0.15, min_samples=4)
+    entropy = EntropyMonitor(window=10, min_samples=4)
+    for _ in range(3):
+        monitor.observe(spike)
+        entropy.observe(0.5)
+    snap = monitor.snapshot()
+    assert snap["score"] > 0.15 and snap["warming_up"] and not snap["over_threshold"]
+    assert entropy.snapshot()["warming_up"]
+    monitor.observe(spike)
+    entropy.observe(0.5)
+    snap = monitor.snapshot()
+    assert not snap["warming_up"] and snap["over_threshold"]
+    assert not entropy.snapshot()["warming_up"]
+    assert DriftMonitor(ref, window=3, min_samples=100).min_samples == 3  # a full window
+
+
 # --- real images: held-out `val` like the training data vs shifted frames -----------------
 
 

@@ -24,6 +24,7 @@ TABLE = {
     "scratchd_compute_seconds": ("histogram", {"device"}),
     "scratchd_model_output_entropy": ("gauge", set()),
     "scratchd_data_drift_score": ("gauge", set()),
+    "scratchd_drift_warming_up": ("gauge", set()),
     "scratchd_workers": ("gauge", {"state"}),
     "scratchd_worker_restarts_total": ("counter", {"device"}),
     "scratchd_vram_fragmentation_ratio": ("gauge", {"device"}),
@@ -203,6 +204,9 @@ def test_live_gauges_read_their_sources_at_scrape_time() -> None:
     assert fam["scratchd_data_drift_score"][1][0][2] == 0.02
     assert fam["scratchd_model_output_entropy"][1][0][2] == 0.11
     assert fam["scratchd_worker_restarts_total"][1][0][2] == 1.0
+    assert fam["scratchd_drift_warming_up"][1][0][2] == 0.0
+    m.sources.signals_warming_up = lambda: True
+    assert _families(m)["scratchd_drift_warming_up"][1][0][2] == 1.0
     m.sources.queue_depth = lambda: [0] * 8
     assert all(s[2] == 0 for s in _families(m)["scratchd_queue_depth"][1])
 

@@ -169,7 +169,9 @@ def test_account_feeds_drift_and_entropy_from_ok_results_only(
         reply = Reply(id=i, status=name, timings=timings, worker="cpu0")  # type: ignore[arg-type]
         obs.account(_flight(i), reply, _completion(i, status, result))
     assert obs.completed == 3
-    assert obs.entropy.snapshot() == {"bits": 0.25, "window": 500, "samples": 2}
+    assert obs.entropy.snapshot() == {
+        "bits": 0.25, "window": 500, "samples": 2, "warming_up": True
+    }  # fmt: skip
     assert obs.drift is not None and obs.drift.samples == 2 and obs.drift.score() < 1e-9
     assert obs.metrics.workers["cpu0"].batches == 2  # claim_ns 1000 (ok, ok) and 1001 (error)
     fields = obs.status_fields()
