@@ -25,8 +25,7 @@ zero-filled frame buffer and a second copy into it; the bytes sent are the same 
 for the next one once the socket has taken all of it (``Client``: always; ``AsyncClient``:
 when the transport kept none of it, so it holds no reference): a fresh megabyte buffer a
 request costs its page faults again whenever malloc has handed the last one back to the
-kernel, ~130 faults and ~0.3 ms of CPU a 1 MiB request in ``bench_serve``'s client
-(``docs/bench/frontend.json``, ``client``).
+kernel (docs/benchmarks.md, front end).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from rich.console import Console
 
 from scratchd.client import status_view
 from scratchd.client.api import AsyncClient, Client, unpack_mask
-from scratchd.protocol.defaults import socket_path
+from scratchd.protocol.defaults import DEFAULT_SOCKET, SOCKET_ENV, socket_path
 from scratchd.protocol.image import encode_png
 from scratchd.protocol.wire import StatusReply
 
@@ -40,7 +40,7 @@ socket_option = click.option(
     "socket_opt",
     default=None,
     metavar="PATH",
-    help="Daemon socket (default: $SCRATCHD_SOCKET, else /run/scratchd/scratchd.sock).",
+    help=f"Daemon socket (default: ${SOCKET_ENV}, else {DEFAULT_SOCKET}).",
 )
 
 

@@ -37,8 +37,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from scratchd.protocol.wire import PRIORITIES
+
 REQUIRED_KEYS = ("workers", "queue", "latency", "drift", "entropy")
-PRIORITIES = tuple(range(8))
 StatusDoc = Mapping[str, Any]
 
 
@@ -124,13 +125,15 @@ def render_workers(workers: list[Mapping[str, Any]]) -> Table:
 def render_queue(queue: Any) -> Table:
     depths = queue_depths(queue)
     table = Table(title="queue depth by priority (7 = most urgent)", title_justify="left")
-    for priority in PRIORITIES:
+    for priority in range(PRIORITIES):
         table.add_column(str(priority), justify="right")
     extra = ("in_flight", "in_use", "slots")
     for col in extra:
         table.add_column(col.replace("_", " "), justify="right")
     info = queue if isinstance(queue, Mapping) else {}
-    table.add_row(*(str(depths.get(p, 0)) for p in PRIORITIES), *(_fmt(info.get(c)) for c in extra))
+    table.add_row(
+        *(str(depths.get(p, 0)) for p in range(PRIORITIES)), *(_fmt(info.get(c)) for c in extra)
+    )
     return table
 
 

@@ -23,10 +23,8 @@
  * The records are checked first (each run inside the frame, start < end, row-major and
  * disjoint within a row): a ValueError, never a wrong answer or a crash, for records the
  * device did not write as promised. The GIL is released while it computes.
- * On a 1024x1024 frame of ~4000 runs this one costs 37-44 µs, 58-67 µs with the mask, on the
- * 2-core development machine (docs/bench/host-finish.json; the numpy version ~0.5 ms); that is
- * what lets one worker keep an H200 busy with one-view frames (the whole host finish, 0.11-0.18
- * ms a frame without the mask on the H200 host: docs/bench/serve-graph.json).
+ * It is C because the numpy finish of a one-view frame costs about as much host time as the
+ * GPU spends on the frame: in C one worker keeps its GPU busy (docs/benchmarks.md, host finish).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

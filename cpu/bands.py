@@ -16,12 +16,12 @@ scratch     band buffers   "y" [R, Wo, Cin]    one flat buffer per tag, grown wh
 ```
 
 Both exist because a fresh large ``np.empty`` is a fresh ``mmap`` that page-faults on first
-write (at 200x200 a quarter of the CPU time once went to the kernel).
+write, and at small frames those faults are a large share of the CPU time.
 
 Placement: a pool thread woken by the caller is often put on the caller's own CPU (the
 kernel's wake-affine placement), and both bands of a layer then share one core until the
-load balancer separates them (measured: after half a second idle, the first three or four
-200x200 forwards took 15-17 ms, one thread's time, instead of 8.5). So a pool thread that
+load balancer separates them (after an idle pause the first few forwards run at one thread's
+speed; docs/benchmarks.md, CPU forward). So a pool thread that
 finds itself on the caller's CPU moves off it at once (``_cpu.leave_cpu``; its affinity
 mask is left as it was, nothing stays pinned).
 
@@ -61,10 +61,9 @@ Task = tuple[int, int, int]  # (image, first output row, end row)
 class Workspace:
     """Layer outputs recycled from one forward to the next (per thread; see :func:`workspace`).
 
-    A fresh 50 MB ``np.empty`` page-faults every 4 KB on first write (about 4 ms per 50 MB
-    here). The forward hands each activation back once no later layer reads it, and the
-    next layer (or the next forward) of that shape takes it again. At most ``limit`` bytes
-    are kept."""
+    A fresh large ``np.empty`` page-faults every 4 KB page on first write. The forward hands
+    each activation back once no later layer reads it, and the next layer (or the next
+    forward) of that shape takes it again. At most ``limit`` bytes are kept."""
 
     def __init__(self, limit: int = 1 << 30) -> None:
         self.limit = limit

@@ -33,11 +33,11 @@ The stem (one input channel, stride 2) is ``_cpu.stem3x3``, direct. The head ups
 ``_cpu.bilinear2x`` (the reference's float32 operations, so bit for bit) and applies
 ``sigmoid_ref`` band by band.
 
-Where the time goes (one thread, 200x200, shipped model): the pointwise matmuls ~9.5 ms at
-OpenBLAS's peak, the depthwise kernels ~1.6 ms, stem 0.2, epilogues 0.3, head 0.1; two
-threads take ~8 ms (``scripts/bench_cpu.py --profile`` times each layer). What is not
-arithmetic: each layer hands bands to the pool (~20-50 us of wake-up), and every Python call
-between the kernels holds the GIL for a microsecond or two, so bands are large (2 MB, and
+Where the time goes (``scripts/bench_cpu.py --profile`` times each layer; docs/benchmarks.md,
+CPU forward): mostly the pointwise matmuls, at OpenBLAS's peak, then the depthwise kernels;
+stem, epilogues and head are small. What is not arithmetic: each layer hands bands to the
+pool (a thread wake-up), and every Python call between the kernels holds the GIL, so bands
+are large (2 MB, and
 at least one per core: a 200x200 frame's layers are one band per core, but for the shipped
 model's widest, ``dec0.0``'s 144 channels at H/2, two).
 """

@@ -48,6 +48,7 @@ from scratchd.daemon.ops.observability import Observability, read_model_referenc
 from scratchd.daemon.ops.service import ServiceManager
 from scratchd.daemon.pool.gpus import Placement, place
 from scratchd.daemon.pool.supervisor import PoolHalted, Supervisor, WorkerState
+from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Completion, DescState, Geometry, ReclaimReport, RequestQueue
 from scratchd.protocol import wire
 
@@ -132,7 +133,7 @@ class Daemon:
     async def _serve(self) -> int:
         config = self.config
         self.dispatcher = Dispatcher(
-            self.queue, config.queue.tick_ms * 1_000_000, self.account, self._worker_name
+            self.queue, config.queue.tick_ms * NS_PER_MS, self.account, self._worker_name
         )
         self.dispatcher.start()
         self.supervisor = Supervisor(

@@ -1,4 +1,4 @@
-"""The daemon's configuration: DESIGN.md's TOML skeleton as typed msgspec Structs.
+"""The daemon's configuration: the TOML sections of docs/design.md as typed msgspec Structs.
 
 Precedence, lowest to highest: the defaults below, the TOML file (``--config``), the
 ``SCRATCHD_SOCKET`` environment variable (socket only), command-line flags. Every key is
@@ -23,14 +23,20 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
+from scratchd.ipc.layout import Geometry
 from scratchd.protocol.defaults import DEFAULT_SOCKET, SOCKET_ENV
+from scratchd.protocol.wire import PRIORITIES
+from scratchd.workers.gpu_memory import ARENA_MB, RESERVE_MB, WARM_SIZES
 
-MAX_PRIORITY: Final = 7
+MAX_DEADLINE_MS: Final = 86_400_000
+"""A deadline, a class's or a request's, is at most a day: no part waits that long, and a
+deadline must fit the queue's int64 nanoseconds."""
+
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-Priority = Annotated[int, msgspec.Meta(ge=0, le=MAX_PRIORITY)]
+Priority = Annotated[int, msgspec.Meta(ge=0, le=PRIORITIES - 1)]
 
 
 class ConfigError(ValueError):
@@ -58,14 +64,18 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     is answered ``invalid`` and closed (a stalled sender must not hold memory and a slot)."""
     receive_threads: Annotated[int, msgspec.Meta(ge=0, le=64)] = 4
     """Threads that receive large raw frames' pixels off the event loop's thread (the kernel's
-    socket copy, ~150-200 us per MiB; ``daemon/frontend/receiver.py``); 0: the loop receives them.
+    socket copy, most of the main process's CPU for large frames; ``daemon/frontend/receiver.py``);
+    0: the loop receives them.
     Read at start only (a reload does not resize the pool)."""
 
 
+_GEOMETRY: Final = Geometry()  # the shared-memory queue's sizes default to its own
+
+
 class QueueConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
-    slots: Positive = 256
-    slot_bytes: Annotated[int, msgspec.Meta(ge=64)] = 4 * 1024 * 1024
-    tick_ms: Positive = 1
+    slots: Positive = _GEOMETRY.slots
+    slot_bytes: Annotated[int, msgspec.Meta(ge=64)] = _GEOMETRY.slot_bytes
+    tick_ms: Positive = _GEOMETRY.tick_ms
     max_queue_delay_ms: NonNegative = 10
     """How long a worker may hold a partial batch for more requests to fill it. A GPU worker
     holds one only while its device is busy (the batch fills during the computation); an
@@ -88,13 +98,13 @@ class WorkersConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     cpu_max_queue_delay_ms: NonNegative = 0
     """How long a CPU worker waits for a batch to fill (at most ``queue.max_queue_delay_ms``).
     0: a batch costs numpy as much per image as single images, so waiting only adds latency."""
-    gpu_reserve_mb: Positive = 1024
+    gpu_reserve_mb: Positive = RESERVE_MB
     """Device memory (MiB) a CUDA worker leaves free beside its arena (gpu_memory.py)."""
-    gpu_arena_mb: Positive = 16384
+    gpu_arena_mb: Positive = ARENA_MB
     """The most device memory (MiB) one CUDA worker takes for its arena (gpu/arena.py);
     a warm standby takes as much again on the same card."""
     gpu_warm_sizes: list[tuple[Positive, Positive]] = msgspec.field(
-        default_factory=lambda: [(1024, 1024)]
+        default_factory=lambda: list(WARM_SIZES)
     )
     """Frame sizes ``[height, width]`` whose graphs a CUDA worker captures before READY
     (other sizes are captured on first use)."""
@@ -114,8 +124,7 @@ class WorkersConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class ClassConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     priority: Priority = 0
-    deadline_ms: Annotated[int, msgspec.Meta(ge=1, le=86_400_000)] = 3000
-    """At most a day: requests may not ask for more (admission.py's MAX_DEADLINE_MS)."""
+    deadline_ms: Annotated[int, msgspec.Meta(ge=1, le=MAX_DEADLINE_MS)] = 3000
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

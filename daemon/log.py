@@ -12,7 +12,7 @@ Under systemd (``JOURNAL_STREAM`` names our stderr) each line starts with the sy
 priority prefix ``<N>`` that journald turns into the entry's priority and the timestamp is
 left to the journal; in a terminal an ISO-8601 UTC timestamp and ``level=`` lead instead.
 
-What is logged (the events of issue 7): start, ready, worker death and its cause, restart,
+What is logged (the operator's events): start, ready, worker death and its cause, restart,
 reload, drain, refusals. Nothing per request unless the level is DEBUG
 (``SCRATCHD_LOG_LEVEL=debug``): a line per part at line rate would drown the journal.
 Floods of one event (refusals, malformed frames from a broken gateway) go through

@@ -30,26 +30,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from scratchd.gpu.buckets import BUCKETS, bucket_for
 from scratchd.gpu.cuda_net import Buffers, CudaForward
 from scratchd.model.scratchnet import Prediction, ScratchNet
 
 if TYPE_CHECKING:
     from scratchd.gpu.serve_graph import ServeGraph
 
-BUCKETS = (1, 2, 4, 8, 16)
-
 
 class GraphState(enum.Enum):
     NEW = "new"
     CAPTURED = "captured"
-
-
-def bucket_for(n: int) -> int:
-    """The smallest batch bucket holding ``n`` frames."""
-    for b in BUCKETS:
-        if n <= b:
-            return b
-    raise ValueError(f"batch of {n} exceeds the largest bucket {BUCKETS[-1]}")
 
 
 def capture(stream: Any, enqueue: Callable[[], object]) -> Any:

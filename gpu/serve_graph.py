@@ -29,19 +29,15 @@ and run count of the bucket and the histograms of the first ``n`` frames (256 B 
 then, in one strided copy, as many run records of each of the ``n`` frames as the fullest
 one has (16 B a run), and returns owned copies. ``finish`` (:class:`HostFinish`) joins each
 frame's runs into components on the host (``_runs.finish_records``: the CPU path's own
-finish and reference, ``postprocess.finish_runs``, in C: equal to it and ~10x faster, since
-at one view a frame's numpy finish cost about as much as its GPU time; a frame without runs
-skips it). A frame whose runs overflowed the capacity is finished from its mean map
-(copied in ``collect``, 4 B a pixel, then ``threshold_runs``); it is counted in
+finish and reference, ``postprocess.finish_runs``, in C and equal to it, since at one view a
+frame's numpy finish costs about as much as its GPU time; a frame without runs skips it). A
+frame whose runs overflowed the capacity is finished from its mean map (copied in
+``collect``, 4 B a pixel, then ``threshold_runs``); it is counted in
 ``host_fallbacks`` and flagged in its result, never silently truncated. The histogram of
 each frame is the one of its first view frame (views only permute pixels).
 
-Measured on the H200 (docs/bench/serve-graph.json, 1024x1024 mosaics of real tiles, ~6000
-runs a frame, 2026-11-30T14:01): the graph takes 1.41-1.60 ms a frame with the shipped 4
-views (22.5 ms for bucket 16), 0.37-0.54 ms with the identity view alone; ``collect``
-0.02-0.16 ms a frame; the host finish (C) 0.11-0.18 ms a frame there (no mask). Footprint
-≈ 720 MB a frame with 4 views, ≈ 185 MB with one (the split blocks' depthwise scratch
-included).
+Device time, ``collect``, host finish and footprint per bucket: ``scripts/bench_serve_graph.py``
+(docs/benchmarks.md, serving graph).
 """
 
 from __future__ import annotations
@@ -57,7 +53,8 @@ import numpy as np
 from scratchd.cpu import _runs
 from scratchd.gpu.cuda_graph import CudaScratchNet, capture
 from scratchd.gpu.cuda_net import Buffers
-from scratchd.kernels.postprocess import HIST_BINS, Box, Verdict, finish_runs, threshold_runs
+from scratchd.ipc.layout import HISTOGRAM_BINS
+from scratchd.kernels.postprocess import Box, Verdict, finish_runs, threshold_runs
 from scratchd.kernels.row_runs import RECORD, RowRuns, row_runs_cuda
 from scratchd.kernels.views import ViewMean, view_layout, view_mean_cuda, view_stack_cuda
 
@@ -118,7 +115,7 @@ class HostFinish:
             runs = threshold_runs(batch.maps[j], self.threshold)
             comp = finish_runs(*runs, self.height, self.width, self.min_area, paint=want_mask)
             mask, boxes = comp.mask, comp.boxes
-        else:  # finish_runs on unpack_runs(...), in C (cpu/_runs.c: equal, ~10x faster)
+        else:  # finish_runs on unpack_runs(...), in C (cpu/_runs.c: equal, faster)
             mask = np.empty((self.height, self.width), np.uint8) if want_mask else None
             h, w, area = self.height, self.width, self.min_area
             boxes = _runs.finish_records(batch.runs[j], count, h, w, area, mask)
@@ -134,7 +131,7 @@ class _Staging:
         import cupyx
 
         self.head = cupyx.empty_pinned((3, bucket), np.uint32)
-        self.hist = cupyx.empty_pinned((bucket, HIST_BINS), np.uint32)
+        self.hist = cupyx.empty_pinned((bucket, HISTOGRAM_BINS), np.uint32)
         self.runs = cupyx.empty_pinned((bucket, capacity, RECORD), np.int32)
 
 

@@ -17,7 +17,7 @@ Two kinds, both ``os.eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)`` (Linux):
   spin), so a waiting worker sleeps in ``poll`` instead of polling the queue.
 
 ``ring`` and ``drain`` are C (``_native.eventfd_ring``/``eventfd_drain``): an empty or full
-counter is a return value there, not a Python exception (≈ 1 µs each on the hot path).
+counter is a return value there, not a Python exception raised on the hot path.
 
 Inheritance: the fds are created close-on-exec; the supervisor hands them to an exec'd
 worker with ``subprocess.Popen(..., pass_fds=(completion_fd, work_fd))``, which keeps their

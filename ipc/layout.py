@@ -65,13 +65,14 @@ import msgspec
 import numpy as np
 
 from scratchd.ipc.lock import MUTEX_BYTES
+from scratchd.protocol.wire import PRIORITIES
 
 MAGIC = b"SCRATCHQ"
-LAYOUT_VERSION = 5  # 4: worker_spin_ns, completion_armed, main_cpu, worker_cpu in the header
-# 5: vram_frag in the worker table
-PRIORITIES = 8  # 0 (normal) .. 7 (most urgent)
+LAYOUT_VERSION = 5  # raised with every change to the layout: a process never maps another's
 MAX_BOXES = 64
-HISTOGRAM_BINS = 64
+HISTOGRAM_BINS = 64  # input intensities (kernels/postprocess.py): bin i holds values 4i..4i+3
+NS_PER_MS = 1_000_000  # the queue's clock is time.monotonic_ns; config and replies count ms
+NS_PER_S = 1_000_000_000
 ERROR_BYTES = 200
 NIL = -1  # "no descriptor" in every link and list head
 
@@ -190,8 +191,8 @@ class Columns:
     """Per-field views of a structured table, as attributes, for fast scalar access.
 
     A scalar field is a strided ``memoryview`` over the numpy column (``cols.state[i]``
-    reads a Python int in ~0.04 µs; a numpy scalar read costs ~0.2 µs and a comparison of
-    a numpy scalar with an IntEnum ~5 µs). Sub-array fields (histogram, boxes, error) stay
+    reads a Python int, several times faster than a numpy scalar read, and a numpy scalar
+    compared with an IntEnum is slower still). Sub-array fields (histogram, boxes, error) stay
     numpy arrays. Vector work (scans, counts) uses the numpy table itself.
     """
 
@@ -213,7 +214,7 @@ _STRUCT_CODES = {
 
 class Block:
     """Consecutive scalar fields of a table row, packed or unpacked with one struct call
-    (~0.1 µs for the lot, where each field through a view costs ~0.1–0.2 µs)."""
+    (about the cost of one field read through a view, for the lot)."""
 
     def __init__(self, buf: mmap.mmap, table_offset: int, dtype: np.dtype, span: tuple[str, str]):
         names, fields = list(dtype.names or ()), dtype.fields
@@ -326,7 +327,7 @@ def native_offsets(header: np.ndarray) -> dict[str, int]:
         worker_stride=WORKER_DTYPE.itemsize, max_workers=int(header["max_workers"]),
         ready_head=index, ready_tail=index + 4 * PRIORITIES, ready_count=index + 8 * PRIORITIES,
         wheel_head=index + 12 * PRIORITIES, wheel_ticks=int(header["wheel_ticks"]),
-        base_ns=int(header["clock_base_ns"]), tick_ns=int(header["tick_ms"]) * 1_000_000,
+        base_ns=int(header["clock_base_ns"]), tick_ns=int(header["tick_ms"]) * NS_PER_MS,
         mutex=MUTEX_OFFSET,
     )  # fmt: skip
     return out

@@ -30,7 +30,7 @@ Calls go to the C extension ``scratchd.ipc._native`` (``Mutex``: one C call per 
 function, returning its error code; this module decides what a code means). The GIL is
 released only around the calls that can block (a contended ``lock``, ``clocklock``), so a
 blocked lock never stalls other Python threads while an uncontended one costs two plain C
-calls (≈ 0.1 µs each; it was ≈ 1 µs per pair through ctypes). A build without the extension
+calls, far cheaper than the same pair through ctypes. A build without the extension
 fails at import with ImportError: there is no slower fallback to drift into silently.
 """
 

@@ -5,7 +5,7 @@ Source assembly: ``kernels/<op>.cu`` names its headers with ``#include "x.cuh"``
 pastes each header's text in place (once per module), so the source CuPy hashes is the whole
 program and its on-disk cache (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``) can never
 serve a module built from an older header. A restarted worker therefore loads cubins from
-disk (≈ 0.1 ms a module) instead of recompiling (≈ 0.4 s).
+disk instead of recompiling (milliseconds instead of a large part of a second).
 
 Template kernels are asked for by their C++ name (``"pwconv<24, 48, false, true>"``); the
 loader compiles every name a caller needs from one file into one module, memoised per

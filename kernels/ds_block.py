@@ -158,9 +158,8 @@ def dw_schedule(cin: int, stride: int, wo: int) -> tuple[int, bool]:
     """``(P, HOIST)`` of the depthwise stage: P output pixels a thread sweeps along a row.
 
     ``auto``: sharing input columns pays where a pixel has many channel groups to load
-    (Cin >= 64, stride 1: 1.3-1.5x on the decoder blocks, H200 2026-11-30); with few
-    channels or stride 2, one pixel per thread keeps more threads busy per tile (the 24→48
-    stride-2 block: 141 µs at P=1, 335 µs at P=4, batch 16 at 1024²).
+    (Cin >= 64, stride 1: the decoder blocks); with few channels or stride 2, one pixel per
+    thread keeps more threads busy per tile (docs/benchmarks.md, DS blocks).
     """
     mode = env_choice(SWEEP_ENV, DEFAULT_SWEEP, ("auto", "1", "2", "4"))
     cap = (1 if stride != 1 or cin < 64 else 4) if mode == "auto" else int(mode)

@@ -46,8 +46,7 @@ def halo_shape_ok(ca: int, cb: int, cout: int, stride: int = 1, dilation: int = 
 
 
 BLOCKS_ENV = "SCRATCHD_HALO_BLOCKS"  # resident blocks an SM asks for: "2" or "3"
-DEFAULT_BLOCKS = "2"  # 3 (80 registers) ran no faster: enc0.0 626 vs 620 µs, dec0.1 741 vs
-# 715 (bench_ds_split on the H200, the kernel before its 2x4 register blocks, 351e08e)
+DEFAULT_BLOCKS = "2"  # 3 (80 registers each) runs no faster (docs/benchmarks.md, DS blocks)
 SWEEP_ENV = "SCRATCHD_HALO_SWEEP"  # P of the depthwise stage: "2" or "4" (benchmarks)
 DEFAULT_SWEEP = "4"
 

@@ -6,7 +6,7 @@ fly, bias, ReLU; the fused kernel's own code and schedule, ``dw_group.cuh`` and
 ``ds_block.dw_schedule``) into a scratch tensor, then a tiled tensor-core GEMM (``pw_gemm``: bias,
 residual, ReLU in the epilogue). The fused ``ds_block.cu`` keeps the whole pointwise weight in
 shared memory; for 384 channels that is one 4-warp block per SM with its depthwise, GEMM and
-epilogue phases in series, and those blocks ran at 1-4 % of the copy rate (docs/benchmarks.md).
+epilogue phases in series, and those blocks run far below the copy rate (docs/benchmarks.md).
 Here the GEMM streams k slices of both operands through a ring of shared buffers (111 KB a
 block at the default 64-channel steps and 3 stages), so two blocks run per SM; the cost is
 one write and one read of the depthwise output, small at the resolutions where the wide
@@ -42,7 +42,7 @@ from scratchd.model.net import NetConfig, block_plan
 SPLIT_ENV = "SCRATCHD_DS_SPLIT"
 BlockPath = Literal["fused", "split", "tiled", "halo"]
 GEMM_ENV = "SCRATCHD_DS_GEMM"  # "BK:STAGES" of pw_gemm, e.g. "32:3" (benchmarks compare them)
-DEFAULT_GEMM = "64:3"  # measured best on the H200 (docs/bench/ds-split.json)
+DEFAULT_GEMM = "64:3"  # the fastest on the H200 (scripts/bench_ds_split.py)
 # The rule: split where the pointwise GEMM is at least this many MACs per pixel (the
 # shipped model's enc3.* blocks and dec2.0; see docs/benchmarks.md for the measurements).
 SPLIT_MIN_MACS = 192 * 384
@@ -89,17 +89,15 @@ def block_path(
     """How the forward runs a DS block: ``fused`` (ds_block.cu), ``split`` (dw_stage +
     pw_gemm), ``tiled`` (ds_tiled) or ``halo`` (ds_halo.cu).
 
-    ``auto``, from the H200 measurements (docs/bench/ds-split.json, ``scripts/
-    bench_ds_split.py``, 16 view frames of 1024²): **halo** the stride-1, dilation-1 blocks
-    of ≤ ``HALO_MAX_CIN`` channels that ``ds_halo`` has tiles for (≤ 96 output channels: the
-    shipped model's enc0.0, enc1.1, dec1.1, dec1.0, dec0.0 and dec0.1 with the head; over
-    the best other path 560 vs 625 µs tiled, 271 vs 300 fused, 273 vs 300 fused, 673 vs 751
-    split, 1006 vs 1292 fused, 651 vs 767 tiled); **split** the other wide blocks (≥
-    ``SPLIT_MIN_MACS`` pointwise MACs a pixel: 1.3-4.3x over fused) and decoder joins (≥
-    ``JOIN_SPLIT_MIN_MACS``: dec2.0 2.3x); **tiled** the other narrow stride-1 blocks of
-    ≤ ``TILED_MAX_CIN`` channels (the shipped model has none left: halo took them);
-    **fused** the rest (the split ran them 0.74-0.91x: the scratch tensor's bytes cost
-    more there)."""
+    ``auto``, the fastest path per block of the shipped model on the H200
+    (``scripts/bench_ds_split.py``; the per-block table is in docs/benchmarks.md, DS blocks):
+    **halo** the stride-1, dilation-1 blocks of ≤ ``HALO_MAX_CIN`` channels that ``ds_halo``
+    has tiles for (≤ 96 output channels: the shipped model's enc0.0, enc1.1, dec1.1, dec1.0,
+    dec0.0 and dec0.1 with the head); **split** the other wide blocks (≥ ``SPLIT_MIN_MACS``
+    pointwise MACs a pixel) and decoder joins (≥ ``JOIN_SPLIT_MIN_MACS``: dec2.0);
+    **tiled** the other narrow stride-1 blocks of ≤ ``TILED_MAX_CIN`` channels (the shipped
+    model has none left: halo took them); **fused** the rest (split, the scratch tensor's
+    bytes cost more there than the shared GEMM saves)."""
     mode = env_choice(SPLIT_ENV, "auto", ("auto", "none", "all", "tiled", "halo"))
     cin = ca + cb
     can_split = not head and split_shape_ok(cin, cout)

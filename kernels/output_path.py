@@ -22,9 +22,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from scratchd.ipc.layout import HISTOGRAM_BINS
 from scratchd.kernels._checks import check_array
 from scratchd.kernels.postprocess import (
-    HIST_BINS,
     binary_entropy_bits,
     intensity_histogram,
     peak_local_mean,
@@ -56,7 +56,7 @@ def output_path_ref(
     mask = (prob >= np.float32(threshold)).astype(np.uint8) * np.uint8(255)
     score = np.array([peak_local_mean(p, score_window) for p in prob], dtype=np.float32)
     entropy = np.array([binary_entropy_bits(p) for p in prob], dtype=np.float32)
-    hist = np.stack([intensity_histogram(img) for img in images]).reshape(n, HIST_BINS)
+    hist = np.stack([intensity_histogram(img) for img in images]).reshape(n, HISTOGRAM_BINS)
     return OutputPath(prob, mask, score, entropy, hist)
 
 
@@ -77,7 +77,7 @@ def output_path_buffers(n: int, height: int, width: int) -> OutputPath:
         cp.empty((n, height, width), np.uint8),
         cp.empty((n,), np.float32),
         cp.empty((n,), np.float32),
-        cp.empty((n, HIST_BINS), np.uint32),
+        cp.empty((n, HISTOGRAM_BINS), np.uint32),
     )
 
 
@@ -154,4 +154,4 @@ _DTYPES = (np.float32, np.uint8, np.float32, np.float32, np.uint32)
 
 
 def _shapes(n: int, height: int, width: int) -> tuple[tuple[int, ...], ...]:
-    return ((n, height, width), (n, height, width), (n,), (n,), (n, HIST_BINS))
+    return ((n, height, width), (n, height, width), (n,), (n,), (n, HISTOGRAM_BINS))

@@ -32,9 +32,10 @@ from typing import Literal
 
 import numpy as np
 
+from scratchd.ipc.layout import HISTOGRAM_BINS
+
 Verdict = Literal["defect", "clean"]
 Box = tuple[float, float, float, float, float]
-HIST_BINS = 64
 
 
 @dataclass(frozen=True)
@@ -237,4 +238,4 @@ def intensity_histogram(image: np.ndarray) -> np.ndarray:
     """``[64]`` uint32 counts of a uint8 image's intensities (bin ``i`` = values 4i..4i+3)."""
     if image.dtype != np.uint8:
         raise ValueError(f"intensity_histogram: image must be uint8, got {image.dtype}")
-    return np.bincount((image >> 2).ravel(), minlength=HIST_BINS).astype(np.uint32)
+    return np.bincount((image >> 2).ravel(), minlength=HISTOGRAM_BINS).astype(np.uint32)

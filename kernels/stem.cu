@@ -12,7 +12,7 @@
 // and the grid-stride step is a multiple of G, so a thread keeps one channel group for its
 // whole loop, with that group's 9 x V weights (fp32) and V biases in registers: the inner
 // loop is 9 x V FMAs and no shared memory. Each output sums bias, then taps in (ky, kx)
-// order, in fp32 (as stem_ref's definition and the kernel before this one).
+// order, in fp32 (as stem_ref's definition), so every sweep width gives the same bits.
 #include "common.cuh"
 
 template <int COUT, int P>

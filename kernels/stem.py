@@ -32,7 +32,7 @@ def stem_ref(
 
 
 SWEEP_ENV = "SCRATCHD_STEM_SWEEP"  # output pixels a thread takes along a row: 1, 2 or 4
-DEFAULT_SWEEP = "4"  # H200, 16 frames of 1024²: 478 µs at P=1, 380 at 2, 309 at 4
+DEFAULT_SWEEP = "4"  # the fastest on the H200, bit-equal to the others (docs/benchmarks.md)
 
 
 def stem_sweep() -> int:

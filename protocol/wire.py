@@ -50,6 +50,8 @@ MAX_FRAME_OVERHEAD: Final = 64 * 1024
 RequestId = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 ReplyStatus = Literal["ok", "timeout", "overloaded", "invalid", "error"]
 STATUSES: Final[tuple[ReplyStatus, ...]] = ("ok", "timeout", "overloaded", "invalid", "error")
+PRIORITIES: Final = 8
+"""A request's priority is 0 (normal) .. ``PRIORITIES - 1`` (most urgent)."""
 
 
 class InferRequest(msgspec.Struct, frozen=True, tag="infer", tag_field="type"):

@@ -1,4 +1,4 @@
-"""Benchmark (issue 5, item 5): the device arena vs CuPy's default pool under a churn workload.
+"""Benchmark: the device arena vs CuPy's default pool under a churn workload.
 
 The workload (fixed seed, the same operation list for every allocator): one allocation per step,
 sized like a serving worker's — 15 % activation buffers of 1–64 MiB, 85 % small arrays of
@@ -17,7 +17,7 @@ Each runs the list twice: ``cold`` (the pool starts empty; the arena's one cudaM
 apart) and ``warm`` (what the first pass left cached). Measured per pass: host time of each
 allocator call and of each drop of the last reference (µs, p50/p99/max), peak reserved bytes
 (the arena: the highest offset any block reached — the region this run needed; CuPy: the peak
-of ``total_bytes()``), and every 200 steps the fragmentation. The arena's is the issue's
+of ``total_bytes()``), and every 200 steps the fragmentation. The arena's is the metric's
 ``(free − largest free block) / total``. CuPy's pool does not expose its free chunks' sizes, so
 its largest free block is unknown; recorded instead: ``free_bytes()/total_bytes()`` (the share
 of reserved memory idle in its cache) and ``n_free_blocks()``.

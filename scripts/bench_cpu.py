@@ -87,9 +87,9 @@ def settle() -> None:
 
 def run_seconds(fn: Any, repeats: int) -> list[float]:
     """``repeats`` run times of ``fn`` after ``WARM_S`` seconds of warm-up runs (page faults,
-    thread start, onnxruntime's first-run allocations, and the cores: after half a second
-    idle the first three or four 200x200 forwards on two threads took 15-17 ms, then 8.5,
-    while the second core came up to speed; onnxruntime's spinning threads hide that within
+    thread start, onnxruntime's first-run allocations, and the cores: after an idle pause
+    the first few forwards on two threads run at one thread's speed while the second core
+    comes up to speed; onnxruntime's spinning threads hide that within
     its block, so each side gets the same warm-up). Each side is timed in its own block:
     onnxruntime's idle threads spin for a while after a run, which would slow a numpy run
     right after (hence :func:`settle` before every numpy block)."""

@@ -1,4 +1,4 @@
-"""Benchmark (issue 4, item 4): ScratchNet through our CUDA graph vs PyTorch on one GPU.
+"""Benchmark: ScratchNet through our CUDA graph vs PyTorch on one GPU.
 
 Implementations, all fp16 on the same weights (the shipped model, or He-initialised random
 weights when it is absent — the JSON says which):

@@ -1,7 +1,7 @@
 """Open-loop load against a real daemon: latency percentiles, throughput, statuses, losses,
 and how long a worker takes to come back after kill -9.
 
-The GPU record (issue 5 item 7), on the device machine (16 cores there):
+The GPU record, on the device machine (16 cores there):
 
     python scripts/bench_serve.py --backend cuda --size 1024 --rates 500,1000,2000,4000 \\
         --until-p99-ms 20 --duration 10 --kills 3 \\
@@ -84,103 +84,16 @@ from typing import Any
 import numpy as np
 import serve_load as sl
 import uvloop
+from serve_daemon import daemon_ports, kill_worker, start_daemon, worker_names
 from serve_report import print_table, record_markdown, rewrite_section
 
 from scratchd.client.api import Client
-from scratchd.protocol.wire import StatusReply
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data"
-SERVE = [sys.executable, "-c", "from scratchd.daemon.cli import main; main()", "serve"]
 LEGACY_KEYS = {"throughput": "throughput_ok_per_s", "p999_ms": "p99_9_ms"}
 TIMELINE_BIN_S = 0.5
 """The kill run's timeline bins, s."""
-
-
-# ---- the daemon ---------------------------------------------------------------------------
-
-
-def start_daemon(args: argparse.Namespace, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    sock = str(tmp / "bench.sock")
-    log = (tmp / "serve.log").open("wb")
-    config = tmp / "bench.toml"
-    text = f'[server]\nhealth_port = 0\nmetrics_port = 0\n[model]\npath = "{args.model}"\n'
-    if args.views:  # model.views: the test-time views the workers run (default: the model's)
-        text += f"views = {json.dumps(args.views.split(','))}\n"
-    if args.size:
-        slot_bytes = max(64, args.size * args.size)
-        text += f"[queue]\nslots = {args.slots}\nslot_bytes = {slot_bytes}\n"
-        text += f"max_batch = {args.max_batch}\n"
-    if args.gpus != "all":  # one worker per listed card (item 8: the two-GPU scaling run)
-        text += f"[workers]\ngpus = [{args.gpus}]\n"
-    config.write_text(text)
-    cmd = [*SERVE, "--config", str(config), "--backend", args.backend, "--socket", sock]
-    if args.backend == "cpu":
-        cmd += ["--workers", str(args.workers)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log)
-    wait_ready(sock, proc, spares=True)
-    return proc, sock
-
-
-def ready(
-    status: StatusReply, restarts: dict[str, int] | None = None, spares: bool = False
-) -> bool:
-    """The daemon serves with every worker READY (each named one restarted at least as many
-    times as asked), and with ``spares`` every warm standby READY too: one per card for a
-    CUDA pool, one for a CPU pool. The supervisor starts the standbys once the pool is READY,
-    and a GPU standby captures and times its graphs on the card the pool serves from, so a
-    load started before they are READY measures their warm-up as well."""
-    by_name = {w.name: w for w in status.workers}
-    serving = status.state == "serving" and all(w.state == "ready" for w in status.workers)
-    if not serving or any(by_name[n].restarts < k for n, k in (restarts or {}).items()):
-        return False
-    want = len(status.workers) if status.backend == "cuda" else 1
-    return not spares or sum(s.state == "ready" for s in status.standbys) >= want
-
-
-def wait_ready(
-    sock: str,
-    proc: subprocess.Popen[bytes] | None,
-    restarts: dict[str, int] | None = None,
-    spares: bool = False,
-) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise SystemExit(f"daemon exited with status {proc.returncode}")
-        try:
-            with Client(sock, timeout=5) as client:
-                status = client.status()
-        except OSError:
-            time.sleep(0.005)
-            continue
-        if ready(status, restarts, spares):
-            return
-        time.sleep(0.005)
-    what = "daemon (and its warm standbys)" if spares else "daemon"
-    raise SystemExit(f"{what} not ready after 120 s")
-
-
-def kill_worker(sock: str, name: str) -> tuple[dict[str, Any], float]:
-    """SIGKILL worker ``name``; time until status shows its replacement READY. Also returns
-    when it was killed (CLOCK_MONOTONIC)."""
-    with Client(sock, timeout=5) as client:
-        status = client.status()
-    current = {w.name: w for w in status.workers}[name]
-    spares = {s.pid for s in status.standbys if s.state == "ready"}
-    os.kill(current.pid, signal.SIGKILL)
-    t0 = time.monotonic()
-    wait_ready(sock, None, {name: current.restarts + 1})
-    elapsed = time.monotonic() - t0
-    with Client(sock, timeout=5) as client:
-        new_pid = {w.name: w.pid for w in client.status().workers}[name]
-    path = "standby" if new_pid in spares else "fresh process"
-    return {"worker": name, "restart_s": round(elapsed, 3), "replaced_by": path}, t0
-
-
-def worker_names(sock: str) -> list[str]:
-    with Client(sock, timeout=5) as client:
-        return sorted(w.name for w in client.status().workers)
 
 
 # ---- load ---------------------------------------------------------------------------------
@@ -239,13 +152,6 @@ def run_load(args: argparse.Namespace, sock: str, pattern: str, rate: float) -> 
     print(f"  {load}: p50 {row['p50_ms']} p99 {row['p99_ms']} ms, {row['statuses']}", flush=True)
     print(f"    daemon's timings: {row['parts']}", flush=True)
     return row
-
-
-def daemon_ports(sock: str) -> tuple[int, int]:
-    """The daemon's /metrics port and its main process id."""
-    with Client(sock, timeout=5) as client:
-        status = client.status()
-    return status.metrics_port, status.pid
 
 
 class StatusSampler:
@@ -360,7 +266,7 @@ def assemble_record(
     kills: list[dict[str, Any]],
     p99_limit_ms: float | None,
 ) -> dict[str, Any]:
-    """The issue's record (``device``, ``date``, ``open_loop``, ``restart_ms``,
+    """The record (``device``, ``date``, ``open_loop``, ``restart_ms``,
     ``lost_under_kill``) and, beyond it, the burst, the kill run and how busy was measured."""
     return {
         "device": device,
@@ -454,8 +360,8 @@ def main() -> None:
     args = parse_args()
     if args.client:
         # uvloop, as the daemon: the stdlib loop's transport moves a 1 MiB frame through its
-        # own buffer in ~200 KiB sends, so the generator fell behind its schedule (late p99
-        # 5.6 ms at 2000 req/s on the H200 host) and that lateness counts in each latency.
+        # own buffer in small sends, so the generator falls behind its schedule at high rates,
+        # and that lateness counts in each latency.
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             print(json.dumps(runner.run(sl.run_client(args))))
         return

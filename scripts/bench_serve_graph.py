@@ -1,4 +1,4 @@
-"""Benchmark (issue 5, item 3): the serving graph per batch bucket, 1024x1024 frames.
+"""Benchmark: the serving graph per batch bucket, 1024x1024 frames.
 
 For each bucket (1, 2, 4, 8, 16) a :class:`ServeGraph` of the shipped model (its four
 test-time views) is fed real-image mosaics (SD-900 tiles) and measured:
@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from scratchd.gpu.cuda_graph import BUCKETS, CudaScratchNet
+from scratchd.gpu.buckets import BUCKETS
+from scratchd.gpu.cuda_graph import CudaScratchNet
 from scratchd.gpu.serve_graph import ServeGraph
 from scratchd.model.scratchnet import load_model
 from scratchd.protocol.image import decode_image

@@ -108,8 +108,8 @@ def bin_s(doc: dict[str, Any]) -> float:
 
 
 RECOVERED_P99_MS = 20.0
-"""A kill run's bin is back to normal when its p99 is within this (the issue's rate-search
-limit) and every request due in it was answered ok."""
+"""A kill run's bin is back to normal when its p99 is within this (the default
+``--until-p99-ms`` rate-search limit) and every request due in it was answered ok."""
 
 
 def recovered_after(timeline: list[dict[str, Any]], at_s: float, width: float) -> float | None:

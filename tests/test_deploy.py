@@ -67,7 +67,7 @@ def test_alerts_fire_on_the_failures_they_name() -> None:
     _promtool("test", "rules", str(RULE_TESTS))  # the rule unit tests next to the rules
 
 
-def test_the_issues_alerts_exist() -> None:
+def test_the_alerts_exist() -> None:
     alerts = {r["alert"] for r in _rules() if "alert" in r}
     assert {
         "ScratchdDataDrift",  # drift over threshold
@@ -107,7 +107,7 @@ def test_rules_and_dashboard_only_use_metrics_the_daemon_exports() -> None:
         assert used <= known, (used - known, expr)
 
 
-def test_dashboard_shows_every_metric_and_what_the_issue_asks() -> None:
+def test_dashboard_shows_every_metric_and_each_operator_panel() -> None:
     used = " ".join(_dashboard_exprs())
     for name in {n.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
                  for n in _exported_names()}:  # fmt: skip

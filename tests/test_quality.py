@@ -42,3 +42,21 @@ def test_mypy_is_clean(tmp_path: Path) -> None:
     if scripts:
         result = _run("mypy", *scripts, env=env)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+MAX_LINES = 500
+
+
+def test_no_python_file_is_over_500_lines() -> None:
+    # A module that outgrows this holds more than one concept: split it by concept or role.
+    listed = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    too_long = {}
+    for name in listed:
+        path = ROOT / name
+        if path.is_file():
+            lines = len(path.read_text(encoding="utf-8").splitlines())
+            if lines > MAX_LINES:
+                too_long[name] = lines
+    assert not too_long, f"over {MAX_LINES} lines: {too_long}"

@@ -6,8 +6,8 @@ batch to fill (a batch of 8 costs far less than 8 batches of 1 on any backend). 
 - batch size = min(ready, ``max_batch`` from config, the backend's own limit);
 - claim at once when that many are ready already, or when the worker's device is idle: a
   pipelined (GPU) worker's next batch fills while the current one computes, so holding a
-  partial batch for an idle device only adds latency (the shipped model costs 1.60 ms a
-  1024² frame alone, 1.45 ms in a batch of 4 on the H200: docs/bench/serve-graph.json);
+  partial batch for an idle device only adds latency (a frame costs the GPU nearly as much
+  alone as in a batch: docs/benchmarks.md, serving graph);
 - otherwise wait for more, but at most ``max_queue_delay`` after the best ready request was
   enqueued, and never past the moment when that request's deadline, less the estimated
   compute time of the batch, would be missed (its *slack*).

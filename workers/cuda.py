@@ -46,14 +46,22 @@ from typing import Any, Final
 
 import numpy as np
 
+from scratchd.gpu.buckets import BUCKETS, bucket_for
 from scratchd.ipc.queue import Result, Status
 from scratchd.workers.batching import ewma
-from scratchd.workers.gpu_memory import MIB, BatchSizer, free_bytes, pin_near, split_batch
+from scratchd.workers.gpu_memory import (
+    ARENA_MB,
+    MIB,
+    RESERVE_MB,
+    WARM_SIZES,
+    BatchSizer,
+    free_bytes,
+    pin_near,
+    split_batch,
+)
 from scratchd.workers.results import error_result, ok_result
 
-BUCKETS: Final = (1, 2, 4, 8, 16)
 H2D: Final = 1  # cudaMemcpyHostToDevice
-WARM_SIZES: Final = ((1024, 1024),)
 MIN_ARENA: Final = 256 * MIB
 GRAPH_MS_WEIGHT: Final = 0.1
 """Weight of the newest batch in a graph's device-time estimate."""
@@ -100,9 +108,9 @@ class CudaBackend:
         self,
         model_path: str | None,
         max_batch: int,
-        reserve_mb: int = 1024,
+        reserve_mb: int = RESERVE_MB,
         warm_sizes: Sequence[tuple[int, int]] = WARM_SIZES,
-        arena_mb: int = 16384,
+        arena_mb: int = ARENA_MB,
         views: Sequence[str] | None = None,  # config model.views; None: the model file's
     ) -> None:
         from scratchd.gpu.cuda_graph import CudaScratchNet
@@ -338,9 +346,7 @@ class CudaBackend:
     def _graph_for(self, n: int, size: tuple[int, int]) -> Any:
         """The held graph of the smallest bucket ≥ n, capturing it if memory allows; else a
         held smaller one is not enough (the caller split by ``limit``), so None."""
-        bucket = _bucket_for(n)
-        if bucket is None:  # split_batch's chunks all fit a bucket
-            raise ValueError(f"no bucket holds {n} frames (largest {BUCKETS[-1]})")
+        bucket = bucket_for(n)  # split_batch's chunks all fit a bucket
         g = self.graphs.get((bucket, *size))
         if g is not None:
             return g
@@ -393,16 +399,17 @@ class CudaBackend:
         as one chunk in it, to measure it again.
 
         Only a batch that runs alone is timed (``_observe``), so a bucket whose time came
-        out too high would never run, never be timed again, and stay avoided for good. On
-        the H200 a standby that timed its 8-frame graph at 6.83 ms (3.23 by itself) while the
-        serving worker used the card took over after a kill -9 running 8 frames as 4 + 4,
-        and the kill's backlog drained at ~80 requests/s (``bench_serve`` kill run timeline
-        at a3e2cec, docs/benchmarks.md)."""
+        out too high would never run, never be timed again, and stay avoided for good. A
+        standby times its graphs while the serving worker uses the card, so its times can
+        be twice the real ones; after a take-over it would then split every batch and drain
+        the kill's backlog slowly (docs/benchmarks.md, reading the serving numbers)."""
         plan = split_batch(n, limit, BUCKETS, self._bucket_cost(size))
         if len(plan) == 1:
             return plan
-        bucket = _bucket_for(n)
-        if bucket is None or bucket > limit or (bucket, *size) not in self.graphs:
+        if n > BUCKETS[-1]:
+            return plan
+        bucket = bucket_for(n)
+        if bucket > limit or (bucket, *size) not in self.graphs:
             return plan
         key = (bucket, *size)
         now = time.monotonic()
@@ -477,11 +484,6 @@ class CudaBackend:
             self._staging = cupyx.empty_pinned((max(need, 16 * nbytes),), np.uint8)
         self._staging[j * nbytes : need] = np.ascontiguousarray(img).reshape(-1)
         return int(self._staging.ctypes.data) + j * nbytes
-
-
-def _bucket_for(n: int) -> int | None:
-    """The smallest bucket that holds ``n`` frames; None when none does."""
-    return next((b for b in BUCKETS if b >= n), None)
 
 
 def _key(g: Any) -> tuple[int, int, int]:

@@ -1,6 +1,6 @@
 """How big a GPU batch may be, and which CPUs a GPU worker runs on (NVML).
 
-Batch size (issue 5, item 2) is the smallest of: what is ready, ``max_batch``, and what the
+Batch size is the smallest of: what is ready, ``max_batch``, and what the
 card's free memory allows. The device memory a batch needs is held by its captured serving
 graph (``gpu/serve_graph.py``): every buffer is allocated when the graph is captured and
 reused by every replay, so serving itself never allocates. Memory is therefore decided when a
@@ -12,7 +12,7 @@ graph is captured, and :class:`BatchSizer` decides it from a ``free`` function::
     limit = the largest usable bucket ≤ max_batch  (buckets are 1, 2, 4, 8, 16)
 
 The CUDA worker (``workers/cuda.py``) sizes its one device arena at boot from NVML's free
-memory (v2: v1's ``used`` counts the driver's reservation, 615 MiB on an idle H200) less
+memory (v2: v1's ``used`` counts the driver's reservation, hundreds of MiB on an idle card) less
 ``workers.gpu_reserve_mb``, and then gives the sizer the arena's largest free block as
 ``free`` with no further reserve: the card's memory is decided once, at boot, and memory
 another process takes later cannot shrink what this worker holds.
@@ -21,7 +21,7 @@ A capture that fails with out-of-memory anyway marks its bucket unusable for
 ``RETRY_AFTER_S`` and the batch runs in smaller buckets; it is counted (``oom_refusals``),
 never hidden.
 
-CPU affinity (item 1): NVML's ``nvmlDeviceGetCpuAffinity`` bitmask of the card's NUMA-near
+CPU affinity: NVML's ``nvmlDeviceGetCpuAffinity`` bitmask of the card's NUMA-near
 cores, intersected with the CPUs this process may use (a cgroup or ``taskset`` narrows them);
 an empty intersection leaves the affinity as it is and says so.
 """
@@ -36,6 +36,12 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 MIB: Final = 1024 * 1024
+RESERVE_MB: Final = 1024
+"""Device memory (MiB) a CUDA worker leaves free on its card beside its arena."""
+ARENA_MB: Final = 16384
+"""The most device memory (MiB) one CUDA worker's arena takes."""
+WARM_SIZES: Final = ((1024, 1024),)
+"""Frame sizes ``(height, width)`` whose graphs a CUDA worker captures before READY."""
 RETRY_AFTER_S: Final = 5.0
 """How long a bucket whose capture ran out of memory stays unusable."""
 

@@ -38,8 +38,10 @@ from typing import Final, Protocol, cast
 
 import numpy as np
 
+from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Claim, QueueError, RequestQueue, Result
 from scratchd.workers.batching import BatchPolicy, ewma
+from scratchd.workers.gpu_memory import ARENA_MB, RESERVE_MB
 from scratchd.workers.protocol import STANDBY_SLOT, ExitCode, parse_take, ready_line
 from scratchd.workers.results import error_result
 
@@ -99,8 +101,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--queue", required=True)
     p.add_argument("--slot", type=int, required=True)
     p.add_argument("--backend", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--gpu-reserve-mb", type=int, default=1024)
-    p.add_argument("--gpu-arena-mb", type=int, default=16384)
+    p.add_argument("--gpu-reserve-mb", type=int, default=RESERVE_MB)
+    p.add_argument("--gpu-arena-mb", type=int, default=ARENA_MB)
     p.add_argument(
         "--gpu-warm-size", action="append", default=[], metavar="HxW",
         help="a frame size whose graphs are captured before READY (repeatable)",
@@ -217,7 +219,7 @@ class WorkerLoop:
         self.backend = backend
         self.stop = stop
         self.death_fd = death_fd
-        self.policy = BatchPolicy(max(1, backend.max_batch), max_delay_ms * 1_000_000)
+        self.policy = BatchPolicy(max(1, backend.max_batch), max_delay_ms * NS_PER_MS)
         self.heartbeat_s = heartbeat_ms / 1000.0
         self.memory_reported_ns = 0
         self.claimed_ns = 0  # when the loop last decided to claim (PipelinedLoop's lead)

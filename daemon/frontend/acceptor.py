@@ -73,6 +73,7 @@ from scratchd.daemon.frontend.images import (
 )
 from scratchd.daemon.frontend.receiver import ReceivePool
 from scratchd.daemon.log import log_event
+from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Handle, RequestQueue
 from scratchd.protocol import wire
 from scratchd.protocol.image import ImageError
@@ -86,7 +87,6 @@ __all__ = [
     "convert_into",
 ]
 
-MS: Final = 1_000_000
 DECODE_THREADS: Final = 2
 
 
@@ -310,7 +310,7 @@ class Acceptor:
             self.dispatcher.reject(flight, "overloaded", f"queue full: all {slots} slots in use")
             return
         flight.handle = handle
-        flight.deadline_ns = received_ns + admission.deadline_ms * MS
+        flight.deadline_ns = received_ns + admission.deadline_ms * NS_PER_MS
         try:
             if request.encoded is None and request.channels == 1:
                 if lent is None:

@@ -13,14 +13,10 @@ acceptor answers that itself when ``reserve()`` finds no free slot.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
 
-from scratchd.daemon.config import Config
+from scratchd.daemon.config import MAX_DEADLINE_MS, Config
 from scratchd.daemon.frontend.images import AnyInferRequest, Invalid
 from scratchd.protocol import wire
-
-MAX_DEADLINE_MS: Final = 86_400_000
-"""No part waits a day; and a deadline must fit the queue's int64 nanoseconds."""
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
+from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Completion, Handle, RequestQueue, Status
 from scratchd.protocol import wire
 
 if TYPE_CHECKING:
     from scratchd.daemon.frontend.acceptor import Connection
-
-MS: Final = 1_000_000
 
 STATUS_NAMES: Final[dict[Status, wire.ReplyStatus]] = {
     Status.OK: "ok",
@@ -103,7 +102,7 @@ class Dispatcher:
 
     def reject(self, flight: InFlight, status: wire.ReplyStatus, reason: str) -> None:
         """Answer a request that never reached the queue."""
-        timings = wire.Timings(total_ms=(time.monotonic_ns() - flight.received_ns) / MS)
+        timings = wire.Timings(total_ms=(time.monotonic_ns() - flight.received_ns) / NS_PER_MS)
         reply = wire.Reply(id=flight.request_id, status=status, timings=timings, error=reason)
         self.answer(flight, reply, None)
 
@@ -173,9 +172,9 @@ class Dispatcher:
         queue_end = c.claim_ns if c.claim_ns > 0 else (c.done_ns or now)
         result = c.result
         timings = wire.Timings(
-            queue_ms=max(0, queue_end - c.enqueue_ns) / MS,
-            compute_ms=(result.compute_ns / MS) if result is not None else 0.0,
-            total_ms=(now - flight.received_ns) / MS,
+            queue_ms=max(0, queue_end - c.enqueue_ns) / NS_PER_MS,
+            compute_ms=(result.compute_ns / NS_PER_MS) if result is not None else 0.0,
+            total_ms=(now - flight.received_ns) / NS_PER_MS,
         )
         # Only a worker that produced the result is named (a reclaimed claim that then timed
         # out still records its dead owner's slot).

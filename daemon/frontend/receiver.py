@@ -40,9 +40,8 @@ read. A frame goes to a thread only when the socket already holds ``min_bytes`` 
 (``ready``: ioctl FIONREAD), so a sender slow to push the rest of its frame has that rest
 received by the loop as it trickles in (where waiting costs nothing) and takes a thread only
 for a burst that is already there. Waiting for more would let a few slow senders hold every
-thread while other connections' frames queue behind them: with 4 threads and a 20 ms wait, 8
-senders pushing 64 KiB every 2 ms took the fast sender's p50 from 2.5 to 1841 ms
-(``docs/bench/frontend.json``, ``convoy``).
+thread while other connections' frames queue behind them, a convoy that multiplies the fast
+senders' latency (docs/benchmarks.md, front end).
 
 ``done`` always runs once per job, on the loop, whatever the thread met (a short count: the
 loop resumes reading and meets the EOF or the error itself, or receives the rest of a frame,
@@ -73,8 +72,8 @@ from scratchd.ipc._native import recv_into_exact
 MIN_BYTES: Final = 64 * 1024
 """Pixels still to come, and bytes already in the socket, for which a thread is worth its
 hand-offs: fewer still to come, and one read of the loop's (``SLOT_READ_BYTES``, also 64 KiB)
-takes them. The value is not tuned against a measurement: ``docs/bench/frontend.json`` only
-bounds a hand-off from above (well under the 100-140 us of loop CPU a 1 MiB frame saves)."""
+takes them. The value is not tuned against a measurement: the front-end benchmark only bounds
+a hand-off's cost from above, well under the loop CPU a 1 MiB frame saves."""
 MAX_WAIT_S: Final = 0.0
 """The longest one job waits for bytes that are not there yet: none. Tests raise it to hold a
 thread mid-frame (cancel and close while a thread owns the slot)."""

@@ -49,9 +49,8 @@ import math
 
 import numpy as np
 
-from scratchd.kernels.postprocess import HIST_BINS
+from scratchd.ipc.layout import HISTOGRAM_BINS as BINS
 
-BINS = HIST_BINS  # the worker's intensity_histogram: bin i holds values 4i..4i+3
 LAMBDA = 1e-3
 
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the daemon: exactly the table in DESIGN.md, collected in-process.
+"""Prometheus metrics of the daemon: exactly the table in docs/design.md, collected in-process.
 
 There is no separate exporter. Everything is measured where it happens and travels to the
 main process with the result:
@@ -58,10 +58,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-STATUSES = ("ok", "timeout", "overloaded", "invalid", "error")
-_STATUS_INDEX = {status: i for i, status in enumerate(STATUSES)}
+from scratchd.protocol.wire import PRIORITIES, STATUSES
+
+_STATUS_INDEX: dict[str, int] = {status: i for i, status in enumerate(STATUSES)}
 QUEUED_STATUSES = frozenset({"ok", "timeout", "error"})
-PRIORITIES = tuple(range(8))
 OTHER_CLASS = "other"
 # The supervisor's WorkerState values; each is exported (at 0 when empty), so that
 # `scratchd_workers{state="ready"} == 0` can fire rather than the series going missing.
@@ -229,7 +229,7 @@ class _LiveCollector:
             for part_class, value in m.p99_by_class().items():
                 p99.add_metric([part_class], value)
             depths = list(src.queue_depth())
-            for priority in PRIORITIES:
+            for priority in range(PRIORITIES):
                 depth.add_metric([str(priority)], depths[priority] if priority < len(depths) else 0)
             entropy.add_metric([], src.output_entropy())
             drift.add_metric([], src.drift_score())
@@ -298,10 +298,10 @@ class Metrics:
         r.register(_LiveCollector(self))
         # Every series a dashboard or alert divides by exists from the first scrape, at 0.
         self._duration_children = {c: self.duration.labels(c) for c in self.part_classes}
-        self._request_children = {
+        self._request_children: dict[tuple[str, str], Counter] = {
             (c, s): self.requests.labels(c, s) for c in self.part_classes for s in STATUSES
         }
-        self._wait_children = {p: self.queue_wait.labels(str(p)) for p in PRIORITIES}
+        self._wait_children = {p: self.queue_wait.labels(str(p)) for p in range(PRIORITIES)}
         self._batch_children: dict[str, tuple[Histogram, Histogram]] = {}  # by device
         for device in devices:
             self.add_device(device)
@@ -329,13 +329,13 @@ class Metrics:
             raise ValueError(f"unknown reply status {status!r}")
         label = self.class_label(part_class)
         now = self._clock()
-        # Label children are looked up in our own dicts: `.labels()` costs ~2 us a call.
+        # Label children are looked up in our own dicts: `.labels()` is slow on a hot path.
         self._request_children[label, status].inc()
         self._replies.add(now, index)
         if status in QUEUED_STATUSES:
             self._duration_children[label].observe(total_s)
             self._latency[label].add(now, total_s)
-        if queue_wait_s is not None and priority in PRIORITIES:
+        if queue_wait_s is not None and priority is not None and 0 <= priority < PRIORITIES:
             self._wait_children[priority].observe(max(queue_wait_s, 0.0))
 
     def observe_batch(
@@ -389,7 +389,9 @@ class Metrics:
         now = self._clock()
         span = max(min(self.window_s, now - self._started), 1.0)
         counts = self._replies.totals(now)
-        rates = {s: round(n / span, 3) for s, n in zip(STATUSES, counts, strict=True)}
+        rates: dict[str, float] = {
+            s: round(n / span, 3) for s, n in zip(STATUSES, counts, strict=True)
+        }
         return Rates(round(sum(counts) / span, 3), rates)
 
     def exposition(self) -> bytes:

@@ -56,10 +56,10 @@ from scratchd.daemon.pool.worker_process import (
     restart_delay,
     worker_env,
 )
+from scratchd.ipc.layout import NS_PER_MS, NS_PER_S
 from scratchd.ipc.queue import ReclaimReport, RequestQueue
 from scratchd.workers.protocol import ExitCode, WorkerSpec
 
-NS: Final = 1_000_000_000
 STABLE_AFTER_S: Final = 30.0
 """A worker READY this long has its restart backoff reset."""
 
@@ -269,7 +269,7 @@ class Supervisor(StandbyMixin):
                 return
         else:
             lineage.boot_failures = 0
-            if (time.monotonic_ns() - worker.ready_ns) / NS >= STABLE_AFTER_S:
+            if (time.monotonic_ns() - worker.ready_ns) / NS_PER_S >= STABLE_AFTER_S:
                 lineage.failures = 0
         lineage.failures += 1
         # A READY standby takes over at once, backoff or not: it is already booted, and a
@@ -315,15 +315,15 @@ class Supervisor(StandbyMixin):
         beats = {row.slot: row.heartbeat_ns for row in self.queue.worker_rows()}
         for worker in [*self.workers.values(), *self.standbys.values()]:
             if worker.state is WorkerState.STOPPING:
-                if now - worker.term_ns > cfg.kill_grace_ms * 1_000_000:
+                if now - worker.term_ns > cfg.kill_grace_ms * NS_PER_MS:
                     self._signal(worker, signal.SIGKILL)
             elif worker.state is WorkerState.STARTING:
-                if now - worker.started_ns > cfg.boot_timeout_ms * 1_000_000:
+                if now - worker.started_ns > cfg.boot_timeout_ms * NS_PER_MS:
                     self._signal(worker, signal.SIGKILL)
             elif worker.standby:
                 continue  # idle by design: no slot, no heartbeat
             elif now - max(beats.get(worker.slot, 0), worker.ready_ns) > (
-                cfg.hang_timeout_ms * 1_000_000
+                cfg.hang_timeout_ms * NS_PER_MS
             ):
                 self.terminate(worker)
         if self.state not in (PoolState.STOPPED, PoolState.HALTED):

@@ -1,4 +1,4 @@
-"""Configuration: the DESIGN.md skeleton decodes, unknown keys are named, flags win."""
+"""Configuration: the docs/design.md skeleton decodes, unknown keys are named, flags win."""
 
 from __future__ import annotations
 

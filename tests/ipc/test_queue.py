@@ -12,16 +12,11 @@ state machine interleaves both; ``index_is_well_formed`` walks every list after 
 
 from __future__ import annotations
 
-import math
 import os
-import signal
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
-import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -34,43 +29,12 @@ from hypothesis.stateful import (
 from scratchd.ipc.queue import (
     Claim,
     DescState,
-    Geometry,
     Handle,
-    QueueError,
     RequestQueue,
     Result,
-    StaleHandle,
     Status,
 )
-
-TICK = 1_000_000
-SLOTS = 6
-MAX_KILLS = 2
-GEOMETRY = Geometry(slots=SLOTS, slot_bytes=16, tick_ms=1, max_workers=3, wheel_ticks=8)
-
-
-def shm_name(tag: str) -> str:
-    return f"/scratchd-test-{tag}-{os.getpid()}"
-
-
-@pytest.fixture
-def queue() -> Iterator[RequestQueue]:
-    q = RequestQueue.create(shm_name("q"), GEOMETRY)
-    yield q
-    q.close()
-
-
-def submit(
-    q: RequestQueue, rid: int, *, priority: int = 0, deadline_ns: int, conn: int = 1
-) -> Handle:
-    h = q.reserve()
-    assert h is not None
-    q.payload(h)[:4] = bytes([rid % 256] * 4)
-    q.submit(
-        h, request_id=rid, conn_id=conn, priority=priority, part_class=0,
-        deadline_ns=deadline_ns, height=2, width=2, want_mask=False,
-    )  # fmt: skip
-    return h
+from tests.ipc.queue_helpers import GEOMETRY, MAX_KILLS, SLOTS, TICK, shm_name
 
 
 @dataclass
@@ -331,219 +295,3 @@ class QueueModel(RuleBasedStateMachine):
 
 TestQueueModel = QueueModel.TestCase
 TestQueueModel.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
-
-
-def test_full_queue_reserves_nothing_and_recovers(queue: RequestQueue) -> None:
-    handles = [queue.reserve() for _ in range(SLOTS)]
-    assert None not in handles
-    assert queue.reserve() is None  # the acceptor answers 'overloaded'
-    first = handles[0]
-    assert first is not None
-    queue.release(first)
-    again = queue.reserve()
-    assert again is not None and again.index == first.index
-    assert again.generation == first.generation + 1  # the old handle is stale now
-    with pytest.raises(StaleHandle):
-        queue.payload(first)
-
-
-def test_input_and_result_round_trip(queue: RequestQueue) -> None:
-    image = np.arange(12, dtype=np.uint8).reshape(3, 4)
-    h = queue.reserve()
-    assert h is not None
-    queue.payload(h)[: image.size] = image.tobytes()
-    queue.submit(
-        h, request_id=41, conn_id=9, priority=7, part_class=2,
-        deadline_ns=time.monotonic_ns() + 10**9, height=3, width=4, want_mask=True,
-    )  # fmt: skip
-    queue.register_worker(0, os.getpid())
-    (claim,) = queue.claim_batch(0, 8, time.monotonic_ns())
-    view = queue.input_view(claim)
-    assert (view == image).all() and not view.flags.writeable
-    mask = np.zeros((3, 4), np.uint8)
-    mask[1, 1:3] = 255
-    boxes = [(float(i), 1.0, 2.0, 3.0, 0.5) for i in range(70)]
-    result = Result(
-        Status.OK, verdict_defect=True, score=0.75, boxes=boxes, entropy=0.25,
-        histogram=np.arange(64, dtype=np.uint32), compute_ns=1234, batch_size=3,
-        error="ß" * 150, mask=mask,
-    )  # fmt: skip
-    assert queue.complete(0, claim, result)
-    (done,) = queue.collect_completed()
-    got = done.result
-    assert got is not None and done.status == Status.OK
-    assert (done.request_id, done.conn_id, done.part_class, done.priority) == (41, 9, 2, 7)
-    assert done.enqueue_ns <= done.claim_ns <= done.done_ns and done.worker == 0
-    assert got.verdict_defect and got.score == 0.75 and got.entropy == 0.25
-    assert got.boxes == boxes[:64]  # at most 64 kept
-    assert (got.histogram == np.arange(64)).all()
-    assert (got.compute_ns, got.batch_size) == (1234, 3)
-    assert got.error == "ß" * 100  # 200 bytes of UTF-8, cut at a character boundary
-    assert got.mask is not None and (got.mask == mask).all()
-
-
-def test_malformed_result_writes_nothing(queue: RequestQueue) -> None:
-    submit(queue, 1, deadline_ns=time.monotonic_ns() + 10**9)
-    queue.register_worker(0, os.getpid())
-    (claim,) = queue.claim_batch(0, 1, time.monotonic_ns())
-    with pytest.raises(ValueError, match="mask shape"):
-        queue.complete(0, claim, Result(Status.OK, mask=np.zeros((5, 5), np.uint8)))
-    with pytest.raises(ValueError, match="histogram"):
-        queue.complete(0, claim, Result(Status.OK, histogram=np.zeros(3, np.uint32)))
-    assert queue.counts_by_state()[DescState.CLAIMED] == 1
-    assert queue.complete(0, claim, Result(Status.ERROR, error="model failed"))
-    (done,) = queue.collect_completed()
-    assert done.status == Status.ERROR and done.result is not None
-    assert done.result.error == "model failed"
-
-
-def test_request_that_kills_its_workers_is_quarantined(queue: RequestQueue) -> None:
-    submit(queue, 5, deadline_ns=time.monotonic_ns() + 60 * 10**9)
-    for attempt in (1, 2, 3):
-        queue.register_worker(1, os.getpid())
-        (claim,) = queue.claim_batch(1, 1, time.monotonic_ns())
-        assert claim.attempt == attempt
-        report = queue.reclaim_worker(1, time.monotonic_ns(), max_kills=3)
-    assert report.quarantined == [claim.handle] and not report.requeued
-    (done,) = queue.collect_completed()
-    assert done.status == Status.ERROR and "quarantined" in done.error
-
-
-def test_reclaimed_worker_cannot_claim(queue: RequestQueue) -> None:
-    queue.register_worker(2, os.getpid())
-    queue.reclaim_worker(2, time.monotonic_ns())
-    with pytest.raises(QueueError, match="not the worker registered"):
-        queue.claim_batch(2, 1, time.monotonic_ns())
-    assert queue.worker_rows() == []
-
-
-def test_submit_wakes_a_waiting_worker(queue: RequestQueue) -> None:
-    queue.register_worker(0, os.getpid())
-    start = time.monotonic()
-    assert not queue.wait_for_work(0, timeout_s=0.05)  # nothing queued: sleeps, times out
-    assert time.monotonic() - start >= 0.04
-    woke: list[float] = []
-
-    def worker() -> None:
-        assert queue.wait_for_work(0, timeout_s=10.0)
-        woke.append(time.monotonic())
-
-    thread = threading.Thread(target=worker)
-    thread.start()
-    time.sleep(0.2)  # let it fall asleep on its doorbell
-    assert not woke
-    submitted = time.monotonic()
-    submit(queue, 1, deadline_ns=time.monotonic_ns() + 10**9)
-    thread.join(5.0)
-    assert woke and woke[0] - submitted < 1.0  # woken by the ring, not by the timeout
-
-
-def test_out_of_range_request_fields_are_refused_and_nothing_is_written(
-    queue: RequestQueue,
-) -> None:
-    h = queue.reserve()
-    assert h is not None
-    now = time.monotonic_ns()
-    bad: list[dict[str, int]] = [{"request_id": -1}, {"conn_id": 2**64}, {"priority": 8}]
-    for fields in bad:
-        args = {"request_id": 1, "conn_id": 1, "priority": 0, **fields}
-        with pytest.raises(ValueError):
-            queue.submit(
-                h, part_class=0, deadline_ns=now, height=1, width=1, want_mask=False, **args
-            )
-    with pytest.raises(ValueError, match="does not fit"):
-        queue.submit(
-            h, request_id=1, conn_id=1, priority=0, part_class=0, deadline_ns=now,
-            height=5, width=5, want_mask=False,
-        )  # fmt: skip
-    assert queue.counts_by_state()[DescState.WRITTEN] == 1  # still the acceptor's to release
-    queue.release(h)
-    assert queue.counts_by_state()[DescState.FREE] == SLOTS
-
-
-def hold_lock_in_child(queue: RequestQueue, then: str) -> int:
-    """Fork a child that takes the queue's mutex, then dies holding it ('die') or lets it go
-    after 0.2 s ('release'); returns when the child holds it."""
-    ready_r, ready_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            queue._mutex.acquire()
-            os.write(ready_w, b"x")
-            if then == "die":
-                os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(0.2)
-            queue._mutex.release()
-        finally:
-            os._exit(0)
-    os.close(ready_w)
-    assert os.read(ready_r, 1) == b"x"
-    os.close(ready_r)
-    return pid
-
-
-def test_a_native_operation_after_a_dead_holder_repairs_first(queue: RequestQueue) -> None:
-    """The C fast path's trylock gets EOWNERDEAD: Python repairs, then the operation runs."""
-    queue.register_worker(0, os.getpid())
-    submit(queue, 1, deadline_ns=time.monotonic_ns() + 10**9)
-    os.waitpid(hold_lock_in_child(queue, "die"), 0)
-    submit(queue, 2, deadline_ns=time.monotonic_ns() + 10**9)  # meets OWNER_DIED
-    assert queue.counters()["repairs"] == 1
-    claims = queue.claim_batch(0, 4, time.monotonic_ns())
-    assert [c.request_id for c in claims] == [1, 2]
-    assert queue._mutex.try_acquire()  # consistent and free again
-    queue._mutex.release()
-
-
-def test_a_native_operation_waits_for_a_busy_lock(queue: RequestQueue) -> None:
-    """The C fast path's trylock gets EBUSY: the operation waits in Python, then runs."""
-    queue.register_worker(0, os.getpid())
-    pid = hold_lock_in_child(queue, "release")
-    start = time.monotonic()
-    submit(queue, 1, deadline_ns=time.monotonic_ns() + 10**9)
-    assert time.monotonic() - start > 0.05  # it waited for the holder
-    os.waitpid(pid, 0)
-    assert [c.request_id for c in queue.claim_batch(0, 1, time.monotonic_ns())] == [1]
-    assert queue.counters()["repairs"] == 0
-
-
-def test_close_unmaps_the_segment() -> None:
-    """Nothing (the C objects hold buffer exports) keeps the mapping alive after close."""
-    q = RequestQueue.create(shm_name("close"), GEOMETRY)
-    q.register_worker(0, os.getpid())
-    submit(q, 1, deadline_ns=time.monotonic_ns() + 10**9)
-    (claim,) = q.claim_batch(0, 1, time.monotonic_ns())
-    del claim
-    mm = q._seg.mm
-    q.close()
-    assert mm.closed
-
-
-def test_a_gpu_worker_reports_its_arena_fragmentation_in_its_row(queue: RequestQueue) -> None:
-    queue.register_worker(1, os.getpid())
-    assert math.isnan(queue.worker_rows()[0].vram_frag)  # no arena reported: no number
-    queue.report_device_memory(1, 0.25)
-    assert queue.worker_rows()[0].vram_frag == 0.25
-    queue.reclaim_worker(1, time.monotonic_ns())
-    queue.register_worker(1, os.getpid() + 1)  # a replacement starts with no number
-    assert math.isnan(queue.worker_rows()[0].vram_frag)
-
-
-def test_a_standby_mapping_takes_a_slots_doorbell_when_handed_one(queue: RequestQueue) -> None:
-    """workers.main: a standby attaches without a slot at boot; on take-over it adopts the
-    slot's work doorbell, registers, and is woken by a submit like any worker."""
-    standby = RequestQueue.attach(queue.name, completion_fd=queue.completion_fd)
-    try:
-        with pytest.raises(QueueError, match="work doorbell"):
-            standby.wait_for_work(1, 0.0)  # no slot yet: nothing to wait on
-        standby.adopt_work_fd(os.dup(queue.work_fd(1)))
-        with pytest.raises(QueueError, match="already"):
-            standby.adopt_work_fd(os.dup(queue.work_fd(1)))
-        standby.register_worker(1, os.getpid())
-        assert not standby.wait_for_work(1, timeout_s=0.0)
-        submit(queue, 1, deadline_ns=time.monotonic_ns() + 10**9)
-        assert standby.wait_for_work(1, timeout_s=5.0)
-        (claim,) = standby.claim_batch(1, 4, time.monotonic_ns())
-        assert claim.request_id == 1
-    finally:
-        standby.close()

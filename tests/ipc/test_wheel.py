@@ -10,9 +10,10 @@ from collections.abc import Iterator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Geometry, RequestQueue
 
-TICK = 1_000_000  # 1 ms: the queue's tick_ms
+TICK = NS_PER_MS  # the queue's tick_ms = 1
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ def _script(name: str) -> ModuleType:
 sl = _script("serve_load")
 report = _script("serve_report")
 bench = _script("bench_serve")
+daemon = _script("serve_daemon")
 
 
 # ---- schedules ----------------------------------------------------------------------------
@@ -160,18 +161,18 @@ def test_the_first_load_waits_for_every_warm_standby_too() -> None:
     """A load that started before the standbys were READY would measure their warm-up (a GPU
     standby captures and times its graphs on the serving card): one per card for CUDA."""
     two_cards = [("cuda0", "ready", 0), ("cuda1", "ready", 0)]
-    assert bench.ready(_status("cuda", two_cards, []))  # workers only: as before
-    assert not bench.ready(_status("cuda", two_cards, []), spares=True)
-    assert not bench.ready(_status("cuda", two_cards, ["ready", "booting"]), spares=True)
-    assert bench.ready(_status("cuda", two_cards, ["ready", "ready"]), spares=True)
+    assert daemon.ready(_status("cuda", two_cards, []))  # workers only: as before
+    assert not daemon.ready(_status("cuda", two_cards, []), spares=True)
+    assert not daemon.ready(_status("cuda", two_cards, ["ready", "booting"]), spares=True)
+    assert daemon.ready(_status("cuda", two_cards, ["ready", "ready"]), spares=True)
     cpu = [("cpu0", "ready", 0), ("cpu1", "ready", 0)]
-    assert bench.ready(_status("cpu", cpu, ["ready"]), spares=True)  # one for a CPU pool
-    assert not bench.ready(_status("cpu", [("cpu0", "booting", 0)], ["ready"]), spares=True)
+    assert daemon.ready(_status("cpu", cpu, ["ready"]), spares=True)  # one for a CPU pool
+    assert not daemon.ready(_status("cpu", [("cpu0", "booting", 0)], ["ready"]), spares=True)
 
 
 def test_a_restart_is_ready_when_the_named_worker_restarted() -> None:
     st = _status("cuda", [("cuda0", "ready", 1)], [])
-    assert bench.ready(st, {"cuda0": 1}) and not bench.ready(st, {"cuda0": 2})
+    assert daemon.ready(st, {"cuda0": 1}) and not daemon.ready(st, {"cuda0": 2})
 
 
 # ---- GPU busy -----------------------------------------------------------------------------
@@ -223,7 +224,7 @@ def _open_loop_row(rate: float) -> dict[str, Any]:
     return {"load": f"poisson@{rate:g}/s", "rate": rate, "size": 1024, **row}
 
 
-def test_the_record_has_the_issue_schema() -> None:
+def test_the_record_has_its_schema() -> None:
     rows = [_open_loop_row(500.0), _open_loop_row(1000.0)]
     burst = {**_open_loop_row(0.0), "load": "burst"}
     kill_row = {**_open_loop_row(2000.0), "lost": 0}
@@ -269,7 +270,7 @@ def test_the_markdown_section_is_replaced_in_place_and_nothing_else_moves(tmp_pa
     assert second.replace("poisson@700/s", "poisson@500/s") == first
 
 
-def test_the_cuda_command_line_defaults_to_the_issue_load() -> None:
+def test_the_cuda_command_line_defaults_to_the_recorded_load() -> None:
     args = bench.parse_args(["--backend", "cuda"])
     assert (args.size, args.rates, args.kill_rate) == (1024, "500,1000,2000,4000", None)
     assert args.json.endswith("docs/bench/serve-gpu.json")

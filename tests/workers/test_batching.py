@@ -6,39 +6,39 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from scratchd.ipc.layout import NS_PER_MS
 from scratchd.workers.batching import BatchPolicy, Plan
-
-MS = 1_000_000
 
 
 def test_nothing_ready_sleeps_on_the_doorbell() -> None:
-    assert BatchPolicy(8, 10 * MS).plan(0, 0, None) == Plan(0, None)
+    assert BatchPolicy(8, 10 * NS_PER_MS).plan(0, 0, None) == Plan(0, None)
 
 
 def test_a_full_batch_is_claimed_at_once() -> None:
-    policy = BatchPolicy(4, 10 * MS)
+    policy = BatchPolicy(4, 10 * NS_PER_MS)
     assert policy.plan(5, 9, (5, 10**12)) == Plan(4, None)
 
 
 def test_a_partial_batch_waits_until_the_queue_delay_then_goes() -> None:
-    policy = BatchPolicy(8, 10 * MS)
-    assert policy.plan(1 * MS, 3, (0, 10**12)) == Plan(0, 10 * MS)
-    assert policy.plan(10 * MS, 3, (0, 10**12)) == Plan(3, None)
+    policy = BatchPolicy(8, 10 * NS_PER_MS)
+    assert policy.plan(1 * NS_PER_MS, 3, (0, 10**12)) == Plan(0, 10 * NS_PER_MS)
+    assert policy.plan(10 * NS_PER_MS, 3, (0, 10**12)) == Plan(3, None)
 
 
 def test_a_partial_batch_never_waits_past_its_deadline_slack() -> None:
-    policy = BatchPolicy(8, 10 * MS)
-    policy.observe(2, 4 * MS)  # 2 ms per image → a full batch would take 16 ms
-    assert policy.plan(0, 1, (0, 20 * MS)) == Plan(0, 4 * MS)
-    assert policy.plan(4 * MS, 1, (0, 20 * MS)) == Plan(1, None)
+    policy = BatchPolicy(8, 10 * NS_PER_MS)
+    policy.observe(2, 4 * NS_PER_MS)  # 2 ms per image → a full batch would take 16 ms
+    assert policy.plan(0, 1, (0, 20 * NS_PER_MS)) == Plan(0, 4 * NS_PER_MS)
+    assert policy.plan(4 * NS_PER_MS, 1, (0, 20 * NS_PER_MS)) == Plan(1, None)
 
 
 def test_an_idle_device_takes_a_partial_batch_at_once() -> None:
-    policy = BatchPolicy(4, 10 * MS)
-    assert policy.plan(1 * MS, 3, (0, 10**12)) == Plan(0, 10 * MS)  # busy: it may fill
-    assert policy.plan(1 * MS, 3, (0, 10**12), idle=True) == Plan(3, None)
-    assert policy.plan(1 * MS, 9, (0, 10**12), idle=True) == Plan(4, None)
-    assert policy.plan(1 * MS, 0, None, idle=True) == Plan(0, None)
+    policy = BatchPolicy(4, 10 * NS_PER_MS)
+    # busy: it may fill
+    assert policy.plan(1 * NS_PER_MS, 3, (0, 10**12)) == Plan(0, 10 * NS_PER_MS)
+    assert policy.plan(1 * NS_PER_MS, 3, (0, 10**12), idle=True) == Plan(3, None)
+    assert policy.plan(1 * NS_PER_MS, 9, (0, 10**12), idle=True) == Plan(4, None)
+    assert policy.plan(1 * NS_PER_MS, 0, None, idle=True) == Plan(0, None)
 
 
 def test_zero_delay_never_waits() -> None:
@@ -58,7 +58,7 @@ def test_the_estimate_follows_observed_batches() -> None:
 
 @given(
     max_batch=st.integers(1, 32),
-    delay=st.integers(0, 50 * MS),
+    delay=st.integers(0, 50 * NS_PER_MS),
     now=st.integers(0, 10**10),
     ready=st.integers(0, 100),
     enqueue_age=st.integers(0, 10**9),

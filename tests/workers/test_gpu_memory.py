@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from scratchd.gpu.buckets import BUCKETS, bucket_for
 from scratchd.workers.gpu_memory import CHUNK_COST_MS, BatchSizer, cpus_from_mask, split_batch
 
 SIZE = (1024, 1024)
@@ -93,13 +94,6 @@ def test_cpus_from_mask_reads_every_set_bit(words: list[int]) -> None:
         assert (cpu in cpus) == bool((words[cpu // 64] >> (cpu % 64)) & 1)
 
 
-BUCKETS = (1, 2, 4, 8, 16)
-
-
-def bucket_of(m: int) -> int:
-    return next(b for b in BUCKETS if b >= m)
-
-
 @given(st.integers(0, 200), st.sampled_from([1, 2, 3, 4, 8, 16]))
 def test_split_batch_covers_every_frame_within_the_limit(n: int, limit: int) -> None:
     chunks = split_batch(n, limit, BUCKETS)
@@ -107,7 +101,7 @@ def test_split_batch_covers_every_frame_within_the_limit(n: int, limit: int) -> 
     assert all(0 < c <= limit for c in chunks)
     assert chunks == sorted(chunks, reverse=True)
     # by size alone, no frame is padded: every chunk fills its bucket
-    assert all(bucket_of(c) == c for c in chunks)
+    assert all(bucket_for(c) == c for c in chunks)
 
 
 def compositions(n: int, cap: int) -> list[list[int]]:
@@ -129,7 +123,7 @@ def test_split_batch_is_the_cheapest_split_by_measured_cost(
     chunks = split_batch(n, limit, BUCKETS, ms.__getitem__)
 
     def total(split: list[int]) -> float:
-        return sum(ms[bucket_of(m)] + CHUNK_COST_MS for m in split)
+        return sum(ms[bucket_for(m)] + CHUNK_COST_MS for m in split)
 
     assert sum(chunks) == n and all(c <= limit for c in chunks)
     cheapest = min(total(c) for c in compositions(n, limit))
@@ -137,7 +131,7 @@ def test_split_batch_is_the_cheapest_split_by_measured_cost(
 
 
 def test_split_batch_pads_when_the_measured_bucket_is_cheaper() -> None:
-    # H200, one view: 16 frames cost less in one graph than 8 + 4 + 2 + 1 in four
+    # costs like a GPU's with one view: 16 frames cost less in one graph than 8 + 4 + 2 + 1
     ms = {1: 0.62, 2: 1.0, 4: 1.85, 8: 3.6, 16: 6.9}
     assert split_batch(15, 16, BUCKETS, ms.__getitem__) == [15]
     assert split_batch(5, 16, BUCKETS, ms.__getitem__) == [4, 1]

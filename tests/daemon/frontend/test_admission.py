@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from scratchd.daemon.config import Config
-from scratchd.daemon.frontend.admission import MAX_DEADLINE_MS, Admission, PartClasses
+from scratchd.daemon.config import MAX_DEADLINE_MS, Config
+from scratchd.daemon.frontend.admission import Admission, PartClasses
 from scratchd.daemon.frontend.images import Invalid
 from scratchd.protocol.wire import InferRequest
 

@@ -12,10 +12,9 @@ from collections.abc import Iterator
 import pytest
 
 from scratchd.daemon.frontend.dispatch import Dispatcher, InFlight
+from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Completion, Geometry, RequestQueue
 from scratchd.protocol import wire
-
-MS = 1_000_000
 
 
 class FakeConn:
@@ -48,7 +47,7 @@ def _enqueue(dispatcher: Dispatcher, conn: FakeConn, request_id: int, deadline_m
     assert handle is not None
     received = time.monotonic_ns()
     flight = InFlight(conn, request_id, "normal", 0, received)  # type: ignore[arg-type]
-    flight.handle, flight.deadline_ns = handle, received + deadline_ms * MS
+    flight.handle, flight.deadline_ns = handle, received + deadline_ms * NS_PER_MS
     queue.submit(
         handle, request_id=request_id, conn_id=conn.id, priority=0, part_class=0,
         deadline_ns=flight.deadline_ns, height=8, width=8, want_mask=False,
@@ -64,7 +63,10 @@ def test_an_earlier_deadline_queued_later_is_answered_by_its_own_deadline(
 
     async def scenario() -> tuple[FakeConn, dict[int, int]]:
         dispatcher = Dispatcher(
-            queue, MS, lambda f, r, c: accounted.append((f.request_id, r.status, c)), lambda _: None
+            queue,
+            NS_PER_MS,
+            lambda f, r, c: accounted.append((f.request_id, r.status, c)),
+            lambda _: None,
         )
         dispatcher.start()
         conn = FakeConn()
@@ -80,6 +82,7 @@ def test_an_earlier_deadline_queued_later_is_answered_by_its_own_deadline(
     assert [reply.id for _, reply in conn.sent] == [2, 1]
     assert all(reply.status == "timeout" for _, reply in conn.sent)
     (first_at, _), (second_at, _) = conn.sent
-    assert deadlines[2] - MS <= first_at < deadlines[1]  # a tick early at most; not held back
+    # a tick early at most; not held back
+    assert deadlines[2] - NS_PER_MS <= first_at < deadlines[1]
     assert second_at >= deadlines[1]
     assert sorted(rid for rid, _, _ in accounted) == [1, 2]  # each accounted exactly once

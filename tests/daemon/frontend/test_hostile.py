@@ -65,7 +65,7 @@ def _bomb_png(width: int, height: int) -> bytes:
 
 
 # Each kind: (what is sent, whether one reply comes back). The reply, when one comes, must be
-# `invalid`; then the client hangs up (a fresh connection per frame, as the issue asks).
+# `invalid`; then the client hangs up (a fresh connection per frame).
 MALFORMED: list[tuple[str, Callable[[random.Random], bytes], bool]] = [
     ("garbage body", lambda r: _frame(r.randbytes(r.randint(1, 200))), True),
     ("empty body", lambda r: _frame(b""), True),

@@ -1,4 +1,4 @@
-"""The metrics registry: the DESIGN.md table exactly, counts that match, promtool-clean text."""
+"""The metrics registry: the docs/design.md table exactly, matching counts, promtool-clean text."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from scratchd.daemon.ops.metrics import DURATION_BUCKETS, STATUSES, Metrics
 
-# DESIGN.md, "Metrics": name -> (type, labels). The contract dashboards and alerts rely on.
+# docs/design.md, "Metrics": name -> (type, labels). The contract dashboards and alerts rely on.
 TABLE = {
     "scratchd_requests_total": ("counter", {"part_class", "status"}),
     "scratchd_request_duration_seconds": ("histogram", {"part_class"}),

@@ -1,0 +1,112 @@
+"""Submitting requests: reserve, write, submit, and what is refused."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from scratchd.ipc.queue import (
+    DescState,
+    RequestQueue,
+    Result,
+    StaleHandle,
+    Status,
+)
+from tests.ipc.queue_helpers import SLOTS, submit
+
+
+def test_full_queue_reserves_nothing_and_recovers(queue: RequestQueue) -> None:
+    handles = [queue.reserve() for _ in range(SLOTS)]
+    assert None not in handles
+    assert queue.reserve() is None  # the acceptor answers 'overloaded'
+    first = handles[0]
+    assert first is not None
+    queue.release(first)
+    again = queue.reserve()
+    assert again is not None and again.index == first.index
+    assert again.generation == first.generation + 1  # the old handle is stale now
+    with pytest.raises(StaleHandle):
+        queue.payload(first)
+
+
+def test_out_of_range_request_fields_are_refused_and_nothing_is_written(
+    queue: RequestQueue,
+) -> None:
+    h = queue.reserve()
+    assert h is not None
+    now = time.monotonic_ns()
+    bad: list[dict[str, int]] = [{"request_id": -1}, {"conn_id": 2**64}, {"priority": 8}]
+    for fields in bad:
+        args = {"request_id": 1, "conn_id": 1, "priority": 0, **fields}
+        with pytest.raises(ValueError):
+            queue.submit(
+                h, part_class=0, deadline_ns=now, height=1, width=1, want_mask=False, **args
+            )
+    with pytest.raises(ValueError, match="does not fit"):
+        queue.submit(
+            h, request_id=1, conn_id=1, priority=0, part_class=0, deadline_ns=now,
+            height=5, width=5, want_mask=False,
+        )  # fmt: skip
+    assert queue.counts_by_state()[DescState.WRITTEN] == 1  # still the acceptor's to release
+    queue.release(h)
+    assert queue.counts_by_state()[DescState.FREE] == SLOTS
+
+
+def test_submit_wakes_a_waiting_worker(queue: RequestQueue) -> None:
+    queue.register_worker(0, os.getpid())
+    start = time.monotonic()
+    assert not queue.wait_for_work(0, timeout_s=0.05)  # nothing queued: sleeps, times out
+    assert time.monotonic() - start >= 0.04
+    woke: list[float] = []
+
+    def worker() -> None:
+        assert queue.wait_for_work(0, timeout_s=10.0)
+        woke.append(time.monotonic())
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    time.sleep(0.2)  # let it fall asleep on its doorbell
+    assert not woke
+    submitted = time.monotonic()
+    submit(queue, 1, deadline_ns=time.monotonic_ns() + 10**9)
+    thread.join(5.0)
+    assert woke and woke[0] - submitted < 1.0  # woken by the ring, not by the timeout
+
+
+def test_input_and_result_round_trip(queue: RequestQueue) -> None:
+    image = np.arange(12, dtype=np.uint8).reshape(3, 4)
+    h = queue.reserve()
+    assert h is not None
+    queue.payload(h)[: image.size] = image.tobytes()
+    queue.submit(
+        h, request_id=41, conn_id=9, priority=7, part_class=2,
+        deadline_ns=time.monotonic_ns() + 10**9, height=3, width=4, want_mask=True,
+    )  # fmt: skip
+    queue.register_worker(0, os.getpid())
+    (claim,) = queue.claim_batch(0, 8, time.monotonic_ns())
+    view = queue.input_view(claim)
+    assert (view == image).all() and not view.flags.writeable
+    mask = np.zeros((3, 4), np.uint8)
+    mask[1, 1:3] = 255
+    boxes = [(float(i), 1.0, 2.0, 3.0, 0.5) for i in range(70)]
+    result = Result(
+        Status.OK, verdict_defect=True, score=0.75, boxes=boxes, entropy=0.25,
+        histogram=np.arange(64, dtype=np.uint32), compute_ns=1234, batch_size=3,
+        error="ß" * 150, mask=mask,
+    )  # fmt: skip
+    assert queue.complete(0, claim, result)
+    (done,) = queue.collect_completed()
+    got = done.result
+    assert got is not None and done.status == Status.OK
+    assert (done.request_id, done.conn_id, done.part_class, done.priority) == (41, 9, 2, 7)
+    assert done.enqueue_ns <= done.claim_ns <= done.done_ns and done.worker == 0
+    assert got.verdict_defect and got.score == 0.75 and got.entropy == 0.25
+    assert got.boxes == boxes[:64]  # at most 64 kept
+    assert (got.histogram == np.arange(64)).all()
+    assert (got.compute_ns, got.batch_size) == (1234, 3)
+    assert got.error == "ß" * 100  # 200 bytes of UTF-8, cut at a character boundary
+    assert got.mask is not None and (got.mask == mask).all()
