@@ -35,7 +35,6 @@ from scratchd.kernels._checks import env_choice
 from scratchd.kernels._cuda import GEMM_BM, GEMM_THREADS
 from scratchd.kernels.ds_block import check_block, dw_schedule, dw_smem_bytes
 from scratchd.kernels.ds_halo import halo_shape_ok
-from scratchd.model.net import NetConfig, block_plan
 
 # The path of each block: "auto" (block_path's rule), "none" (all fused), "all" (all split),
 # "tiled" (all tiled) or "halo" (all ds_halo), wherever the path has tiles for the block.
@@ -54,19 +53,6 @@ TILED_MAX_CIN = 64  # ... and the other narrow stride-1 blocks tiled (see block_
 def split_shape_ok(cin: int, cout: int) -> bool:
     """Whether ``pw_gemm`` has tiles for ``cin -> cout`` (both multiples of 16)."""
     return cin % 16 == 0 and cout % 16 == 0
-
-
-def plan_paths(cfg: NetConfig) -> dict[str, BlockPath]:
-    """:func:`block_path` of every block of ``cfg``'s plan (a join's CB is its skip's width)."""
-    plan = block_plan(cfg)
-    skip_width = {"skip0": cfg.widths[0]}
-    paths: dict[str, BlockPath] = {}
-    for b in plan:
-        cb = 0 if b.join is None else skip_width[b.join]
-        paths[b.name] = block_path(b.cin - cb, cb, b.cout, b is plan[-1], b.stride, b.dilation)
-        if b.saves is not None:
-            skip_width[b.saves] = b.cout
-    return paths
 
 
 def tiled_shape_ok(ca: int, cb: int, cout: int, head: bool) -> bool:

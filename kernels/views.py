@@ -25,10 +25,24 @@ import numpy as np
 
 from scratchd.kernels._checks import check_array
 from scratchd.kernels.postprocess import binary_entropy_bits, peak_local_mean
-from scratchd.model.scratchnet import VIEWS, apply_view
 
+# The test-time views a model may average; each is its own inverse.
+VIEWS = ("identity", "flip_h", "flip_v", "transpose")
 CODES = {view: code for code, view in enumerate(VIEWS)}  # the order view_code() decodes
 TILE, ROWS = 32, 8  # views.cu
+
+
+def apply_view(images: np.ndarray, view: str) -> np.ndarray:
+    """``[N, H, W]`` → the view (contiguous); applying it twice gives ``images`` back."""
+    if view == "identity":
+        return images
+    if view == "flip_h":
+        return np.ascontiguousarray(images[:, :, ::-1])
+    if view == "flip_v":
+        return np.ascontiguousarray(images[:, ::-1, :])
+    if view == "transpose":
+        return np.ascontiguousarray(images.transpose(0, 2, 1))
+    raise ValueError(f"unknown view {view!r}; expected one of {VIEWS}")
 
 
 class ViewLayout(NamedTuple):

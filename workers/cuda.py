@@ -105,7 +105,7 @@ class CudaBackend:
         arena_mb: int = 16384,
         views: Sequence[str] | None = None,  # config model.views; None: the model file's
     ) -> None:
-        from scratchd.gpu.cuda_graph import CudaScratchNet
+        from scratchd.gpu.cuda_scratchnet import CudaScratchNet
         from scratchd.kernels import _cuda as cu
         from scratchd.model.scratchnet import load_model
 
