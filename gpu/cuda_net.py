@@ -39,12 +39,13 @@ from typing import Any, Final
 
 import numpy as np
 
-from scratchd.kernels.ds_block import ds_block_cuda
+from scratchd.kernels import _cuda as cu
+from scratchd.kernels.ds_block import ds_block_cuda, ds_block_ref
 from scratchd.kernels.ds_halo import ds_halo_cuda
 from scratchd.kernels.ds_split import BlockPath, block_path, ds_split_cuda, ds_tiled_cuda
 from scratchd.kernels.normalize_pad import padded_size
 from scratchd.kernels.output_path import OutputPath, output_path_buffers, output_path_cuda
-from scratchd.kernels.stem import stem_cuda
+from scratchd.kernels.stem import stem_cuda, stem_ref
 from scratchd.model.net import BlockSpec, NetConfig, Weights, block_plan, check_weights
 
 PAD_MULTIPLE = 16
@@ -95,8 +96,6 @@ class CudaForward:
         self, weights: Weights, cfg: NetConfig, mean: float, std: float, threshold: float,
         score_window: int,
     ) -> None:  # fmt: skip
-        from scratchd.kernels import _cuda as cu
-
         check_weights(weights, cfg)
         cp = cu.cupy()
         self.cfg, self.plan = cfg, block_plan(cfg)
@@ -118,8 +117,6 @@ class CudaForward:
 
     def buffers(self, batch: int, height: int, width: int) -> Buffers:
         """Allocate the device arrays of one (batch, height, width) forward."""
-        from scratchd.kernels import _cuda as cu
-
         cp = cu.cupy()
         hp, wp = padded_size(height, PAD_MULTIPLE), padded_size(width, PAD_MULTIPLE)
         acts: dict[str, Any] = {}
@@ -206,9 +203,6 @@ def fused_logits_ref(
 ) -> np.ndarray:
     """The launch sequence of :meth:`CudaForward.run` in numpy (its ``_ref`` twins), from the
     uint8 frames ``[N, H, W]`` to the logits: a CPU check of the fusion plan."""
-    from scratchd.kernels.ds_block import ds_block_ref
-    from scratchd.kernels.stem import stem_ref
-
     plan = block_plan(cfg)
     h = stem_ref(images, mean, std, weights["stem.w"], weights["stem.b"])
     skips = {"skip0": h}

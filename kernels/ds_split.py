@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from scratchd.kernels import _cuda as cu
 from scratchd.kernels._checks import env_choice
 from scratchd.kernels._cuda import GEMM_BM, GEMM_THREADS
 from scratchd.kernels.ds_block import check_block, dw_schedule, dw_smem_bytes
@@ -155,8 +156,6 @@ def ds_split_cuda(
 ) -> Any:  # [N, Ho, Wo, Cout] float16
     """CUDA twin of :func:`ds_block_ref` without the head, as two launches (``ds_split.cu``).
     ``scratch`` holds the depthwise output between them (a forward shares one buffer)."""
-    from scratchd.kernels import _cuda as cu
-
     op = "ds_split"
     c = check_block(
         op, x, skip, dw_w, dw_b, pw_wt, pw_b, stride=stride, dilation=dilation,
@@ -219,8 +218,6 @@ def ds_tiled_cuda(
 ) -> Any:  # [N, Ho, Wo, Cout] float16, or [N, Ho, Wo, 1] float32 with the head
     """CUDA twin of :func:`ds_block_ref` as one launch on ``pw_gemm``'s tiling
     (``ds_tiled`` in ``ds_split.cu``): the depthwise stage computed into the GEMM's A tiles."""
-    from scratchd.kernels import _cuda as cu
-
     op = "ds_tiled"
     c = check_block(
         op, x, skip, dw_w, dw_b, pw_wt, pw_b, stride=stride, dilation=dilation,
