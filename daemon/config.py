@@ -24,6 +24,7 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 
 from scratchd.ipc.layout import Geometry
+from scratchd.kernels.views import VIEWS
 from scratchd.protocol.defaults import DEFAULT_SOCKET, SOCKET_ENV
 from scratchd.protocol.wire import PRIORITIES
 from scratchd.workers.gpu_memory import ARENA_MB, RESERVE_MB, WARM_SIZES
@@ -130,7 +131,7 @@ class ClassConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     path: str = ""
     views: list[str] = []
-    """Test-time views each frame is run through and averaged (``kernels.model.VIEWS``:
+    """Test-time views each frame is run through and averaged (``kernels.views.VIEWS``:
     identity, flip_h, flip_v, transpose), each one forward pass; empty: the model file's own.
     ``["identity"]`` serves about 4x the frames of the shipped four and gives up accuracy
     (README.md, "Choosing the test-time views": more clean tiles flagged)."""
@@ -206,8 +207,6 @@ def check_views(views: list[str]) -> None:
     """``model.views``: names the kernels know, each at most once (the model averages its
     views in the listed order; a view twice would weigh it twice and the GPU layout refuses
     it)."""
-    from scratchd.model.scratchnet import VIEWS  # numpy and the net: only when a config is read
-
     for i, view in enumerate(views):
         if view not in VIEWS:
             raise ConfigError(f"model.views: unknown view {view!r} (known: {', '.join(VIEWS)})")

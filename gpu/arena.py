@@ -57,6 +57,7 @@ from scratchd.gpu.offset_arena import (
     ArenaStats,
     OffsetArena,
 )
+from scratchd.kernels._cuda import cupy
 
 SEAL_BLOCKS, SEAL_BYTES = 32, 1 << 20  # a stream's frees get an event at either count
 RETIRE_INTERVAL_NS = 20_000  # the allocation path asks the events at most this often
@@ -248,8 +249,6 @@ class DeviceArena:
     """One ``cudaMalloc`` region of the current device, served to CuPy as its allocator."""
 
     def __init__(self, nbytes: int, **slabs: int) -> None:
-        from scratchd.kernels._cuda import cupy
-
         cp = cupy()
         total = nbytes // ALIGN * ALIGN
         self.arena = StreamOrderedArena(

@@ -15,7 +15,7 @@ every launch a ``<op>_cuda`` of this package, fused where it pays::
 
 That is one launch per block (two for a split one, below), the stem's one and the output
 path's two: 21 launches and 2 memsets for the shipped 48..384-wide model (14 blocks, two per
-decoder stage; 6 halo, 4 split, 4 fused: ``ds_split.plan_paths``). Each block's path is
+decoder stage; 6 halo, 4 split, 4 fused: ``plan_paths``). Each block's path is
 chosen once per model by ``ds_split.block_path`` (``CudaForward.path``): the stride-1 blocks
 up to 288 channels in and 96 out (the shipped enc0.0, enc1.1, dec1.1, dec1.0, dec0.0 and
 dec0.1) run as ``ds_halo`` (input tiles staged in shared memory, ``ds_halo.py``); the other
@@ -39,15 +39,30 @@ from typing import Any, Final
 
 import numpy as np
 
-from scratchd.kernels.ds_block import ds_block_cuda
+from scratchd.kernels import _cuda as cu
+from scratchd.kernels.ds_block import ds_block_cuda, ds_block_ref
 from scratchd.kernels.ds_halo import ds_halo_cuda
-from scratchd.kernels.ds_split import ds_split_cuda, ds_tiled_cuda, plan_paths
+from scratchd.kernels.ds_split import BlockPath, block_path, ds_split_cuda, ds_tiled_cuda
 from scratchd.kernels.normalize_pad import padded_size
 from scratchd.kernels.output_path import OutputPath, output_path_buffers, output_path_cuda
-from scratchd.kernels.stem import stem_cuda
+from scratchd.kernels.stem import stem_cuda, stem_ref
 from scratchd.model.net import BlockSpec, NetConfig, Weights, block_plan, check_weights
 
 PAD_MULTIPLE = 16
+
+
+def plan_paths(cfg: NetConfig) -> dict[str, BlockPath]:
+    """``ds_split.block_path`` of every block of ``cfg``'s plan: the path each block of the
+    forward takes (a join's CB is its skip's width)."""
+    plan = block_plan(cfg)
+    skip_width = {"skip0": cfg.widths[0]}
+    paths: dict[str, BlockPath] = {}
+    for b in plan:
+        cb = 0 if b.join is None else skip_width[b.join]
+        paths[b.name] = block_path(b.cin - cb, cb, b.cout, b is plan[-1], b.stride, b.dilation)
+        if b.saves is not None:
+            skip_width[b.saves] = b.cout
+    return paths
 
 
 @dataclass(frozen=True)
@@ -81,8 +96,6 @@ class CudaForward:
         self, weights: Weights, cfg: NetConfig, mean: float, std: float, threshold: float,
         score_window: int,
     ) -> None:  # fmt: skip
-        from scratchd.kernels import _cuda as cu
-
         check_weights(weights, cfg)
         cp = cu.cupy()
         self.cfg, self.plan = cfg, block_plan(cfg)
@@ -104,8 +117,6 @@ class CudaForward:
 
     def buffers(self, batch: int, height: int, width: int) -> Buffers:
         """Allocate the device arrays of one (batch, height, width) forward."""
-        from scratchd.kernels import _cuda as cu
-
         cp = cu.cupy()
         hp, wp = padded_size(height, PAD_MULTIPLE), padded_size(width, PAD_MULTIPLE)
         acts: dict[str, Any] = {}
@@ -192,9 +203,6 @@ def fused_logits_ref(
 ) -> np.ndarray:
     """The launch sequence of :meth:`CudaForward.run` in numpy (its ``_ref`` twins), from the
     uint8 frames ``[N, H, W]`` to the logits: a CPU check of the fusion plan."""
-    from scratchd.kernels.ds_block import ds_block_ref
-    from scratchd.kernels.stem import stem_ref
-
     plan = block_plan(cfg)
     h = stem_ref(images, mean, std, weights["stem.w"], weights["stem.b"])
     skips = {"skip0": h}

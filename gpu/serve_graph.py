@@ -46,19 +46,32 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from scratchd.cpu import _runs
-from scratchd.gpu.cuda_graph import CudaScratchNet, capture
-from scratchd.gpu.cuda_net import Buffers
+from scratchd.gpu.cuda_graph import capture
+from scratchd.gpu.cuda_net import Buffers, CudaForward
 from scratchd.ipc.layout import HISTOGRAM_BINS
+from scratchd.kernels import _cuda as cu
 from scratchd.kernels.postprocess import Box, Verdict, finish_runs, threshold_runs
 from scratchd.kernels.row_runs import RECORD, RowRuns, row_runs_cuda
 from scratchd.kernels.views import ViewMean, view_layout, view_mean_cuda, view_stack_cuda
+from scratchd.model.scratchnet import ScratchNet
 
 RUN_CAPACITY = 32768  # runs stored per frame (a frame with more is finished on the host)
+
+
+class GraphOwner(Protocol):
+    """What a serving graph takes from the model it serves (``CudaScratchNet``): the loaded
+    model (views, threshold, minimum area, score window) and its device forward."""
+
+    @property
+    def model(self) -> ScratchNet: ...
+
+    @property
+    def fwd(self) -> CudaForward: ...
 
 
 class ServeState(enum.Enum):
@@ -139,11 +152,9 @@ class ServeGraph:
     """Captured serving graphs of ``bucket`` frames of ``height x width`` for one model."""
 
     def __init__(
-        self, net: CudaScratchNet, bucket: int, height: int, width: int, n_inputs: int = 2,
+        self, net: GraphOwner, bucket: int, height: int, width: int, n_inputs: int = 2,
         run_capacity: int = RUN_CAPACITY,
     ) -> None:  # fmt: skip
-        from scratchd.kernels import _cuda as cu
-
         if bucket < 1 or n_inputs < 1 or height < 1 or width < 1:
             raise ValueError(f"ServeGraph: bad geometry {bucket}x{height}x{width}, {n_inputs}")
         cp = cu.cupy()
@@ -288,13 +299,9 @@ class ServeGraph:
         return self.host.frame(batch, j, want_mask)
 
     def _end_elapsed(self) -> float:
-        from scratchd.kernels import _cuda as cu
-
         return float(cu.cupy().cuda.get_elapsed_time(self._start, self._end))
 
     def _to_host(self, dst: np.ndarray, src: Any) -> None:
-        from scratchd.kernels import _cuda as cu
-
         rt = cu.cupy().cuda.runtime
         if dst.nbytes != src.nbytes or not src.flags.c_contiguous:
             raise ValueError(f"ServeGraph: staging {dst.shape} does not match {src.shape}")
@@ -308,8 +315,6 @@ class ServeGraph:
 
     def _fetch_runs(self, n: int, widest: int) -> None:
         """Records ``[:widest]`` of each of the first ``n`` frames: one strided copy."""
-        from scratchd.kernels import _cuda as cu
-
         if widest <= 0:
             return
         rt = cu.cupy().cuda.runtime

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from scratchd.kernels import _cuda as cu
 from scratchd.kernels._checks import Act, apply_act_, check_act, check_array, check_shape
 
 
@@ -63,8 +64,6 @@ def conv3x3_cuda(
 ) -> Any:  # [N, Ho, Wo, Cout] float16
     """CUDA twin of :func:`conv3x3_ref` (``conv3x3.cu``): direct convolution, the weight in
     shared memory as fp32 (so ``9 * Cin * Cout <= 12288``), fp16 out."""
-    from scratchd.kernels import _cuda as cu
-
     cu.check_device_array("conv3x3", "x", x, ndim=4, dtype=np.float16)
     cu.check_device_array("conv3x3", "w", w, ndim=4, dtype=np.float16)
     cu.check_device_array("conv3x3", "b", b, ndim=1, dtype=np.float32)

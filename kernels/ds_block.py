@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from scratchd.kernels import _cuda as cu
 from scratchd.kernels._checks import env_choice
 from scratchd.kernels.dwconv3x3 import dwconv3x3_ref
 from scratchd.kernels.pwconv import pwconv_ref
@@ -103,8 +104,6 @@ def check_block(
 ) -> BlockCall:  # fmt: skip
     """Every argument check a DS-block launcher makes (``pw``: ``[Cin, Cout]``, or
     ``[Cout, Cin]`` when ``transposed``), and its output array (``out`` checked, or new)."""
-    from scratchd.kernels import _cuda as cu
-
     check_fusable(op, stride, skip is not None, residual, head_w, head_b)
     cu.check_device_array(op, "x", x, ndim=4, dtype=np.float16)
     n, hx, wx, ca = x.shape
@@ -183,8 +182,6 @@ def ds_block_cuda(
     out: Any | None = None,  # the result's shape and dtype: written in place when given
 ) -> Any:  # [N, Ho, Wo, Cout] float16, or [N, Ho, Wo, 1] float32 with the head
     """CUDA twin of :func:`ds_block_ref` (``ds_block.cu``), one kernel launch."""
-    from scratchd.kernels import _cuda as cu
-
     op = "ds_block"
     c = check_block(
         op, x, skip, dw_w, dw_b, pw_w, pw_b, stride=stride, dilation=dilation,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from scratchd.kernels import _cuda as cu
 from scratchd.kernels._checks import env_choice
 from scratchd.kernels._cuda import GEMM_BM, GEMM_THREADS, SMEM_LIMIT, smem_blocks
 from scratchd.kernels.ds_block import check_block
@@ -110,8 +111,6 @@ def ds_halo_cuda(
 ) -> Any:  # [N, H, W, Cout] float16, or [N, H, W, 1] float32 with the head
     """CUDA twin of :func:`ds_block_ref` for stride-1, dilation-1 blocks, one persistent
     launch with shared-memory input tiles (``ds_halo.cu``)."""
-    from scratchd.kernels import _cuda as cu
-
     op = "ds_halo"
     c = check_block(
         op, x, skip, dw_w, dw_b, pw_wt, pw_b, stride=stride, dilation=dilation,

@@ -31,11 +31,11 @@ from typing import Any, Literal
 
 import numpy as np
 
+from scratchd.kernels import _cuda as cu
 from scratchd.kernels._checks import env_choice
 from scratchd.kernels._cuda import GEMM_BM, GEMM_THREADS
 from scratchd.kernels.ds_block import check_block, dw_schedule, dw_smem_bytes
 from scratchd.kernels.ds_halo import halo_shape_ok
-from scratchd.model.net import NetConfig, block_plan
 
 # The path of each block: "auto" (block_path's rule), "none" (all fused), "all" (all split),
 # "tiled" (all tiled) or "halo" (all ds_halo), wherever the path has tiles for the block.
@@ -54,19 +54,6 @@ TILED_MAX_CIN = 64  # ... and the other narrow stride-1 blocks tiled (see block_
 def split_shape_ok(cin: int, cout: int) -> bool:
     """Whether ``pw_gemm`` has tiles for ``cin -> cout`` (both multiples of 16)."""
     return cin % 16 == 0 and cout % 16 == 0
-
-
-def plan_paths(cfg: NetConfig) -> dict[str, BlockPath]:
-    """:func:`block_path` of every block of ``cfg``'s plan (a join's CB is its skip's width)."""
-    plan = block_plan(cfg)
-    skip_width = {"skip0": cfg.widths[0]}
-    paths: dict[str, BlockPath] = {}
-    for b in plan:
-        cb = 0 if b.join is None else skip_width[b.join]
-        paths[b.name] = block_path(b.cin - cb, cb, b.cout, b is plan[-1], b.stride, b.dilation)
-        if b.saves is not None:
-            skip_width[b.saves] = b.cout
-    return paths
 
 
 def tiled_shape_ok(ca: int, cb: int, cout: int, head: bool) -> bool:
@@ -167,8 +154,6 @@ def ds_split_cuda(
 ) -> Any:  # [N, Ho, Wo, Cout] float16
     """CUDA twin of :func:`ds_block_ref` without the head, as two launches (``ds_split.cu``).
     ``scratch`` holds the depthwise output between them (a forward shares one buffer)."""
-    from scratchd.kernels import _cuda as cu
-
     op = "ds_split"
     c = check_block(
         op, x, skip, dw_w, dw_b, pw_wt, pw_b, stride=stride, dilation=dilation,
@@ -231,8 +216,6 @@ def ds_tiled_cuda(
 ) -> Any:  # [N, Ho, Wo, Cout] float16, or [N, Ho, Wo, 1] float32 with the head
     """CUDA twin of :func:`ds_block_ref` as one launch on ``pw_gemm``'s tiling
     (``ds_tiled`` in ``ds_split.cu``): the depthwise stage computed into the GEMM's A tiles."""
-    from scratchd.kernels import _cuda as cu
-
     op = "ds_tiled"
     c = check_block(
         op, x, skip, dw_w, dw_b, pw_wt, pw_b, stride=stride, dilation=dilation,

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from scratchd.kernels import _cuda as cu
 from scratchd.kernels._checks import Act, apply_act_, check_act, check_array, check_shape
 
 
@@ -69,8 +70,6 @@ def dwconv3x3_cuda(
     out: Any | None = None,  # [N, Ho, Wo, C] float16: written in place when given
 ) -> Any:  # [N, Ho, Wo, C] float16
     """CUDA twin of :func:`dwconv3x3_ref` (``dwconv3x3.cu``): fp32 arithmetic, fp16 out."""
-    from scratchd.kernels import _cuda as cu
-
     cu.check_device_array("dwconv3x3", "x", x, ndim=4, dtype=np.float16)
     cu.check_device_array("dwconv3x3", "w", w, ndim=3, dtype=np.float16)
     cu.check_device_array("dwconv3x3", "b", b, ndim=1, dtype=np.float32)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from scratchd.kernels import _cuda as cu
 from scratchd.kernels._checks import check_array
 
 
@@ -59,8 +60,6 @@ def normalize_pad_cuda(
     out: Any | None = None,  # [N, Hp, Wp, 1] float16: written in place when given
 ) -> Any:  # [N, Hp, Wp, 1] float16
     """CUDA twin of :func:`normalize_pad_ref` (``normalize_pad.cu``), fp16 out."""
-    from scratchd.kernels import _cuda as cu
-
     cu.check_device_array("normalize_pad", "images", images, ndim=3, dtype=np.uint8)
     if not std > 0:
         raise ValueError(f"normalize_pad: std must be > 0, got {std}")

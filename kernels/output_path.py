@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from scratchd.ipc.layout import HISTOGRAM_BINS
+from scratchd.kernels import _cuda as cu
 from scratchd.kernels._checks import check_array
 from scratchd.kernels.postprocess import (
     binary_entropy_bits,
@@ -69,8 +70,6 @@ def _check_window(score_window: int) -> None:
 
 def output_path_buffers(n: int, height: int, width: int) -> OutputPath:
     """Device buffers for :func:`output_path_cuda`'s ``out`` (allocated once, reused)."""
-    from scratchd.kernels import _cuda as cu
-
     cp = cu.cupy()
     return OutputPath(
         cp.empty((n, height, width), np.float32),
@@ -91,8 +90,6 @@ def output_path_cuda(
     scratch: Any | None = None,  # [3 * N] uint32 zeroed here each run; kept with `out`
 ) -> OutputPath:
     """CUDA twin of :func:`output_path_ref` (``output_path.cu``): a memset and two kernels."""
-    from scratchd.kernels import _cuda as cu
-
     op = "output_path"
     cu.check_device_array(op, "logits", logits, ndim=4, dtype=np.float32)
     cu.check_device_array(op, "images", images, ndim=3, dtype=np.uint8)
@@ -134,8 +131,6 @@ def window_score_cuda(
     """Launch ``window_score`` (``output_path.cu``): each image's best window mean, and its
     mean entropy from the sums a previous kernel accumulated. Also used by ``views.py`` on
     the mean of the test-time views."""
-    from scratchd.kernels import _cuda as cu
-
     _check_window(score_window)
     n, height, width = prob.shape
     kh, kw = min(score_window, height), min(score_window, width)

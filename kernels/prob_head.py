@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from scratchd.kernels import _cuda as cu
 from scratchd.kernels._checks import check_array
 from scratchd.kernels.sigmoid import sigmoid_ref
 from scratchd.kernels.upsample_bilinear2x import upsample_bilinear2x_ref
@@ -42,8 +43,6 @@ def prob_head_cuda(
     out: Any | None = None,  # [N, height, width] float32: written in place when given
 ) -> Any:  # [N, height, width] float32 in [0, 1]
     """CUDA twin of :func:`prob_head_ref` (``prob_head.cu``): one pass, no intermediate."""
-    from scratchd.kernels import _cuda as cu
-
     cu.check_device_array("prob_head", "logits", logits, ndim=4, dtype=np.float32)
     n, h, w, c = logits.shape
     if c != 1:

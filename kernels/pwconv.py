@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from scratchd.kernels import _cuda as cu
 from scratchd.kernels._checks import Act, apply_act_, check_act, check_array, check_shape
 
 
@@ -52,8 +53,6 @@ def pwconv_cuda(
 ) -> Any:  # [N, H, W, Cout] float16
     """CUDA twin of :func:`pwconv_ref` (``pwconv.cu``): a tensor-core GEMM over the pixels,
     fp32 accumulation, bias + residual + act in the epilogue, fp16 out."""
-    from scratchd.kernels import _cuda as cu
-
     cu.check_device_array("pwconv", "x", x, ndim=4, dtype=np.float16)
     cu.check_device_array("pwconv", "w", w, ndim=2, dtype=np.float16)
     cu.check_device_array("pwconv", "b", b, ndim=1, dtype=np.float32)

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from scratchd.kernels import _cuda as cu
 from scratchd.kernels._checks import check_array
 from scratchd.kernels.postprocess import threshold_runs
 
@@ -75,8 +76,6 @@ def unpack_runs(
 
 def row_runs_buffers(n: int, capacity: int) -> RowRuns:
     """Device buffers for :func:`row_runs_cuda`'s ``out`` (allocated once, reused)."""
-    from scratchd.kernels import _cuda as cu
-
     cp = cu.cupy()
     return RowRuns(cp.empty((n, capacity, RECORD), np.int32), cp.empty((n,), np.int32))
 
@@ -90,8 +89,6 @@ def row_runs_cuda(
     scratch: Any | None = None,  # [N * H] int32: runs per row (kept with `out`)
 ) -> RowRuns:
     """CUDA twin of :func:`row_runs_ref` (unused records are left unwritten)."""
-    from scratchd.kernels import _cuda as cu
-
     op = "row_runs"
     cu.check_device_array(op, "prob", prob, ndim=3, dtype=np.float32)
     _check_capacity(capacity)

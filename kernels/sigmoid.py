@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from scratchd.kernels import _cuda as cu
+
 
 def sigmoid_ref(x: np.ndarray) -> np.ndarray:  # any shape, float32 → same shape, float32
     """Elementwise logistic sigmoid in float32."""
@@ -23,8 +25,6 @@ def sigmoid_ref(x: np.ndarray) -> np.ndarray:  # any shape, float32 → same sha
 
 def sigmoid_cuda(x: Any, *, out: Any | None = None) -> Any:  # any shape, float32 → float32
     """CUDA twin of :func:`sigmoid_ref` (``sigmoid.cu``)."""
-    from scratchd.kernels import _cuda as cu
-
     cu.check_device_array("sigmoid", "x", x, ndim=None, dtype=np.float32)
     out = cu.output("sigmoid", out, tuple(x.shape), np.float32)
     func = cu.kernel("sigmoid.cu", "sigmoid")

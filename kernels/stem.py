@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from scratchd.kernels import _cuda as cu
 from scratchd.kernels._checks import env_choice
 from scratchd.kernels.conv3x3 import conv3x3_ref
 from scratchd.kernels.normalize_pad import normalize_pad_ref, padded_size
@@ -51,8 +52,6 @@ def stem_cuda(
     out: Any | None = None,  # [N, Hp/2, Wp/2, Cout] float16: written in place when given
 ) -> Any:  # [N, Hp/2, Wp/2, Cout] float16
     """CUDA twin of :func:`stem_ref` (``stem.cu``), one launch, fp32 arithmetic."""
-    from scratchd.kernels import _cuda as cu
-
     cu.check_device_array("stem", "images", images, ndim=3, dtype=np.uint8)
     cu.check_device_array("stem", "w", w, ndim=4, dtype=np.float16)
     cu.check_device_array("stem", "b", b, ndim=1, dtype=np.float32)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from scratchd.kernels import _cuda as cu
 from scratchd.kernels._checks import check_array
 
 
@@ -48,8 +49,6 @@ def upsample_bilinear2x_cuda(
     out: Any | None = None,  # [N, 2h, 2w, C], x's dtype: written in place when given
 ) -> Any:  # [N, 2h, 2w, C], x's dtype
     """CUDA twin of :func:`upsample_bilinear2x_ref` (``upsample_bilinear2x.cu``), fp32 weights."""
-    from scratchd.kernels import _cuda as cu
-
     dtype = np.float16 if getattr(x, "dtype", None) == np.float16 else np.float32
     cu.check_device_array("upsample_bilinear2x", "x", x, ndim=4, dtype=dtype)
     n, h, w, c = x.shape

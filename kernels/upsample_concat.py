@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from scratchd.kernels import _cuda as cu
 from scratchd.kernels._checks import check_array
 
 
@@ -45,8 +46,6 @@ def upsample_concat_cuda(
     out: Any | None = None,  # [N, 2h, 2w, C1 + C2] float16: written in place when given
 ) -> Any:  # [N, 2h, 2w, C1 + C2] float16
     """CUDA twin of :func:`upsample_concat_ref` (``upsample_concat.cu``)."""
-    from scratchd.kernels import _cuda as cu
-
     cu.check_device_array("upsample_concat", "x", x, ndim=4, dtype=np.float16)
     cu.check_device_array("upsample_concat", "skip", skip, ndim=4, dtype=np.float16)
     n, h, w, c1 = x.shape

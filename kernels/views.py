@@ -23,12 +23,28 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from scratchd.kernels import _cuda as cu
 from scratchd.kernels._checks import check_array
+from scratchd.kernels.output_path import window_score_cuda
 from scratchd.kernels.postprocess import binary_entropy_bits, peak_local_mean
-from scratchd.model.scratchnet import VIEWS, apply_view
 
+# The test-time views a model may average; each is its own inverse.
+VIEWS = ("identity", "flip_h", "flip_v", "transpose")
 CODES = {view: code for code, view in enumerate(VIEWS)}  # the order view_code() decodes
 TILE, ROWS = 32, 8  # views.cu
+
+
+def apply_view(images: np.ndarray, view: str) -> np.ndarray:
+    """``[N, H, W]`` → the view (contiguous); applying it twice gives ``images`` back."""
+    if view == "identity":
+        return images
+    if view == "flip_h":
+        return np.ascontiguousarray(images[:, :, ::-1])
+    if view == "flip_v":
+        return np.ascontiguousarray(images[:, ::-1, :])
+    if view == "transpose":
+        return np.ascontiguousarray(images.transpose(0, 2, 1))
+    raise ValueError(f"unknown view {view!r}; expected one of {VIEWS}")
 
 
 class ViewLayout(NamedTuple):
@@ -123,8 +139,6 @@ def _grid(n: int, height: int, width: int) -> tuple[int, int, int]:
 
 
 def _word_args(lay: ViewLayout) -> tuple[np.int32, ...]:
-    from scratchd.kernels import _cuda as cu
-
     words = (*lay.words, *(0,) * (4 - len(lay.words)))
     return (cu.i32(len(lay.words)), *map(cu.i32, words))
 
@@ -137,8 +151,6 @@ def view_stack_cuda(
     out_b: Any | None = None,  # [N, W, H] uint8 (non-square frames with the transpose)
 ) -> tuple[Any, Any | None]:
     """CUDA twin of :func:`view_stack_ref` (``views.cu``: one tiled kernel)."""
-    from scratchd.kernels import _cuda as cu
-
     op = "view_stack"
     cu.check_device_array(op, "frames", frames, ndim=3, dtype=np.uint8)
     n, h, w = frames.shape
@@ -154,8 +166,6 @@ def view_stack_cuda(
 
 def view_mean_buffers(n: int, height: int, width: int) -> ViewMean:
     """Device buffers for :func:`view_mean_cuda`'s ``out`` (allocated once, reused)."""
-    from scratchd.kernels import _cuda as cu
-
     cp = cu.cupy()
     f32 = np.float32
     return ViewMean(cp.empty((n, height, width), f32), cp.empty((n,), f32), cp.empty((n,), f32))
@@ -171,9 +181,6 @@ def view_mean_cuda(
     scratch: Any | None = None,  # [3 * N] uint32, zeroed here each run
 ) -> ViewMean:
     """CUDA twin of :func:`view_mean_ref`: a memset, ``view_mean`` and ``window_score``."""
-    from scratchd.kernels import _cuda as cu
-    from scratchd.kernels.output_path import window_score_cuda
-
     op = "view_mean"
     cu.check_device_array(op, "prob_a", prob_a, ndim=3, dtype=np.float32)
     if prob_b is not None:

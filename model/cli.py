@@ -35,8 +35,9 @@ import click
 
 from scratchd.dataset.folders import Sample, scan_dataset, split_of
 from scratchd.dataset.masks import MaskRejected, validate_mask
+from scratchd.kernels.views import VIEWS
 from scratchd.model.evaluate import Evaluation
-from scratchd.model.scratchnet import VIEWS, ModelError, ScratchNet, load_model
+from scratchd.model.scratchnet import ModelError, ScratchNet, load_model
 from scratchd.protocol.image import ImageError, decode_image, encode_png
 
 

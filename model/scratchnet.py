@@ -39,6 +39,7 @@ from scratchd.kernels.postprocess import (
     intensity_histogram,
     postprocess,
 )
+from scratchd.kernels.views import VIEWS, apply_view
 from scratchd.model.net import NetConfig, Weights, check_weights, count_params, forward
 
 DEFAULT_PATH = Path(__file__).resolve().parent / "weights" / "scratchnet.npz"
@@ -85,22 +86,6 @@ class Prediction:
     boxes: list[Box]  # (x0, y0, x1, y1, score), x1/y1 exclusive, best first
     entropy: float  # mean per-pixel binary entropy of prob, bits in [0, 1]
     histogram: np.ndarray  # [64] uint32 input intensity counts
-
-
-VIEWS = ("identity", "flip_h", "flip_v", "transpose")
-
-
-def apply_view(images: np.ndarray, view: str) -> np.ndarray:
-    """``[N, H, W]`` → the view (contiguous); applying it twice gives ``images`` back."""
-    if view == "identity":
-        return images
-    if view == "flip_h":
-        return np.ascontiguousarray(images[:, :, ::-1])
-    if view == "flip_v":
-        return np.ascontiguousarray(images[:, ::-1, :])
-    if view == "transpose":
-        return np.ascontiguousarray(images.transpose(0, 2, 1))
-    raise ValueError(f"unknown view {view!r}; expected one of {VIEWS}")
 
 
 class ScratchNet:

@@ -216,7 +216,7 @@ def bench_variants(
     (``SWEEP:HOIST``, see ``ds_block.dw_schedule``) and leave the fastest one set."""
     import cupy as cp
 
-    from scratchd.gpu.cuda_graph import CudaScratchNet
+    from scratchd.gpu.cuda_scratchnet import CudaScratchNet
     from scratchd.kernels import ds_block as dsb
 
     rows: list[dict[str, Any]] = []
@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import cupy as cp
     import torch
 
-    from scratchd.gpu.cuda_graph import CudaScratchNet
+    from scratchd.gpu.cuda_scratchnet import CudaScratchNet
 
     torch.backends.cudnn.benchmark = True
     rng = np.random.default_rng(0)
@@ -401,7 +401,7 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
     if args.profile:
-        from scratchd.gpu.cuda_graph import CudaScratchNet
+        from scratchd.gpu.cuda_scratchnet import CudaScratchNet
 
         CudaScratchNet(load_bench_model()[0]).graph(16, 1024, 1024)
         return

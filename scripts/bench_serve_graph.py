@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from scratchd.gpu.buckets import BUCKETS
-from scratchd.gpu.cuda_graph import CudaScratchNet
+from scratchd.gpu.cuda_scratchnet import CudaScratchNet
 from scratchd.gpu.serve_graph import ServeGraph
 from scratchd.model.scratchnet import load_model
 from scratchd.protocol.image import decode_image

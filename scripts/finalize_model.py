@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train import evaluate, load_split
 
-from scratchd.model.scratchnet import VIEWS, ScratchNet, load_model, save_model
+from scratchd.kernels.views import VIEWS
+from scratchd.model.scratchnet import ScratchNet, load_model, save_model
 
 
 def main() -> None:

@@ -46,8 +46,13 @@ from typing import Any, Final
 
 import numpy as np
 
+from scratchd.gpu.arena import DeviceArena
 from scratchd.gpu.buckets import BUCKETS, bucket_for
+from scratchd.gpu.cuda_scratchnet import CudaScratchNet
+from scratchd.gpu.serve_graph import ServeGraph
 from scratchd.ipc.queue import Result, Status
+from scratchd.kernels import _cuda as cu
+from scratchd.model.scratchnet import load_model
 from scratchd.workers.batching import ewma
 from scratchd.workers.gpu_memory import (
     ARENA_MB,
@@ -56,6 +61,7 @@ from scratchd.workers.gpu_memory import (
     WARM_SIZES,
     BatchSizer,
     free_bytes,
+    handle_for_pci_bus,
     pin_near,
     split_batch,
 )
@@ -113,10 +119,6 @@ class CudaBackend:
         arena_mb: int = ARENA_MB,
         views: Sequence[str] | None = None,  # config model.views; None: the model file's
     ) -> None:
-        from scratchd.gpu.cuda_graph import CudaScratchNet
-        from scratchd.kernels import _cuda as cu
-        from scratchd.model.scratchnet import load_model
-
         self.boot_ms: dict[str, float] = {}
         t0 = time.perf_counter()
         self.cp = cp = cu.cupy()
@@ -126,7 +128,6 @@ class CudaBackend:
         cp.cuda.runtime.free(0)  # creates the primary context now, not at the first kernel
         bus_id = cp.cuda.runtime.deviceGetPCIBusId(0)
         self.boot_ms["cuda_context"] = _ms(t0)
-        from scratchd.workers.gpu_memory import handle_for_pci_bus
 
         self.nvml = handle_for_pci_bus(bus_id)
         self.cpus, self.affinity_note = pin_near(self.nvml)
@@ -184,8 +185,6 @@ class CudaBackend:
     def _open_arena(self, want: int, reserve: int) -> Any:
         """One arena for all of this worker's device memory, sized by NVML's free memory
         now (v2) less the reserve, at most ``want`` bytes; CuPy allocates from it."""
-        from scratchd.gpu.arena import DeviceArena
-
         free = free_bytes(self.nvml)
         size = min(want, free - reserve)
         if size < MIN_ARENA:
@@ -435,8 +434,6 @@ class CudaBackend:
         return cost
 
     def _capture(self, bucket: int, size: tuple[int, int]) -> Any:
-        from scratchd.gpu.serve_graph import ServeGraph
-
         try:
             g = ServeGraph(self.net, bucket, size[0], size[1], n_inputs=2)
         except MemoryError:  # ArenaExhausted (and CuPy's OutOfMemoryError) are MemoryErrors

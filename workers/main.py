@@ -41,7 +41,9 @@ import numpy as np
 from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Claim, QueueError, RequestQueue, Result
 from scratchd.workers.batching import BatchPolicy, ewma
-from scratchd.workers.gpu_memory import ARENA_MB, RESERVE_MB
+from scratchd.workers.cpu import CpuBackend
+from scratchd.workers.cuda import CudaBackend
+from scratchd.workers.gpu_memory import ARENA_MB, RESERVE_MB, WARM_SIZES
 from scratchd.workers.protocol import STANDBY_SLOT, ExitCode, parse_take, ready_line
 from scratchd.workers.results import error_result
 
@@ -132,15 +134,11 @@ def die_with_parent(parent_pid: int) -> bool:
 
 def make_backend(args: argparse.Namespace) -> Backend:
     if args.backend == "cuda":
-        from scratchd.workers.cuda import WARM_SIZES, CudaBackend
-
         sizes = [_parse_size(s) for s in args.gpu_warm_size] or list(WARM_SIZES)
         return CudaBackend(
             args.model or None, args.max_batch, args.gpu_reserve_mb, sizes, args.gpu_arena_mb,
             views=args.views,
         )  # fmt: skip
-    from scratchd.workers.cpu import CpuBackend  # the model's imports, only in workers
-
     return CpuBackend(args.model or None, args.max_batch, views=args.views)
 
 

@@ -28,14 +28,12 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
+from scratchd.daemon.frontend.connection import Connection
 from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Completion, Handle, RequestQueue, Status
 from scratchd.protocol import wire
-
-if TYPE_CHECKING:
-    from scratchd.daemon.frontend.acceptor import Connection
 
 STATUS_NAMES: Final[dict[Status, wire.ReplyStatus]] = {
     Status.OK: "ok",

@@ -24,27 +24,27 @@ with and without) and for nothing else.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from scratchd.daemon.config import Config
+from scratchd.daemon.frontend.dispatch import Dispatcher, InFlight
 from scratchd.daemon.log import Throttle, log_event
 from scratchd.daemon.ops.drift import DriftMonitor, EntropyMonitor
 from scratchd.daemon.ops.health import HealthServer, Readiness, ReadinessInput
 from scratchd.daemon.ops.metrics import CONTENT_TYPE, Metrics
-
-if TYPE_CHECKING:
-    from scratchd.daemon.frontend.dispatch import Dispatcher, InFlight
-    from scratchd.daemon.pool.supervisor import Supervisor
-    from scratchd.ipc.queue import Completion, RequestQueue
-    from scratchd.protocol import wire
+from scratchd.daemon.pool.supervisor import Supervisor
+from scratchd.ipc.queue import Completion, RequestQueue
+from scratchd.model.scratchnet import DEFAULT_PATH, META_KEY, ModelMeta
+from scratchd.protocol import wire
 
 DISABLE_ENV = "SCRATCHD_NO_METRICS"
 
@@ -62,10 +62,6 @@ class ModelReference:
 
 def read_model_reference(path: str) -> ModelReference:
     """The model's metadata only (the weights stay on disk; workers load those)."""
-    import json
-
-    from scratchd.model.scratchnet import DEFAULT_PATH, META_KEY, ModelMeta
-
     file = path or str(DEFAULT_PATH)
     try:
         with np.load(file, allow_pickle=False) as data:  # parsed as load_model parses it
@@ -209,8 +205,6 @@ class Observability:
 
     def status_fields(self) -> dict[str, Any]:
         """Keyword arguments for `wire.StatusReply`: latency, throughput, drift, entropy..."""
-        from scratchd.protocol import wire
-
         deadlines = {name: c.deadline_ms for name, c in self.config.classes.items()}
         latency = {
             part_class: wire.ClassLatency(

@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import msgspec
 
@@ -40,9 +40,7 @@ from scratchd.daemon.config import Config, ConfigError
 from scratchd.daemon.log import log_event
 from scratchd.daemon.ops.notify import Notifier
 from scratchd.daemon.pool.supervisor import PoolHalted
-
-if TYPE_CHECKING:
-    pass
+from scratchd.model.scratchnet import load_model
 
 LIVE_KEYS: Final = frozenset(
     {
@@ -110,8 +108,6 @@ def effective_config(old: Config, new: Config) -> Config:
 def model_version(config: Config) -> str:
     """Load the configured model with the configured views, as the workers will (a broken
     file raises, naming it), and return its version."""
-    from scratchd.model.scratchnet import load_model
-
     return load_model(config.model.path or None, views=config.model.views or None).version
 
 

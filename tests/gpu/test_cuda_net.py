@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from scratchd.dataset.folders import scan_dataset, split_of
+from scratchd.gpu.cuda_net import plan_paths
+from scratchd.kernels.ds_split import SPLIT_ENV
 from scratchd.kernels.normalize_pad import normalize_pad_ref
 from scratchd.model.net import (
     NetConfig,
@@ -27,6 +29,7 @@ from scratchd.protocol.image import decode_image
 from ..kernels.cuda_helpers import fresh_rng
 
 PROB_ATOL = 2e-2
+SHIPPED = NetConfig(widths=(48, 96, 192, 384), depths=(1, 2, 2, 1), dilations=(2, 4), dec_depth=2)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +55,27 @@ def test_fused_plan_matches_the_numpy_forward(cfg: NetConfig) -> None:
     )  # fmt: skip
 
 
+def test_the_shipped_plan_splits_exactly_its_wide_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SPLIT_ENV, raising=False)
+    plan = block_plan(SHIPPED)
+    paths = plan_paths(SHIPPED)
+    assert list(paths) == [b.name for b in plan]
+    split = [name for name, path in paths.items() if path == "split"]
+    assert split == ["enc3.0", "enc3.d0", "enc3.d1", "dec2.0"]
+    # The stride-1 blocks of up to 288 channels and 96 out (the joins dec1.0 and dec0.0
+    # included) run on ds_halo; none is left tiled.
+    halo = ["enc0.0", "enc1.1", "dec1.0", "dec1.1", "dec0.0", "dec0.1"]
+    assert [name for name, path in paths.items() if path == "halo"] == halo
+    assert "tiled" not in paths.values()
+    monkeypatch.setenv(SPLIT_ENV, "all")
+    every = [name for name, path in plan_paths(SHIPPED).items() if path == "split"]
+    assert every == [b.name for b in plan[:-1]]  # never the head block
+    monkeypatch.setenv(SPLIT_ENV, "tiled")
+    assert set(plan_paths(SHIPPED).values()) == {"tiled"}  # the head too: 48 channels
+    monkeypatch.setenv(SPLIT_ENV, "none")
+    assert set(plan_paths(SHIPPED).values()) == {"fused"}
+
+
 def _random_model(seed: int) -> ScratchNet:
     cfg = NetConfig()
     meta = ModelMeta(
@@ -65,7 +89,7 @@ def _random_model(seed: int) -> ScratchNet:
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 64, 64), (3, 37, 50), (5, 200, 200), (2, 129, 301)])
 def test_cuda_forward_matches_numpy_on_random_weights(shape: tuple[int, int, int]) -> None:
-    from scratchd.gpu.cuda_graph import CudaScratchNet
+    from scratchd.gpu.cuda_scratchnet import CudaScratchNet
 
     rng, seed = fresh_rng()
     model = _random_model(seed % 1000)
@@ -91,7 +115,7 @@ def test_cuda_predict_matches_numpy_on_real_validation_images(
     """Shipped weights, real validation frames: the CUDA backend's predictions are the CPU
     backend's (with the model's own test-time views, and with the single identity view, where
     score, entropy and histogram come from the device)."""
-    from scratchd.gpu.cuda_graph import CudaScratchNet
+    from scratchd.gpu.cuda_scratchnet import CudaScratchNet
 
     if not DEFAULT_PATH.is_file():
         pytest.skip(f"the shipped weights {DEFAULT_PATH} are not there yet")
@@ -112,7 +136,7 @@ def test_cuda_predict_matches_numpy_on_real_validation_images(
 @pytest.mark.gpu
 def test_cuda_predict_averages_test_time_views_like_numpy() -> None:
     """All four views on a non-square frame (the transpose runs as its own shape)."""
-    from scratchd.gpu.cuda_graph import CudaScratchNet
+    from scratchd.gpu.cuda_scratchnet import CudaScratchNet
 
     rng = np.random.default_rng()
     base = _random_model(11)
@@ -128,7 +152,7 @@ def test_cuda_predict_averages_test_time_views_like_numpy() -> None:
 @pytest.mark.gpu
 def test_graph_replays_new_frames_and_partial_buckets() -> None:
     """One captured graph serves different frames and a batch smaller than its bucket."""
-    from scratchd.gpu.cuda_graph import CudaScratchNet
+    from scratchd.gpu.cuda_scratchnet import CudaScratchNet
 
     rng = np.random.default_rng()
     model = _random_model(7)

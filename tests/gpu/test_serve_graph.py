@@ -63,7 +63,7 @@ def iou(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def serve(model: ScratchNet, frames: list[np.ndarray], bucket: int, capacity: int = 4096) -> list:
-    from scratchd.gpu.cuda_graph import CudaScratchNet
+    from scratchd.gpu.cuda_scratchnet import CudaScratchNet
     from scratchd.gpu.serve_graph import ServeGraph
 
     h, w = frames[0].shape
@@ -148,7 +148,7 @@ def test_run_overflow_takes_the_host_path_and_stays_right(
 
 @pytest.mark.gpu
 def test_lifecycle_and_masks_only_where_wanted(data_dir: Path, shipped: ScratchNet) -> None:
-    from scratchd.gpu.cuda_graph import CudaScratchNet
+    from scratchd.gpu.cuda_scratchnet import CudaScratchNet
     from scratchd.gpu.serve_graph import ServeGraph
 
     frames = np.stack(tile_frames(data_dir, 3))
@@ -221,7 +221,7 @@ def test_footprint_counts_every_buffer_the_graph_allocates(shipped: ScratchNet) 
     from the allocator (every forward buffer, the split blocks' scratch included)."""
     import cupy as cp
 
-    from scratchd.gpu.cuda_graph import CudaScratchNet
+    from scratchd.gpu.cuda_scratchnet import CudaScratchNet
     from scratchd.gpu.serve_graph import ServeGraph
 
     net = CudaScratchNet(shipped)

@@ -14,7 +14,6 @@ from scratchd.kernels.ds_split import (
     ds_split_cuda,
     ds_tiled_cuda,
     gemm_tiles,
-    plan_paths,
     split_shape_ok,
     tiled_shape_ok,
 )
@@ -24,27 +23,6 @@ from scratchd.model.scratchnet import load_model
 from .cuda_helpers import assert_close, block_data, cupy, dev, fresh_rng, half, poisoned
 
 SHIPPED = NetConfig(widths=(48, 96, 192, 384), depths=(1, 2, 2, 1), dilations=(2, 4), dec_depth=2)
-
-
-def test_the_shipped_plan_splits_exactly_its_wide_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(SPLIT_ENV, raising=False)
-    plan = block_plan(SHIPPED)
-    paths = plan_paths(SHIPPED)
-    assert list(paths) == [b.name for b in plan]
-    split = [name for name, path in paths.items() if path == "split"]
-    assert split == ["enc3.0", "enc3.d0", "enc3.d1", "dec2.0"]
-    # The stride-1 blocks of up to 288 channels and 96 out (the joins dec1.0 and dec0.0
-    # included) run on ds_halo; none is left tiled.
-    halo = ["enc0.0", "enc1.1", "dec1.0", "dec1.1", "dec0.0", "dec0.1"]
-    assert [name for name, path in paths.items() if path == "halo"] == halo
-    assert "tiled" not in paths.values()
-    monkeypatch.setenv(SPLIT_ENV, "all")
-    every = [name for name, path in plan_paths(SHIPPED).items() if path == "split"]
-    assert every == [b.name for b in plan[:-1]]  # never the head block
-    monkeypatch.setenv(SPLIT_ENV, "tiled")
-    assert set(plan_paths(SHIPPED).values()) == {"tiled"}  # the head too: 48 channels
-    monkeypatch.setenv(SPLIT_ENV, "none")
-    assert set(plan_paths(SHIPPED).values()) == {"fused"}
 
 
 def test_paths_need_their_tiles_and_a_known_mode(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -233,7 +211,7 @@ def test_the_shipped_forward_gives_the_same_bits_split_or_fused(
     depthwise output would pass the int32 indexing limit there (it stays fused; the default
     paths split no block whose scratch is larger than the stem's output, which the limit
     refuses first): logits and probabilities agree bit for bit."""
-    from scratchd.gpu.cuda_graph import CudaScratchNet
+    from scratchd.gpu.cuda_scratchnet import CudaScratchNet
     from scratchd.kernels import _cuda as cu
 
     model = load_model()

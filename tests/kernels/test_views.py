@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scratchd.kernels.views import view_layout, view_mean_ref, view_stack_ref
-from scratchd.model.scratchnet import VIEWS, ScratchNet
+from scratchd.kernels.views import VIEWS, view_layout, view_mean_ref, view_stack_ref
+from scratchd.model.scratchnet import ScratchNet
 from scratchd.protocol.image import decode_image
 
 from .cuda_helpers import cupy, fresh_rng

@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from scratchd.kernels.views import apply_view
 from scratchd.model.net import NetConfig, count_params, random_weights
-from scratchd.model.scratchnet import ModelError, apply_view, load_model, save_model
+from scratchd.model.scratchnet import ModelError, load_model, save_model
 
 
 def test_shipped_model_metadata_is_complete() -> None:

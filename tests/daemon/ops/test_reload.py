@@ -23,9 +23,9 @@ from click.testing import CliRunner
 from scratchd.client.api import Client
 from scratchd.daemon.cli import main
 from scratchd.daemon.config import Config, ConfigError, load_config
+from scratchd.daemon.ops import reload as reload_module
 from scratchd.daemon.ops.notify import Notifier
 from scratchd.daemon.ops.reload import Reloader, config_changes, effective_config, model_version
-from scratchd.model import scratchnet as model_module
 from scratchd.model.scratchnet import ScratchNet, load_model, save_model
 
 from ..live_daemon import (
@@ -117,7 +117,7 @@ def test_a_reload_keeps_the_configured_views(monkeypatch: pytest.MonkeyPatch) ->
         loaded_with.append(None if views is None else list(views))
         return load_model(path, views)
 
-    monkeypatch.setattr(model_module, "load_model", recording)  # model_version imports it late
+    monkeypatch.setattr(reload_module, "load_model", recording)
 
     def check(config: Config) -> str:
         checked.append(config)
