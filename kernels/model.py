@@ -67,6 +67,10 @@ class ModelMeta:
     params: int
     training: dict[str, Any] = field(default_factory=dict)  # seed, steps, augmentation, …
     views: list[str] = field(default_factory=lambda: ["identity"])  # test-time augmentation
+    # Image decision: "defect" iff score >= score_threshold (chosen for a stated defect recall
+    # on data the model was not fitted on, see ``training["calibration"]``). None: the
+    # scratchnet-1 rule, "defect" iff a component of at least min_area pixels survived.
+    score_threshold: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,6 +92,16 @@ class Prediction:
 
 
 VIEWS = ("identity", "flip_h", "flip_v", "transpose")
+
+
+def decide(score: float, has_boxes: bool, score_threshold: float | None) -> Verdict:
+    """The image verdict: by the image score when the model states a ``score_threshold``,
+    else (scratchnet-1 models) by whether any component survived ``min_area``. The CPU
+    path (:meth:`ScratchNet.predict`) and the GPU path (``serve_graph.HostFinish``) both
+    decide here."""
+    if score_threshold is None:
+        return "defect" if has_boxes else "clean"
+    return "defect" if score >= score_threshold else "clean"
 
 
 def apply_view(images: np.ndarray, view: str) -> np.ndarray:
@@ -158,7 +172,7 @@ class ScratchNet:
             prob=prob,
             mask=post.mask,
             score=post.score,
-            verdict=post.verdict,
+            verdict=decide(post.score, bool(post.boxes), m.score_threshold),
             boxes=post.boxes,
             entropy=binary_entropy_bits(prob),
             histogram=intensity_histogram(image),
