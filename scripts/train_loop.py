@@ -179,7 +179,7 @@ class Trainer:
             task = bar.add_task("train", total=total, step=self.step, loss="-")
             while self.progress() < 1.0 and self.seconds - start_seconds < stop_seconds:
                 lr = self.train_step(data, probs, mean, std)
-                if self.step % 50 == 0:
+                if self.step % 10 == 0:
                     torch.cuda.synchronize() if self.device.type == "cuda" else None
                     self.seconds = start_seconds + time.perf_counter() - t0
                 if self.step % 200 == 0:
