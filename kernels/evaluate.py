@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -93,9 +94,9 @@ class Evaluation:
                 aucs[top] = round(auroc(np.array(pos), np.array(neg)), 4)
         flagged = {g: round(float(np.mean(v)), 4) for g, v in sorted(self.defect_verdicts.items())}
         rejected, passed = {}, {}
-        for g, rows in sorted(self.decisions.items()):
-            clean = [v for d, v in rows if not d]
-            defect = [v for d, v in rows if d]
+        for g, calls in sorted(self.decisions.items()):
+            clean = [v for d, v in calls if not d]
+            defect = [v for d, v in calls if d]
             if clean:
                 rejected[g] = round(float(np.mean(clean)), 4)
             if defect:
@@ -131,3 +132,38 @@ class Evaluation:
                 np.concatenate([[np.inf], thr, [-np.inf]]),
             )
         return out
+
+
+def draw_roc(
+    path: Path, curves: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
+    operating: dict[str, tuple[float, float]] | None = None, title: str = "",
+) -> None:  # fmt: skip
+    """The ROC curves (true-positive rate over false-positive rate) as a PNG, one colour per
+    group, with each group's operating point (``operating[group] = (fpr, tpr)``) ringed."""
+    from PIL import Image, ImageDraw
+
+    size, pad = 520, 60
+    img = Image.new("RGB", (size + 2 * pad, size + 2 * pad), "white")
+    d = ImageDraw.Draw(img)
+
+    def xy(fpr: float, tpr: float) -> tuple[float, float]:
+        return pad + fpr * size, pad + (1 - tpr) * size
+
+    d.rectangle([pad, pad, pad + size, pad + size], outline="black")
+    d.line([xy(0, 0), xy(1, 1)], fill="lightgray")
+    for v in (0.25, 0.5, 0.75):
+        d.text((pad - 30, xy(0, v)[1] - 6), f"{v:.2f}", fill="black")
+        d.text((xy(v, 0)[0] - 12, pad + size + 6), f"{v:.2f}", fill="black")
+    d.text((pad, 15), title, fill="black")
+    d.text((pad + size // 2 - 60, pad + size + 28), "clean parts rejected (FPR)", fill="black")
+    d.text((5, pad - 20), "defective parts found (TPR)", fill="black")
+    colours = ("crimson", "royalblue", "darkgreen", "darkorange")
+    for k, (group, (fpr, tpr, _thr)) in enumerate(sorted(curves.items())):
+        colour = colours[k % len(colours)]
+        pts = [xy(float(a), float(b)) for a, b in zip(fpr, tpr, strict=True)]
+        d.line(pts, fill=colour, width=2)
+        d.text((pad + size - 150, pad + size - 20 - 16 * k), group, fill=colour)
+        if operating and group in operating:
+            x, y = xy(*operating[group])
+            d.ellipse([x - 6, y - 6, x + 6, y + 6], outline=colour, width=2)
+    img.save(path)

@@ -127,8 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"train {len(train_set)} = fit {len(fit)} + inner {len(inner)}; "
           f"mean {mean:.4f} std {std:.4f}", flush=True)  # fmt: skip
 
-    cfg = NetConfig(widths=tuple(args.widths), dec_depth=args.dec_depth)  # type: ignore[arg-type]
+    cfg = NetConfig(widths=tuple(args.widths), dec_depth=args.dec_depth)
     recipe = recipe_of(args)
+    torch.manual_seed(args.seed)  # the initial weights
     trainer = Trainer(TorchScratchNet(cfg), recipe, dev, args.seed)
     if args.resume is not None:
         state = load_checkpoint(args.resume, dev)

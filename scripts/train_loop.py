@@ -145,7 +145,7 @@ class Trainer:
         if r.image_loss > 0:
             loss = loss + r.image_loss * image_loss(up, y, r.top_k, r.min_area)
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
+        loss.backward()
         torch.nn.utils.clip_grad_norm_([*self.model.parameters(), *self.aux.parameters()], 2.0)
         self.opt.step()
         self._update_ema()
@@ -225,7 +225,10 @@ class Trainer:
         self.ema.load_state_dict(state["ema"])
         self.aux.load_state_dict(state["aux"])
         self.opt.load_state_dict(state["opt"])
-        self.gen.set_state(state["gen"].cpu())
+        try:
+            self.gen.set_state(state["gen"].cpu())
+        except RuntimeError:  # saved on another device type (CUDA vs CPU): a fresh stream
+            print("note: batch RNG state not restored (other device type)", flush=True)
         self.step, self.seconds = int(state["step"]), float(state["seconds"])
         self.log, self.evals = list(state["log"]), list(state["evals"])
         self.commands = list(state["commands"])

@@ -108,7 +108,8 @@ def calibrate(
     return {
         "threshold": threshold,
         "score_window": window,
-        "score_threshold": round(score_threshold, 6),
+        # Rounded down: rounding up could pass a defect the threshold was chosen to catch.
+        "score_threshold": math.floor(score_threshold * 1e6) / 1e6,
         "recall_target": recall,
         "iou_by_threshold": {str(t): round(v, 4) for t, v in ious.items()},
         "auroc_by_window": {str(w): round(v, 4) for w, v in aucs.items()},
@@ -153,8 +154,8 @@ def draw_curve(path: Path, log: list[dict[str, float]], evals: list[dict[str, An
             d.text((x + 6, y - 6), f"{ev[key]:.3f}", fill=colour)
     d.text((x0, y0 + 8), "0 s", fill="black")
     d.text((x1 - 60, y0 + 8), f"{tmax:.0f} s", fill="black")
-    d.text((5, y1), f"1e{hi:.2f}", fill="royalblue")
-    d.text((5, y0 - 10), f"1e{lo:.2f}", fill="royalblue")
+    d.text((5, y1), f"{10**hi:.3g}", fill="royalblue")
+    d.text((5, y0 - 10), f"{10**lo:.3g}", fill="royalblue")
     legend = "loss (log, blue)  lr (grey)  inner mean IoU (green)  inner tile AUROC (red)"
     d.text((x0 + 150, y0 + 8), legend, fill="black")
     img.save(path)
