@@ -102,6 +102,8 @@ def eval_cmd(
     ev = Evaluation()
     errors = 0
     stderr = Console(stderr=True)
+    if not stderr.is_terminal:
+        stderr = Console(stderr=True, width=120)  # a log file: no wrapped table cells
     with Progress(
         TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TextColumn("left"), TimeRemainingColumn(), console=stderr,

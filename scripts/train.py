@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         "seed": args.seed,
         "steps": trainer.step,
         "seconds": round(trainer.seconds, 1),
+        "warmup_seconds": round(trainer.warmup_seconds, 1),
         "schedule_done": done,
         "commands": trainer.commands,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

@@ -113,6 +113,7 @@ class Trainer:
         self.rng = np.random.default_rng(seed)
         self.step = 0
         self.seconds = 0.0  # training time over all processes of this schedule
+        self.warmup_seconds = 0.0  # each process's first steps (autotuning), not scheduled
         self.log: list[dict[str, float]] = []
         self.evals: list[dict[str, Any]] = []
         self.commands: list[str] = []
@@ -166,8 +167,13 @@ class Trainer:
     def run(
         self, data: GpuImages, probs: torch.Tensor, mean: float, std: float, stop_seconds: float
     ) -> None:
-        """Train until the schedule ends or this process has trained ``stop_seconds``."""
+        """Train until the schedule ends or this process has trained ``stop_seconds``.
+
+        The schedule's clock starts once each crop size has run twice in this process: the
+        first steps of a shape pay for cuDNN's autotuning (about a minute on the H200), which
+        must not eat the schedule; that time is kept in ``warmup_seconds``."""
         start_seconds, t0 = self.seconds, time.perf_counter()
+        warm_until = self.step + 2 * len(CROPS)
         bar = Progress(
             TextColumn("[bold]train"), BarColumn(),
             TextColumn("{task.completed:.0f}/{task.total:.0f}"),
@@ -179,8 +185,12 @@ class Trainer:
             task = bar.add_task("train", total=total, step=self.step, loss="-")
             while self.progress() < 1.0 and self.seconds - start_seconds < stop_seconds:
                 lr = self.train_step(data, probs, mean, std)
-                if self.step % 10 == 0:
-                    torch.cuda.synchronize() if self.device.type == "cuda" else None
+                if self.step == warm_until:
+                    self._sync()
+                    self.warmup_seconds += time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                if self.step % 10 == 0 and self.step > warm_until:
+                    self._sync()
                     self.seconds = start_seconds + time.perf_counter() - t0
                 if self.step % 200 == 0:
                     loss = float(self._last_loss(data, probs, mean, std))
@@ -191,7 +201,13 @@ class Trainer:
                     bar.update(task, completed=done, step=self.step, loss=f"{entry['loss']:.4f}")
                     if self.step % 2000 == 0:
                         print(json.dumps(entry), flush=True)
-        self.seconds = start_seconds + time.perf_counter() - t0
+        if self.step > warm_until:
+            self._sync()
+            self.seconds = start_seconds + time.perf_counter() - t0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.no_grad()
     def _last_loss(
@@ -215,6 +231,7 @@ class Trainer:
             "gen": self.gen.get_state(),
             "step": self.step,
             "seconds": self.seconds,
+            "warmup_seconds": self.warmup_seconds,
             "log": self.log,
             "evals": self.evals,
             "commands": self.commands,
@@ -230,6 +247,7 @@ class Trainer:
         except RuntimeError:  # saved on another device type (CUDA vs CPU): a fresh stream
             print("note: batch RNG state not restored (other device type)", flush=True)
         self.step, self.seconds = int(state["step"]), float(state["seconds"])
+        self.warmup_seconds = float(state.get("warmup_seconds", 0.0))
         self.log, self.evals = list(state["log"]), list(state["evals"])
         self.commands = list(state["commands"])
 

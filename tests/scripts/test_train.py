@@ -63,7 +63,7 @@ def test_batches_keep_image_and_mask_aligned() -> None:
     x, y = images.batch(torch.arange(9), 64, aug, gen)
     assert x.shape == y.shape == (9, 1, 64, 64)
     assert set(torch.unique(y).tolist()) <= {0.0, 1.0}
-    assert 0.0 <= float(x.min()) and float(x.max()) <= 1.0
+    assert float(x.min()) >= 0.0 and float(x.max()) <= 1.0
     for xi, yi in zip(x, y, strict=True):
         if yi.any() and not yi.all():
             # Monotone photometric changes keep the scratch at least as bright as the rest.
@@ -106,9 +106,7 @@ def test_calibrate_and_measure_on_perfect_maps() -> None:
     probs = [e.mask.astype(np.float32) * 0.98 + 0.01 for e in ex]
     cal = report.calibrate(probs, ex, min_area=16, recall=0.97)
     assert 0.01 < cal["score_threshold"] <= 0.99
-    m = report.measure(
-        probs, ex, cal["threshold"], 16, cal["score_window"], cal["score_threshold"]
-    )
+    m = report.measure(probs, ex, cal["threshold"], 16, cal["score_window"], cal["score_threshold"])
     assert m["iou"]["mtile"] == 1.0 and m["auroc"]["mtile"] == 1.0
     assert m["clean_rejected"]["mtile/free"] == 0.0 and m["defect_passed"]["mtile"] == 0.0
 
