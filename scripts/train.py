@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     extra = {"architecture": cfg.to_json(), "recipe": _recipe_json(recipe)}
     save_checkpoint(args.out / "checkpoint.pt", trainer, extra)
 
-    # Whole images come in many sizes: cuDNN's autotuner would benchmark every one of them.
+    # Whole images come in many sizes: cuDNN's autotuner would benchmark every one of them
+    # (suspected, not measured, to have stalled the first device run's evaluation).
     torch.backends.cudnn.benchmark = False
     ema = trainer.ema.float()
     subset = inner[: args.inner_limit] if args.inner_limit else inner
