@@ -45,7 +45,7 @@ def predict_probs(
     out = []
     for e in examples:
         h, w = e.image.shape
-        x = torch.from_numpy(e.image).to(device).float()[None, None]
+        x = torch.from_numpy(e.image.copy()).to(device).float()[None, None]
         x = x * (1.0 / (255.0 * std)) + (-mean / std)
         x = F.pad(x, (0, padded_size(w) - w, 0, padded_size(h) - h), mode="replicate")
         prob = torch.sigmoid(full_logits(model, x.contiguous(memory_format=torch.channels_last)))
