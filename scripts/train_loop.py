@@ -98,7 +98,10 @@ class Trainer:
     def __init__(self, model: TorchScratchNet, recipe: Recipe, device: torch.device, seed: int):
         self.recipe, self.device = recipe, device
         torch.manual_seed(seed)
-        self.model = model.to(device).to(memory_format=torch.channels_last)
+        self.model = model.to(device)
+        for p in self.model.parameters():
+            if p.ndim == 4:
+                p.data = p.data.contiguous(memory_format=torch.channels_last)
         w = model.cfg.widths
         self.aux = nn.ModuleDict({s: nn.Conv2d(w[int(s[-1])], 1, 1) for s in AUX_STAGES}).to(device)
         self.ema = copy.deepcopy(self.model).eval()
