@@ -58,7 +58,7 @@ from scratchd.kernels import _cuda as cu
 from scratchd.kernels.postprocess import Box, Verdict, finish_runs, threshold_runs
 from scratchd.kernels.row_runs import RECORD, RowRuns, row_runs_cuda
 from scratchd.kernels.views import ViewMean, view_layout, view_mean_cuda, view_stack_cuda
-from scratchd.model.scratchnet import ScratchNet
+from scratchd.model.scratchnet import ScratchNet, decide
 
 RUN_CAPACITY = 32768  # runs stored per frame (a frame with more is finished on the host)
 
@@ -118,6 +118,7 @@ class HostFinish:
     threshold: float
     min_area: int
     score_window: int
+    score_threshold: float | None = None  # ModelMeta.score_threshold (see model.decide)
 
     def frame(self, batch: Collected, j: int, want_mask: bool) -> FrameResult:
         count = int(batch.count[j])
@@ -132,8 +133,8 @@ class HostFinish:
             mask = np.empty((self.height, self.width), np.uint8) if want_mask else None
             h, w, area = self.height, self.width, self.min_area
             boxes = _runs.finish_records(batch.runs[j], count, h, w, area, mask)
-        verdict: Verdict = "defect" if boxes else "clean"
         score, entropy = float(batch.score[j]), float(batch.entropy[j])
+        verdict: Verdict = decide(score, bool(boxes), self.score_threshold)
         return FrameResult(mask, score, verdict, boxes, entropy, batch.hist[j], count, overflow)
 
 
@@ -160,7 +161,9 @@ class ServeGraph:
         cp = cu.cupy()
         m = net.model.meta
         self.net, self.bucket, self.height, self.width = net, bucket, height, width
-        self.host = HostFinish(height, width, m.threshold, m.min_area, m.score_window)
+        self.host = HostFinish(
+            height, width, m.threshold, m.min_area, m.score_window, m.score_threshold
+        )
         self.capacity = run_capacity
         self.layout = view_layout(net.model.views, height, width)
         self.stream = cp.cuda.Stream(non_blocking=True)

@@ -16,9 +16,14 @@ runs the model over every input image under DIR (found by
   goes on (exit status 1 at the end);
 - with ``--mask-out OUT``, the predicted 0/255 mask at ``OUT/<rel with suffix .png>``;
 - then the summary (IoU per group over defect images, AUROC defects vs clean per top-level
-  group, timing; see :mod:`scratchd.model.evaluate`): with ``--json`` a last stdout line
-  ``{"summary": {...}}``, otherwise on stderr. Images whose mask is rejected by
-  :func:`scratchd.dataset.masks.validate_mask` are predicted but left out of the metrics.
+  group, and at the model's operating point the share of clean parts rejected and of
+  defective parts passed per group, timing; see :mod:`scratchd.model.evaluate`): with
+  ``--json`` a last stdout line ``{"summary": {...}}``, otherwise a table on stderr. Images
+  whose mask is rejected by :func:`scratchd.dataset.masks.validate_mask` are predicted but
+  left out of the metrics;
+- ``--roc FILE`` writes the ROC curve of the image scores per top-level group as a PNG,
+  the model's operating point ringed;
+- on a terminal, stderr shows a progress bar with the time left.
 
 ``scratchd model info [--json] [--model PATH]`` prints the model's metadata (with ``params``).
 """
@@ -32,11 +37,21 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
 
 from scratchd.dataset.folders import Sample, scan_dataset, split_of
 from scratchd.dataset.masks import MaskRejected, validate_mask
 from scratchd.kernels.views import VIEWS
-from scratchd.model.evaluate import Evaluation
+from scratchd.model.evaluate import Evaluation, draw_roc
 from scratchd.model.scratchnet import ModelError, ScratchNet, load_model
 from scratchd.protocol.image import ImageError, decode_image, encode_png
 
@@ -60,6 +75,9 @@ def _load(path: Path | None, views: tuple[str, ...] = ()) -> ScratchNet:
 )
 @click.option("--split", type=click.Choice(["train", "val"]), help="Only this split's images.")
 @click.option("--val-fraction", default=0.2, show_default=True, type=click.FloatRange(0.0, 1.0))
+@click.option(
+    "--roc", "roc_path", type=click.Path(dir_okay=False, path_type=Path), help="ROC curve PNG."
+)
 def eval_cmd(
     directory: Path,
     as_json: bool,
@@ -68,6 +86,7 @@ def eval_cmd(
     views: tuple[str, ...],
     split: str | None,
     val_fraction: float,
+    roc_path: Path | None,
 ) -> None:
     """Run the model over every image under DIRECTORY and report accuracy."""
     if len(set(views)) != len(views):
@@ -83,15 +102,32 @@ def eval_cmd(
     model = _load(model_path, views)
     ev = Evaluation()
     errors = 0
-    for sample in samples:
-        row = _eval_one(model, sample, ev, mask_out)
-        errors += "error" in row
-        click.echo(json.dumps(row) if as_json else _text_row(row))
-    summary = ev.summary() | {"errors": errors, "model": model.version, "views": model.views}
+    stderr = Console(stderr=True)
+    if not stderr.is_terminal:
+        stderr = Console(stderr=True, width=120)  # a log file: no wrapped table cells
+    with Progress(
+        TextColumn("[bold]eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("left"), TimeRemainingColumn(), console=stderr,
+        disable=not stderr.is_terminal, transient=True,
+    ) as bar:  # fmt: skip
+        task = bar.add_task("eval", total=len(samples))
+        for sample in samples:
+            row = _eval_one(model, sample, ev, mask_out)
+            errors += "error" in row
+            click.echo(json.dumps(row) if as_json else _text_row(row))
+            bar.advance(task)
+    m = model.meta
+    summary = ev.summary() | {
+        "errors": errors, "model": model.version, "views": model.views,
+        "operating_point": {"threshold": m.threshold, "min_area": m.min_area,
+                            "score_window": m.score_window, "score_threshold": m.score_threshold},
+    }  # fmt: skip
+    if roc_path is not None:
+        _write_roc(roc_path, ev, summary, model.version)
     if as_json:
         click.echo(json.dumps({"summary": summary}))
     else:
-        click.echo(json.dumps(summary, indent=1), err=True)
+        stderr.print(summary_table(summary))
     if errors:
         sys.exit(1)
 
@@ -131,6 +167,47 @@ def _ground_truth(sample: Sample, shape: tuple[int, ...]) -> Any:
         return None
 
 
+def _write_roc(path: Path, ev: Evaluation, summary: dict[str, Any], version: str) -> None:
+    curves = ev.roc()
+    operating = {
+        g: (summary["clean_rejected"].get(g, 0.0), 1.0 - summary["defect_passed"].get(g, 0.0))
+        for g in curves
+    }
+    aucs = ", ".join(f"{g} AUROC {a:.4f}" for g, a in summary["auroc"].items())
+    draw_roc(path, curves, operating, f"{version}: {aucs}")
+
+
+def summary_table(summary: dict[str, Any]) -> Table:
+    """The readable form of the summary: one row per group (pooled groups in bold)."""
+    op = summary.get("operating_point", {})
+    title = (
+        f"{summary.get('model', '')} views {'+'.join(summary.get('views', []))} — "
+        f"{summary['images']} images, {summary['ms_per_image']} ms/image; pixel threshold "
+        f"{op.get('threshold')}, score threshold {op.get('score_threshold')}"
+    )
+    table = Table(title=title)
+    for col in ("group", "defect images", "mean IoU", "clean rejected", "defect passed", "AUROC"):
+        table.add_column(col, justify="left" if col == "group" else "right")
+    groups = sorted(
+        set(summary["iou"]) | set(summary["clean_rejected"]) | set(summary["defect_passed"])
+    )
+    for g in groups:
+
+        def pct(d: dict[str, float], g: str = g) -> str:
+            return f"{100 * d[g]:.1f} %" if g in d else ""
+
+        iou = summary["iou"].get(g)
+        table.add_row(
+            f"[bold]{g}[/bold]" if "/" not in g else g,
+            str(summary["iou_images"].get(g, "")),
+            "" if iou is None else f"{iou:.4f}",
+            pct(summary["clean_rejected"]),
+            pct(summary["defect_passed"]),
+            f"{summary['auroc'][g]:.4f}" if g in summary["auroc"] else "",
+        )
+    return table
+
+
 def _text_row(row: dict[str, Any]) -> str:
     if "error" in row:
         return f"{row['image']}  ERROR {row['error']}"
@@ -152,5 +229,6 @@ def info(as_json: bool, model_path: Path | None) -> None:
         click.echo(json.dumps(meta))
         return
     for key in ("version", "params", "architecture", "mean", "std", "threshold", "min_area",
-                "score_window", "views", "train_data_sha256", "val_metrics"):  # fmt: skip
+                "score_window", "score_threshold", "views", "train_data_sha256",
+                "val_metrics"):  # fmt: skip
         click.echo(f"{key:18s} {json.dumps(meta[key])}")

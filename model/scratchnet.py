@@ -68,6 +68,10 @@ class ModelMeta:
     params: int
     training: dict[str, Any] = field(default_factory=dict)  # seed, steps, augmentation, …
     views: list[str] = field(default_factory=lambda: ["identity"])  # test-time augmentation
+    # Image decision: "defect" iff score >= score_threshold (chosen for a stated defect recall
+    # on data the model was not fitted on, see ``training["calibration"]``). None: the
+    # scratchnet-1 rule, "defect" iff a component of at least min_area pixels survived.
+    score_threshold: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,6 +90,16 @@ class Prediction:
     boxes: list[Box]  # (x0, y0, x1, y1, score), x1/y1 exclusive, best first
     entropy: float  # mean per-pixel binary entropy of prob, bits in [0, 1]
     histogram: np.ndarray  # [64] uint32 input intensity counts
+
+
+def decide(score: float, has_boxes: bool, score_threshold: float | None) -> Verdict:
+    """The image verdict: by the image score when the model states a ``score_threshold``,
+    else (scratchnet-1 models) by whether any component survived ``min_area``. The CPU
+    path (:meth:`ScratchNet.predict`) and the GPU path (``serve_graph.HostFinish``) both
+    decide here."""
+    if score_threshold is None:
+        return "defect" if has_boxes else "clean"
+    return "defect" if score >= score_threshold else "clean"
 
 
 class ScratchNet:
@@ -143,7 +157,7 @@ class ScratchNet:
             prob=prob,
             mask=post.mask,
             score=post.score,
-            verdict=post.verdict,
+            verdict=decide(post.score, bool(post.boxes), m.score_threshold),
             boxes=post.boxes,
             entropy=binary_entropy_bits(prob),
             histogram=intensity_histogram(image),

@@ -80,8 +80,14 @@ class TorchScratchNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalised ``[N, 1, Hp, Wp]`` (multiples of 16) → logits ``[N, 1, Hp/2, Wp/2]``."""
+        return self.head(self.decode(x)["dec0"])
+
+    def decode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each decoder stage's output: ``dec2`` at Hp/8, ``dec1`` at Hp/4, ``dec0`` at Hp/2
+        (``dec0`` is what the head reads; training attaches auxiliary heads to the others)."""
         h = F.relu(self.stem(x))
         skips = {"skip0": h}
+        stages: dict[str, torch.Tensor] = {}
         for spec in self.plan:
             if spec.join is not None:
                 h = torch.cat(
@@ -90,7 +96,9 @@ class TorchScratchNet(nn.Module):
             h = self.blocks[spec.name.replace(".", "_")](h)
             if spec.saves is not None:
                 skips[spec.saves] = h
-        return self.head(h)
+            if spec.name.startswith("dec"):
+                stages[spec.name.split(".")[0]] = h  # the stage's last block wins
+        return stages
 
 
 def full_logits(model: TorchScratchNet, x: torch.Tensor) -> torch.Tensor:

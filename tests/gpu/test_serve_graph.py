@@ -17,7 +17,7 @@ import pytest
 from scratchd.gpu.serve_graph import Collected, HostFinish
 from scratchd.kernels.postprocess import postprocess
 from scratchd.kernels.row_runs import row_runs_ref
-from scratchd.model.scratchnet import DEFAULT_PATH, Prediction, ScratchNet, load_model
+from scratchd.model.scratchnet import DEFAULT_PATH, Prediction, ScratchNet, decide, load_model
 from scratchd.protocol.image import decode_image
 
 SCORE_TOL = 1e-2
@@ -201,8 +201,11 @@ def test_host_finish_matches_postprocess_on_real_maps(data_dir: Path) -> None:
     )
     height, width = images.shape[1:]
     host = HostFinish(height, width, m.threshold, m.min_area, m.score_window)
+    by_score = HostFinish(height, width, m.threshold, m.min_area, m.score_window, 0.25)
     for j, prob in enumerate(probs):
         want = postprocess(prob, m.threshold, m.min_area, m.score_window)
+        # With a score threshold the verdict reads the (device's) score, not the boxes.
+        assert by_score.frame(batch, j, False).verdict == decide(float(batch.score[j]), False, 0.25)
         got = host.frame(batch, j, True)
         assert got.host_path == bool(over[j]) and got.runs == int(runs.count[j])
         assert got.mask is not None and np.array_equal(got.mask, want.mask), f"frame {j}"

@@ -13,7 +13,7 @@ from PIL import Image
 
 from scratchd.daemon.cli import main
 from scratchd.dataset.folders import split_of
-from scratchd.model.scratchnet import load_model
+from scratchd.model.scratchnet import decide, load_model
 from scratchd.protocol.image import decode_image
 
 
@@ -45,7 +45,8 @@ def test_eval_json_rows_masks_and_summary(data_dir: Path, tmp_path: Path) -> Non
     }  # fmt: skip
     for row in rows:
         assert row["verdict"] in ("defect", "clean") and 0 <= row["score"] <= 1
-        assert row["verdict"] == ("defect" if row["boxes"] else "clean")
+        threshold = load_model().meta.score_threshold
+        assert row["verdict"] == decide(row["score"], bool(row["boxes"]), threshold)
         image = decode_image((root / row["image"]).read_bytes())
         mask = decode_image((out / row["image"]).with_suffix(".png").read_bytes())
         assert mask.shape == image.shape and set(np.unique(mask)) <= {0, 255}
@@ -101,3 +102,45 @@ def test_model_info_json() -> None:
     meta = json.loads(result.stdout)
     assert meta["params"] > 0 and meta["version"] and len(meta["histogram"]) == 64
     assert {"architecture", "mean", "std", "threshold", "min_area", "val_metrics"} <= set(meta)
+
+
+def synthetic_dataset(root: Path) -> Path:
+    """Two SD-900-style images with a bright scratch and two clean tiles beside their masks."""
+    rng = np.random.default_rng(0)
+    for i in (1, 2):
+        img = rng.integers(90, 110, (64, 64), dtype=np.uint8)
+        mask = np.zeros((64, 64), np.uint8)
+        img[30:33, 5:60] = 250
+        mask[30:33, 5:60] = 255
+        for sub, arr in (("images", img), ("masks", mask)):
+            (root / "sd900" / sub).mkdir(parents=True, exist_ok=True)
+            Image.fromarray(arr).save(root / "sd900" / sub / f"Sc_{i}.png")
+        tile = root / "mtile" / "free"
+        tile.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(90, 110, (48, 80), dtype=np.uint8)).save(tile / f"t{i}.jpg")
+        Image.fromarray(np.zeros((48, 80), np.uint8)).save(tile / f"t{i}.png")
+    crack = root / "mtile" / "crack"
+    crack.mkdir(parents=True, exist_ok=True)
+    img = rng.integers(90, 110, (48, 80), dtype=np.uint8)
+    mask = np.zeros((48, 80), np.uint8)
+    img[20:23, 10:70], mask[20:23, 10:70] = 20, 255
+    Image.fromarray(img).save(crack / "c1.jpg")
+    Image.fromarray(mask).save(crack / "c1.png")
+    return root
+
+
+def test_eval_reports_decisions_roc_and_table(tmp_path: Path) -> None:
+    root = synthetic_dataset(tmp_path / "data")
+    roc = tmp_path / "roc.png"
+    args = ["eval", str(root), "--json", "--views", "identity", "--roc", str(roc)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout.splitlines()[-1])["summary"]
+    assert set(summary["clean_rejected"]) == {"mtile", "mtile/free"}
+    assert set(summary["defect_passed"]) >= {"sd900", "sd900/Sc", "mtile", "mtile/crack"}
+    assert summary["operating_point"]["threshold"] == load_model().meta.threshold
+    assert Image.open(roc).format == "PNG"
+    text = CliRunner().invoke(main, ["eval", str(root), "--views", "identity"])
+    assert text.exit_code == 0, text.output
+    for word in ("clean rejected", "defect passed", "mtile/free", "sd900/Sc"):
+        assert word in text.stderr

@@ -11,7 +11,7 @@ import pytest
 
 from scratchd.kernels.views import apply_view
 from scratchd.model.net import NetConfig, count_params, random_weights
-from scratchd.model.scratchnet import ModelError, load_model, save_model
+from scratchd.model.scratchnet import ModelError, ModelMeta, decide, load_model, save_model
 
 
 def test_shipped_model_metadata_is_complete() -> None:
@@ -93,3 +93,26 @@ def test_save_load_round_trip_and_bad_files(tmp_path: Path) -> None:
     del bad["head.b"]
     with pytest.raises(ValueError, match="missing"):
         save_model(tmp_path / "bad.npz", bad, meta)
+
+
+def test_decide_by_score_threshold_or_by_components() -> None:
+    assert decide(0.9, False, None) == "clean" and decide(0.1, True, None) == "defect"
+    assert decide(0.5, False, 0.5) == "defect" and decide(0.49, True, 0.5) == "clean"
+
+
+def test_score_threshold_drives_the_verdict_and_old_metadata_loads(tmp_path: Path) -> None:
+    model = load_model()
+    old = model.meta.to_json()
+    old.pop("score_threshold")
+    assert ModelMeta.from_json(old).score_threshold is None  # scratchnet-1 files still load
+    cfg = NetConfig()
+    weights = random_weights(cfg, seed=3)
+    image = np.random.default_rng(0).integers(0, 256, (64, 80), dtype=np.uint8)
+    for score_threshold in (0.0, 1.01):
+        meta = dataclasses.replace(
+            model.meta, architecture=cfg.to_json(), params=count_params(cfg),
+            score_threshold=score_threshold,
+        )  # fmt: skip
+        save_model(tmp_path / "m.npz", weights, meta)
+        pred = load_model(tmp_path / "m.npz", views=("identity",)).predict([image])[0]
+        assert pred.verdict == ("defect" if score_threshold == 0.0 else "clean")

@@ -1,0 +1,223 @@
+"""Training data for scripts/train.py: shards → examples, the inner split, GPU batches.
+
+- :func:`load_split` decodes one split of the shards (and hashes the stored bytes);
+- :func:`inner_split` carves a deterministic, group-stratified share of the *training* side
+  out for choosing recipes and thresholds (the project's ``val`` split stays untouched, and
+  is measured once per shipped model);
+- :class:`GpuImages` holds every training image on the device, edge-padded to one canvas,
+  and draws whole batches there: crop centres (half of the defect images' crops near a
+  defect pixel), scale and rotation through one ``grid_sample``, exact flips and transposes,
+  then photometric changes (gamma, contrast, brightness, blur, noise, uint8 quantisation).
+  Nothing of a batch touches the CPU, so the CPUs are no bottleneck and several training
+  processes can share one GPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from scratchd.dataset.shard import open_shards
+from scratchd.protocol.image import decode_image
+
+Rand = Callable[..., torch.Tensor]
+MAX_DEFECT_POINTS = 512  # defect pixels kept per image for defect-centred crops
+
+
+@dataclass
+class Example:
+    rel: str
+    group: str
+    image: np.ndarray  # [H, W] uint8
+    mask: np.ndarray  # [H, W] uint8 0/1
+
+
+def load_split(shards: Path, split: str) -> tuple[list[Example], str]:
+    """Decoded examples of one split and the SHA-256 of their stored bytes."""
+    digest = hashlib.sha256()
+    out: list[Example] = []
+    with open_shards(shards) as ss:
+        for i in ss.indices(split=split):
+            rec = ss[i]
+            digest.update(rec.meta.rel.encode())
+            digest.update(rec.image)
+            image = decode_image(rec.image)
+            if rec.mask is None:
+                raise ValueError(f"{rec.meta.rel}: training needs a mask")
+            digest.update(rec.mask)
+            mask = (decode_image(rec.mask) > 127).astype(np.uint8)
+            out.append(Example(rec.meta.rel, rec.meta.group, image, mask))
+    return out, digest.hexdigest()
+
+
+def inner_split(
+    examples: list[Example], fraction: float = 0.15
+) -> tuple[list[Example], list[Example]]:
+    """``(fit, inner)``: per group, the ``round(fraction * n)`` examples whose BLAKE2b of
+    ``"inner:" + rel`` is smallest go to ``inner`` — deterministic, independent of order and
+    machine, and stratified by group."""
+    by_group: dict[str, list[Example]] = {}
+    for e in examples:
+        by_group.setdefault(e.group, []).append(e)
+    inner_rels: set[str] = set()
+    for group in sorted(by_group):
+        members = sorted(by_group[group], key=lambda e: _key(e.rel))
+        inner_rels.update(e.rel for e in members[: round(fraction * len(members))])
+    fit = [e for e in examples if e.rel not in inner_rels]
+    inner = [e for e in examples if e.rel in inner_rels]
+    return fit, inner
+
+
+def _key(rel: str) -> bytes:
+    return hashlib.blake2b(f"inner:{rel}".encode(), digest_size=8).digest()
+
+
+def sample_weights(examples: list[Example], free_weight: float = 0.5) -> np.ndarray:
+    """Sampling probability per example: tile defects are rarer and harder, so drawn more."""
+    w = np.array(
+        [
+            free_weight if e.group == "mtile/free" else 2.0 if e.group.startswith("mtile/") else 1.0
+            for e in examples
+        ]
+    )
+    return w / w.sum()
+
+
+@dataclass(frozen=True)
+class Augment:
+    """Probabilities and ranges of the batch augmentation (all on the device)."""
+
+    scale: float = 0.5  # share of crops rescaled, log-uniform in [1/max_scale, max_scale]
+    max_scale: float = 1.33
+    rotate: float = 0.3  # share of crops rotated by a uniform angle in ±max_angle degrees
+    max_angle: float = 45.0
+    blur: float = 0.3  # share blurred with a Gaussian of sigma U(0.3, 1.2) px
+    noise: float = 0.5  # share with Gaussian noise of sigma U(0, 0.04)
+    defect_centre: float = 0.5  # share of defect images' crops centred near a defect pixel
+
+
+class GpuImages:
+    """All training images on the device, edge-padded to one ``[N, Hc, Wc]`` uint8 canvas."""
+
+    def __init__(self, examples: list[Example], device: torch.device) -> None:
+        hc = max(e.image.shape[0] for e in examples)
+        wc = max(e.image.shape[1] for e in examples)
+        n = len(examples)
+        imgs = np.empty((n, hc, wc), np.uint8)
+        masks = np.empty((n, hc, wc), np.uint8)
+        points = np.zeros((n, MAX_DEFECT_POINTS, 2), np.float32)
+        counts = np.zeros(n, np.int64)
+        for i, e in enumerate(examples):
+            h, w = e.image.shape
+            pad = ((0, hc - h), (0, wc - w))
+            imgs[i] = np.pad(e.image, pad, mode="edge")
+            masks[i] = np.pad(e.mask, pad, mode="edge")
+            yx = np.argwhere(e.mask)
+            if len(yx):
+                pick = np.linspace(0, len(yx) - 1, min(len(yx), MAX_DEFECT_POINTS)).astype(int)
+                points[i, : len(pick)] = yx[pick]
+                counts[i] = len(pick)
+        self.device = device
+        self.images = torch.from_numpy(imgs).to(device)
+        self.masks = torch.from_numpy(masks).to(device)
+        self.points = torch.from_numpy(points).to(device)
+        self.counts = torch.from_numpy(counts).to(device)
+        sizes = np.array([e.image.shape for e in examples], np.float32)
+        self.sizes = torch.from_numpy(sizes).to(device)  # [N, 2] (h, w)
+        self.canvas = (hc, wc)
+
+    def batch(
+        self, idx: torch.Tensor, size: int, aug: Augment, gen: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Images in [0, 1] and 0/1 masks, both ``[B, 1, size, size]`` float32."""
+        b, dev = idx.shape[0], self.device
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.rand(*shape, generator=gen, device=dev)
+
+        hw = self.sizes[idx]  # [B, 2]
+        scale = torch.where(
+            rand(b) < aug.scale, torch.exp((2 * rand(b) - 1) * math.log(aug.max_scale)), 1.0
+        )
+        angle = torch.where(
+            rand(b) < aug.rotate, (2 * rand(b) - 1) * math.radians(aug.max_angle), 0.0
+        )
+        half = size * scale[:, None] / 2  # [B, 1], the crop's half extent in image pixels
+        lo = torch.minimum(half, hw - half)
+        hi = torch.maximum(half, hw - half)
+        centre = lo + rand(b, 2) * (hi - lo)
+        # Defect-centred crops: a random defect pixel, offset by up to 3/8 of the crop.
+        count = self.counts[idx]
+        pick = (rand(b) * count.clamp(min=1)).long().clamp(max=MAX_DEFECT_POINTS - 1)
+        point = self.points[idx, pick]  # [B, 2]
+        near = (point + (2 * rand(b, 2) - 1) * half * 0.75).clamp(lo, hi)
+        use = ((rand(b) < aug.defect_centre) & (count > 0))[:, None]
+        centre = torch.where(use, near, centre).round()
+        grid = _grid(centre, scale, angle, size, self.canvas)
+        x = F.grid_sample(
+            self.images[idx, None].float(), grid, mode="bilinear", padding_mode="border",
+            align_corners=False,
+        )  # fmt: skip
+        y = F.grid_sample(
+            self.masks[idx, None].float(), grid, mode="bilinear", padding_mode="border",
+            align_corners=False,
+        )  # fmt: skip
+        x, y = _flips(x / 255.0, (y >= 0.5).float(), rand)
+        return _photometric(x, aug, rand, gen), y
+
+
+def _grid(
+    centre: torch.Tensor, scale: torch.Tensor, angle: torch.Tensor, size: int,
+    canvas: tuple[int, int],
+) -> torch.Tensor:  # fmt: skip
+    """``grid_sample`` grid ``[B, S, S, 2]``: output pixel (i, j) reads image point
+    ``centre + scale * R(angle) (j - S/2, i - S/2)`` (integer points at scale 1, angle 0)."""
+    dev = centre.device
+    r = torch.arange(size, device=dev, dtype=torch.float32) - size / 2
+    v, u = torch.meshgrid(r, r, indexing="ij")  # [S, S]
+    cos, sin = torch.cos(angle)[:, None, None], torch.sin(angle)[:, None, None]
+    s = scale[:, None, None]
+    px = centre[:, 1, None, None] + s * (cos * u - sin * v)
+    py = centre[:, 0, None, None] + s * (sin * u + cos * v)
+    hc, wc = canvas
+    return torch.stack([(2 * px + 1) / wc - 1, (2 * py + 1) / hc - 1], dim=-1)
+
+
+def _flips(x: torch.Tensor, y: torch.Tensor, rand: Rand) -> tuple[torch.Tensor, torch.Tensor]:
+    b = x.shape[0]
+    for dims in ((3,), (2,)):
+        flip = (rand(b) < 0.5).view(b, 1, 1, 1)
+        x, y = torch.where(flip, x.flip(dims), x), torch.where(flip, y.flip(dims), y)
+    rot = (rand(b) < 0.5).view(b, 1, 1, 1)
+    return torch.where(rot, x.transpose(2, 3), x), torch.where(rot, y.transpose(2, 3), y)
+
+
+def _photometric(x: torch.Tensor, aug: Augment, u: Rand, gen: torch.Generator) -> torch.Tensor:
+    b, _, s, _ = x.shape
+    gamma = torch.exp((u(b, 1, 1, 1) - 0.5) * 0.8)  # 0.67 .. 1.49
+    x = x.clamp(0, 1) ** gamma
+    contrast = 0.7 + 0.6 * u(b, 1, 1, 1)
+    brightness = (u(b, 1, 1, 1) - 0.5) * 0.3
+    mean = x.mean(dim=(2, 3), keepdim=True)
+    x = (x - mean) * contrast + mean + brightness
+    # Blur: a separable Gaussian per image (grouped conv, images as channels); sigma 0 for
+    # the images left sharp makes their kernel a delta.
+    sigma = (0.3 + 0.9 * u(b)) * (u(b) < aug.blur)
+    taps = torch.arange(-3, 4, device=x.device, dtype=torch.float32)
+    k = torch.exp(-(taps[None] ** 2) / (2 * sigma[:, None].clamp(min=1e-3) ** 2))
+    k = k / k.sum(dim=1, keepdim=True)  # [B, 7]
+    flat = F.pad(x.view(1, b, s, s), (3, 3, 3, 3), mode="replicate")
+    flat = F.conv2d(flat, k.view(b, 1, 7, 1), groups=b)
+    flat = F.conv2d(flat, k.view(b, 1, 1, 7), groups=b)
+    x = flat.view(b, 1, s, s)
+    noise = 0.04 * u(b, 1, 1, 1) * (u(b, 1, 1, 1) < aug.noise)
+    x = x + noise * torch.randn(x.shape, generator=gen, device=x.device)
+    # Quantise like a camera would: the deployed model only ever sees uint8 frames.
+    return (x.clamp(0, 1) * 255).round() / 255

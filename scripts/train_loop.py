@@ -1,0 +1,267 @@
+"""The training loop of scripts/train.py: losses, deep supervision, EMA, checkpoints.
+
+- **Loss** (``--loss``): ``bce+lovasz`` (default) is BCE plus the Lovász hinge per crop
+  (Berman et al. 2018: a convex surrogate of each image's IoU, the metric we report; on a
+  crop without defect it penalises the highest logit, i.e. a false alarm); ``bce+dice`` is
+  the scratchnet-1 loss (BCE plus soft Dice over the batch).
+- **Image loss** (``--image-loss W``): BCE of each crop's top-k mean logit against "the crop
+  holds at least ``min_area`` defect pixels" (crops with fewer, but some, are ignored), so
+  the peak of the map — what the image score reads — separates clean from defective parts.
+- **Deep supervision** (``--aux W``): 1x1 heads on ``dec2`` and ``dec1`` (upsampled to the
+  crop), their loss weighted ``W`` and ``W/2``; training only, never exported.
+- An EMA of the weights is what is evaluated and exported.
+- **Checkpoints**: ``save_checkpoint``/``load_checkpoint`` keep model, EMA, auxiliary heads,
+  optimiser, step, training seconds, RNG states and the log, so one schedule (cosine over
+  ``--minutes`` of training time) spans several processes (``--stop-minutes`` each).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from torch import nn
+from train_data import Augment, GpuImages
+
+from scratchd.model.torchnet import TorchScratchNet
+
+CROPS = (224, 256, 288)
+AUX_STAGES = ("dec2", "dec1")
+
+
+@dataclass
+class Recipe:
+    loss: str = "bce+lovasz"
+    aux: float = 0.4
+    image_loss: float = 0.2
+    top_k: int = 16
+    min_area: int = 16
+    batch: int = 64
+    lr: float = 4e-3
+    wd: float = 1e-4
+    warmup: int = 300
+    ema: float = 0.999
+    minutes: float = 14.0  # the whole schedule, in training seconds / 60 (0: by --steps)
+    steps: int = 1_000_000
+    free_weight: float = 0.5
+    augment: Augment = field(default_factory=Augment)
+
+
+def lovasz_hinge(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over images of the Lovász hinge; ``logits``, ``target`` ``[B, P]``."""
+    signs = 2 * target - 1
+    errors = 1 - logits * signs
+    errors_sorted, perm = torch.sort(errors, dim=1, descending=True)
+    gt = torch.gather(target, 1, perm)
+    gts = gt.sum(dim=1, keepdim=True)
+    inter = gts - gt.cumsum(dim=1)
+    union = gts + (1 - gt).cumsum(dim=1)
+    jaccard = 1 - inter / union
+    grad = torch.cat([jaccard[:, :1], jaccard[:, 1:] - jaccard[:, :-1]], dim=1)
+    return (F.relu(errors_sorted) * grad).sum(dim=1).mean()
+
+
+def seg_loss(logits: torch.Tensor, target: torch.Tensor, kind: str) -> torch.Tensor:
+    """``logits``, ``target`` ``[B, 1, S, S]`` float32."""
+    bce = F.binary_cross_entropy_with_logits(logits, target)
+    if kind == "bce+dice":
+        p = torch.sigmoid(logits)
+        inter = (p * target).sum()
+        return bce + 1 - (2 * inter + 1) / (p.sum() + target.sum() + 1)
+    if kind == "bce+lovasz":
+        return bce + lovasz_hinge(logits.flatten(1), target.flatten(1))
+    raise ValueError(f"unknown loss {kind!r}")
+
+
+def image_loss(logits: torch.Tensor, target: torch.Tensor, k: int, min_area: int) -> torch.Tensor:
+    """BCE of the top-``k`` mean logit per crop against 'has >= min_area defect pixels'."""
+    top = logits.flatten(1).topk(k, dim=1).values.mean(dim=1)
+    area = target.flatten(1).sum(dim=1)
+    label = (area >= min_area).float()
+    weight = ((area == 0) | (area >= min_area)).float()
+    return F.binary_cross_entropy_with_logits(top, label, weight=weight)
+
+
+class Trainer:
+    """Model, EMA, auxiliary heads and optimiser, steppable and checkpointable."""
+
+    def __init__(self, model: TorchScratchNet, recipe: Recipe, device: torch.device, seed: int):
+        self.recipe, self.device = recipe, device
+        torch.manual_seed(seed)
+        self.model = model.to(device)
+        for p in self.model.parameters():
+            if p.ndim == 4:
+                p.data = p.data.contiguous(memory_format=torch.channels_last)
+        w = model.cfg.widths
+        self.aux = nn.ModuleDict({s: nn.Conv2d(w[int(s[-1])], 1, 1) for s in AUX_STAGES}).to(device)
+        self.ema = copy.deepcopy(self.model).eval()
+        params = [*self.model.named_parameters(), *self.aux.named_parameters()]
+        decay = [p for _, p in params if p.ndim > 1]
+        other = [p for _, p in params if p.ndim <= 1]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": recipe.wd}, {"params": other, "weight_decay": 0}],
+            lr=recipe.lr,
+        )
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+        self.rng = np.random.default_rng(seed)
+        self.step = 0
+        self.seconds = 0.0  # training time over all processes of this schedule
+        self.warmup_seconds = 0.0  # each process's first steps (autotuning), not scheduled
+        self.log: list[dict[str, float]] = []
+        self.evals: list[dict[str, Any]] = []
+        self.commands: list[str] = []
+
+    def progress(self) -> float:
+        r = self.recipe
+        return self.seconds / (60 * r.minutes) if r.minutes > 0 else self.step / r.steps
+
+    def train_step(self, data: GpuImages, probs: torch.Tensor, mean: float, std: float) -> float:
+        r, dev = self.recipe, self.device
+        cosine = 0.5 * (1 + math.cos(math.pi * min(self.progress(), 1.0)))
+        lr = r.lr * min(1.0, (self.step + 1) / r.warmup) * cosine
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        size = CROPS[self.step % len(CROPS)]
+        idx = torch.multinomial(probs, r.batch, replacement=True, generator=self.gen)
+        x, y = data.batch(idx, size, r.augment, self.gen)
+        x = ((x - mean) / std).contiguous(memory_format=torch.channels_last)
+        amp = dev.type == "cuda"
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+            stages = self.model.decode(x)
+            main = self.model.head(stages["dec0"])
+            aux = {s: self.aux[s](stages[s]) for s in AUX_STAGES if r.aux > 0}
+        up = F.interpolate(main.float(), size=(size, size), mode="bilinear", align_corners=False)
+        loss = seg_loss(up, y, r.loss)
+        for s, weight in zip(AUX_STAGES, (r.aux / 2, r.aux), strict=True):
+            if s in aux:
+                a = F.interpolate(aux[s].float(), size=(size, size), mode="bilinear")
+                loss = loss + weight * seg_loss(a, y, r.loss)
+        if r.image_loss > 0:
+            loss = loss + r.image_loss * image_loss(up, y, r.top_k, r.min_area)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([*self.model.parameters(), *self.aux.parameters()], 2.0)
+        self.opt.step()
+        self._update_ema()
+        self.step += 1
+        return lr
+
+    def _update_ema(self) -> None:
+        decay = min(self.recipe.ema, (1 + self.step) / (10 + self.step))
+        with torch.no_grad():
+            for e, m in zip(
+                self.ema.state_dict().values(), self.model.state_dict().values(), strict=True
+            ):
+                if e.dtype.is_floating_point:
+                    e.lerp_(m, 1 - decay)
+                else:
+                    e.copy_(m)
+
+    def run(
+        self, data: GpuImages, probs: torch.Tensor, mean: float, std: float, stop_seconds: float
+    ) -> None:
+        """Train until the schedule ends or this process has trained ``stop_seconds``.
+
+        The schedule's clock starts once each crop size has run twice in this process: the
+        first steps of a shape pay for startup (on the H200 the first 200 steps took 73 s
+        against ~9 s at the later rate, presumably cuDNN autotuning), which must not eat the
+        schedule; that time is kept in ``warmup_seconds``."""
+        start_seconds, t0 = self.seconds, time.perf_counter()
+        warm_until = self.step + 2 * len(CROPS)
+        bar = Progress(
+            TextColumn("[bold]train"), BarColumn(),
+            TextColumn("{task.completed:.0f}/{task.total:.0f}"),
+            TextColumn("step {task.fields[step]} loss {task.fields[loss]}"),
+            TimeElapsedColumn(), TimeRemainingColumn(), disable=not sys.stdout.isatty(),
+        )  # fmt: skip
+        total = 60 * self.recipe.minutes if self.recipe.minutes > 0 else float(self.recipe.steps)
+        with bar:
+            task = bar.add_task("train", total=total, step=self.step, loss="-")
+            while self.progress() < 1.0 and self.seconds - start_seconds < stop_seconds:
+                lr = self.train_step(data, probs, mean, std)
+                if self.step == warm_until:
+                    self._sync()
+                    self.warmup_seconds += time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                if self.step % 10 == 0 and self.step > warm_until:
+                    self._sync()
+                    self.seconds = start_seconds + time.perf_counter() - t0
+                if self.step % 200 == 0:
+                    loss = float(self._last_loss(data, probs, mean, std))
+                    entry = {"step": self.step, "loss": round(loss, 5),
+                             "lr": lr, "seconds": round(self.seconds, 1)}  # fmt: skip
+                    self.log.append(entry)
+                    done = self.seconds if self.recipe.minutes > 0 else self.step
+                    bar.update(task, completed=done, step=self.step, loss=f"{entry['loss']:.4f}")
+                    if self.step % 2000 == 0:
+                        print(json.dumps(entry), flush=True)
+        if self.step > warm_until:
+            self._sync()
+            self.seconds = start_seconds + time.perf_counter() - t0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def _last_loss(
+        self, data: GpuImages, probs: torch.Tensor, mean: float, std: float
+    ) -> torch.Tensor:
+        """The main head's segmentation loss on one fresh batch (EMA model, no aux)."""
+        r = self.recipe
+        idx = torch.multinomial(probs, r.batch, replacement=True, generator=self.gen)
+        x, y = data.batch(idx, CROPS[1], r.augment, self.gen)
+        x = ((x - mean) / std).contiguous(memory_format=torch.channels_last)
+        logits = self.ema(x).float()
+        up = F.interpolate(logits, size=y.shape[-2:], mode="bilinear", align_corners=False)
+        return seg_loss(up, y, r.loss)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "ema": self.ema.state_dict(),
+            "aux": self.aux.state_dict(),
+            "opt": self.opt.state_dict(),
+            "gen": self.gen.get_state(),
+            "step": self.step,
+            "seconds": self.seconds,
+            "warmup_seconds": self.warmup_seconds,
+            "log": self.log,
+            "evals": self.evals,
+            "commands": self.commands,
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.ema.load_state_dict(state["ema"])
+        self.aux.load_state_dict(state["aux"])
+        self.opt.load_state_dict(state["opt"])
+        try:
+            self.gen.set_state(state["gen"].cpu())
+        except RuntimeError:  # saved on another device type (CUDA vs CPU): a fresh stream
+            print("note: batch RNG state not restored (other device type)", flush=True)
+        self.step, self.seconds = int(state["step"]), float(state["seconds"])
+        self.warmup_seconds = float(state.get("warmup_seconds", 0.0))
+        self.log, self.evals = list(state["log"]), list(state["evals"])
+        self.commands = list(state["commands"])
+
+
+def save_checkpoint(path: Path, trainer: Trainer, extra: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(trainer.state() | {"extra": extra}, tmp)
+    tmp.replace(path)
+
+
+def load_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = torch.load(path, map_location=device, weights_only=False)
+    return state

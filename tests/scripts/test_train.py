@@ -1,0 +1,151 @@
+"""scripts/train*.py on synthetic images, CPU only: the inner split, GPU-style batches,
+losses, calibration, checkpoint/resume and the curve."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def _mod(name: str) -> ModuleType:
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    return importlib.import_module(name)
+
+
+def examples(n: int = 12, seed: int = 0) -> list:
+    """Images whose pixels are 255 exactly on the mask (a bright scratch), else dark."""
+    data = _mod("train_data")
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        h, w = (200, 200) if i % 2 else (int(rng.integers(100, 300)), int(rng.integers(220, 400)))
+        mask = np.zeros((h, w), np.uint8)
+        if i % 3:
+            y = int(rng.integers(10, h - 10))
+            mask[y : y + 2, 5 : w - 5] = 1
+        image = (mask * 255).astype(np.uint8)
+        group = ("mtile/free", "sd900/Sc", "mtile/crack")[i % 3]  # free: no scratch
+        out.append(data.Example(f"{group}/img_{i}.png", group, image, mask))
+    return out
+
+
+def test_inner_split_is_deterministic_disjoint_and_stratified() -> None:
+    data = _mod("train_data")
+    ex = examples(60)
+    fit, inner = data.inner_split(ex, 0.2)
+    fit2, inner2 = data.inner_split(list(reversed(ex)), 0.2)
+    assert {e.rel for e in inner} == {e.rel for e in inner2}
+    assert {e.rel for e in fit} == {e.rel for e in fit2}
+    assert not {e.rel for e in fit} & {e.rel for e in inner}
+    assert len(fit) + len(inner) == len(ex)
+    for group in ("sd900/Sc", "mtile/crack", "mtile/free"):
+        assert sum(e.group == group for e in inner) == 4  # round(0.2 * 20)
+
+
+def test_batches_keep_image_and_mask_aligned() -> None:
+    data = _mod("train_data")
+    ex = examples(9)
+    images = data.GpuImages(ex, torch.device("cpu"))
+    aug = dataclasses.replace(data.Augment(), blur=0.0, noise=0.0, rotate=1.0, scale=1.0)
+    gen = torch.Generator().manual_seed(0)
+    x, y = images.batch(torch.arange(9), 64, aug, gen)
+    assert x.shape == y.shape == (9, 1, 64, 64)
+    assert set(torch.unique(y).tolist()) <= {0.0, 1.0}
+    assert float(x.min()) >= 0.0 and float(x.max()) <= 1.0
+    for xi, yi in zip(x, y, strict=True):
+        if yi.any() and not yi.all():
+            # Monotone photometric changes keep the scratch at least as bright as the rest.
+            assert float(xi[yi == 1].min()) >= float(xi[yi == 0].max())
+
+
+def test_lovasz_hinge_is_zero_for_confident_right_answers() -> None:
+    loop = _mod("train_loop")
+    target = torch.zeros(2, 100)
+    target[0, :10] = 1
+    right = (2 * target - 1) * 5
+    assert float(loop.lovasz_hinge(right, target)) == 0.0
+    assert float(loop.lovasz_hinge(-right, target)) > 1.0
+
+
+def test_image_loss_ignores_crops_with_a_few_defect_pixels() -> None:
+    loop = _mod("train_loop")
+    logits = torch.zeros(3, 1, 8, 8)
+    target = torch.zeros(3, 1, 8, 8)
+    target[1, 0, :4] = 1  # 32 pixels: a defect crop
+    target[2, 0, 0, :3] = 1  # 3 pixels: ignored
+    loss = loop.image_loss(logits, target, k=4, min_area=16)
+    assert float(loss) == pytest.approx(float(np.log(2.0)) * 2 / 3, rel=1e-5)
+
+
+def test_score_threshold_keeps_the_recall_in_every_group() -> None:
+    report = _mod("train_report")
+    rng = np.random.default_rng(1)
+    scores = {"a": list(rng.random(40)), "b": list(rng.random(7))}
+    thr = report.score_threshold_for(scores, 0.9)
+    for values in scores.values():
+        v = np.array(values)
+        assert np.mean(v >= thr) >= 0.9
+    assert report.score_threshold_for({"a": [0.2, 0.9]}, 0.97) == 0.2
+
+
+def test_calibrate_and_measure_on_perfect_maps() -> None:
+    report = _mod("train_report")
+    ex = examples(9)
+    probs = [e.mask.astype(np.float32) * 0.98 + 0.01 for e in ex]
+    cal = report.calibrate(probs, ex, min_area=16, recall=0.97)
+    assert 0.01 < cal["score_threshold"] <= 0.99
+    m = report.measure(probs, ex, cal["threshold"], 16, cal["score_window"], cal["score_threshold"])
+    assert m["iou"]["mtile"] == 1.0 and m["auroc"]["mtile"] == 1.0
+    assert m["clean_rejected"]["mtile/free"] == 0.0 and m["defect_passed"]["mtile"] == 0.0
+
+
+def test_resume_continues_the_same_run(tmp_path: Path) -> None:
+    data, loop = _mod("train_data"), _mod("train_loop")
+    from scratchd.model.net import NetConfig
+    from scratchd.model.torchnet import TorchScratchNet
+
+    cfg = NetConfig(widths=(8, 16, 16, 16), depths=(1, 1, 1, 1), dilations=(2,), dec_depth=1)
+    recipe = loop.Recipe(batch=2, minutes=0.0, steps=4, warmup=1)
+    dev = torch.device("cpu")
+    images = data.GpuImages(examples(6), dev)
+    probs = torch.full((6,), 1 / 6)
+
+    def trainer() -> Any:
+        torch.manual_seed(3)
+        return loop.Trainer(TorchScratchNet(cfg), recipe, dev, seed=3)
+
+    straight = trainer()
+    straight.run(images, probs, 0.2, 0.3, float("inf"))
+    assert straight.step == 4
+    first = trainer()
+    for _ in range(2):
+        first.train_step(images, probs, 0.2, 0.3)
+    loop.save_checkpoint(tmp_path / "c.pt", first, {})
+    second = trainer()
+    second.load_state(loop.load_checkpoint(tmp_path / "c.pt", dev))
+    second.run(images, probs, 0.2, 0.3, float("inf"))
+    assert second.step == 4
+    for a, b in zip(
+        straight.ema.state_dict().values(), second.ema.state_dict().values(), strict=True
+    ):
+        torch.testing.assert_close(a, b)
+
+
+def test_draw_curve_writes_a_png(tmp_path: Path) -> None:
+    report = _mod("train_report")
+    log = [{"step": s, "loss": 1.0 / s, "lr": 1e-3, "seconds": float(s)} for s in (1, 2, 3)]
+    evals = [{"seconds": 3.0, "mean_iou": 0.7, "tile_auroc": 0.9}]
+    report.draw_curve(tmp_path / "c.png", log, evals, "t")
+    assert Image.open(tmp_path / "c.png").size == (report.W, report.H)
