@@ -1,15 +1,12 @@
 """The daemon: wires queue, supervisor, dispatcher and acceptor together and runs them.
 
-Lifecycle (one enum, transitions only through :meth:`Daemon.transition`)::
+Lifecycle: daemon/lifecycle.py's enum, transitions only through :meth:`Daemon.transition`.
 
-    STARTING ──workers READY, socket open──▶ SERVING ──SIGTERM/SIGINT──▶ DRAINING ──▶ STOPPED
-        │                                      │                            │
-        └──────── a worker cannot boot ────────┴──────────▶ HALTED ◀────────┘
-
-Start: create the shared-memory queue ``/scratchd-<instance>`` (instance: a hash of the
-socket path, so two daemons on different sockets never collide, and a crashed previous run
-on the same socket is found and replaced), start the dispatcher (completion doorbell), spawn
-the workers and wait for all READY, then open the socket.
+Start (:func:`run_daemon`): create the shared-memory queue ``/scratchd-<instance>``
+(instance: a hash of the socket path, so two daemons on different sockets never collide,
+and a crashed previous run on the same socket is found and replaced) and build the daemon's
+parts around it, all at once (:class:`Daemon`); then start the dispatcher (completion
+doorbell), spawn the workers and wait for all READY, then open the socket.
 
 Shutdown, top to bottom (:meth:`Daemon.drain`): stop accepting (socket closed and
 unlinked); new frames on open connections get ``overloaded``; wait for image decodes in
@@ -31,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import enum
 import hashlib
 import logging
 import os
@@ -43,8 +39,14 @@ from typing import Final
 from scratchd.daemon.config import Config
 from scratchd.daemon.frontend.acceptor import Acceptor
 from scratchd.daemon.frontend.dispatch import Dispatcher, InFlight
+from scratchd.daemon.lifecycle import Lifecycle, check_transition
 from scratchd.daemon.log import log_event
-from scratchd.daemon.ops.observability import Observability, read_model_reference
+from scratchd.daemon.ops.observability import (
+    Listeners,
+    Observability,
+    read_model_reference,
+    worker_device,
+)
 from scratchd.daemon.ops.service import ServiceManager
 from scratchd.daemon.pool.gpus import Placement, place
 from scratchd.daemon.pool.supervisor import PoolHalted, Supervisor, WorkerState
@@ -56,23 +58,6 @@ EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
 
 
-class Lifecycle(enum.Enum):
-    STARTING = "starting"
-    SERVING = "serving"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-    HALTED = "halted"
-
-
-TRANSITIONS: Final[dict[Lifecycle, frozenset[Lifecycle]]] = {
-    Lifecycle.STARTING: frozenset({Lifecycle.SERVING, Lifecycle.DRAINING, Lifecycle.HALTED}),
-    Lifecycle.SERVING: frozenset({Lifecycle.DRAINING, Lifecycle.HALTED}),
-    Lifecycle.DRAINING: frozenset({Lifecycle.STOPPED, Lifecycle.HALTED}),
-    Lifecycle.HALTED: frozenset(),
-    Lifecycle.STOPPED: frozenset(),
-}
-
-
 def queue_name(socket_path: str) -> str:
     """The shared-memory name for the daemon serving ``socket_path``."""
     digest = hashlib.sha1(os.path.abspath(socket_path).encode()).hexdigest()[:12]
@@ -80,39 +65,67 @@ def queue_name(socket_path: str) -> str:
 
 
 class Daemon:
-    """One daemon instance; ``await Daemon(config).run()`` serves until told to stop.
-    ``placement`` is ``gpus.place(config)`` when the caller already decided it."""
+    """One daemon instance around its ``queue`` (created by :func:`run_daemon`, which also
+    closes it); ``await daemon.run()`` serves until told to stop. Built on the running event
+    loop: the dispatcher and the supervisor take it. ``read_config`` re-reads the
+    configuration the way ``serve`` first read it (SIGHUP reloads)."""
 
     def __init__(
         self,
         config: Config,
+        queue: RequestQueue,
+        queue_name: str,
+        placement: Placement,
         read_config: Callable[[], Config] | None = None,
-        placement: Placement | None = None,
     ) -> None:
         self.config = config
         self.state = Lifecycle.STARTING
-        self.placement = placement or place(config)
-        self.backend = self.placement.backend
-        self.queue_name = queue_name(config.server.socket)
+        self.placement = placement
+        self.backend = placement.backend
+        self.queue = queue
+        self.queue_name = queue_name
         self.started = time.time()
         self.replies: collections.Counter[str] = collections.Counter()
         self.halt_reason = ""
         self._signals = 0
         self._stop = asyncio.Event()
+        self.supervisor = Supervisor(
+            config,
+            queue,
+            queue_name,
+            self.backend,
+            placement.workers,
+            self._on_reclaimed,
+            placement.gpus,
+        )
+        self.dispatcher = Dispatcher(
+            queue, config.queue.tick_ms * NS_PER_MS, self.account, self.supervisor.worker_name
+        )
+        self.acceptor = Acceptor(config, queue, self.dispatcher, self.snapshot)
         # Metrics, drift, entropy, /livez /readyz /metrics (daemon/ops/observability.py).
         self.obs = Observability(
             config,
             read_model_reference(config.model.path),
             devices=[self.backend],
             worker_states=[s.value for s in WorkerState],
+            device_of=worker_device(self.supervisor),
         )
-        # systemd (NOTIFY_SOCKET, LISTEN_FDS) and SIGHUP reloads; ``read_config`` re-reads
-        # the configuration the way ``serve`` first read it.
-        self.service = ServiceManager(self, read_config)
+        self.listeners = Listeners(
+            self.obs, queue, self.supervisor, self.dispatcher, lambda: self.state.value
+        )
+        # systemd (NOTIFY_SOCKET, LISTEN_FDS) and SIGHUP reloads.
+        self.service = ServiceManager(
+            queue=queue,
+            supervisor=self.supervisor,
+            dispatcher=self.dispatcher,
+            lifecycle=lambda: self.state,
+            current=lambda: self.config,
+            apply=self.apply_config,
+            read_config=read_config,
+        )
 
     def transition(self, new: Lifecycle) -> None:
-        if new not in TRANSITIONS[self.state]:
-            raise RuntimeError(f"lifecycle: {self.state.name} → {new.name} is not allowed")
+        check_transition(self.state, new)
         log_event("lifecycle", state=new.value, was=self.state.value)
         self.state = new
 
@@ -122,34 +135,14 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_stop_signal)
         loop.add_signal_handler(signal.SIGHUP, self.service.request_reload)
-        q = self.config.queue
-        geometry = Geometry(slots=q.slots, slot_bytes=q.slot_bytes, tick_ms=q.tick_ms)
-        self.queue = RequestQueue.create(self.queue_name, geometry, worker_spin_us=q.worker_spin_us)
-        try:
-            return await self._serve()
-        finally:
-            self.queue.close()  # the creator unlinks the segment
+        return await self._serve()
 
     async def _serve(self) -> int:
         config = self.config
-        self.dispatcher = Dispatcher(
-            self.queue, config.queue.tick_ms * NS_PER_MS, self.account, self._worker_name
-        )
         self.dispatcher.start()
-        self.supervisor = Supervisor(
-            config,
-            self.queue,
-            self.queue_name,
-            self.backend,
-            self.placement.workers,
-            self._on_reclaimed,
-            self.placement.gpus,
-        )
-        self.acceptor = Acceptor(config, self.queue, self.dispatcher, self.snapshot)
         # Health and metrics listen before the workers boot: /readyz says why it is not ready.
-        self.obs.bind(self.queue, self.supervisor, self.dispatcher, lambda: self.state.value)
         try:
-            await self.obs.start()
+            await self.listeners.start()
         except OSError as exc:
             return await self._halt(f"health/metrics listener on {config.server.bind}: {exc}")
         log_event(
@@ -219,7 +212,7 @@ class Daemon:
         self.dispatcher.collect()
         self.dispatcher.stop()
         await self.acceptor.close_connections()
-        await self.obs.close()
+        await self.listeners.close()
 
     def _on_stop_signal(self) -> None:
         self._signals += 1
@@ -230,14 +223,11 @@ class Daemon:
 
     def _force_exit(self) -> None:
         """Second signal: leave now, but leave nothing behind in /dev/shm."""
-        supervisor: Supervisor | None = getattr(self, "supervisor", None)
-        for worker in list(supervisor.workers.values()) if supervisor else []:
+        for worker in list(self.supervisor.workers.values()):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker.proc.pid, signal.SIGKILL)
-        if hasattr(self, "queue"):
-            self.queue.unlink()
-        if hasattr(self, "acceptor"):
-            self.acceptor.stop_listening()
+        self.queue.unlink()
+        self.acceptor.stop_listening()
         os._exit(EXIT_FAILED)
 
     # ---- seams ------------------------------------------------------------------------
@@ -259,9 +249,6 @@ class Daemon:
         """A dead worker's claims were reclaimed: answer the ones that timed out or failed,
         and arm the expiry timer for the requeued ones."""
         self.dispatcher.requeued()
-
-    def _worker_name(self, slot: int) -> str | None:
-        return self.supervisor.worker_name(slot)
 
     def snapshot(self, request_id: int = 0) -> wire.StatusReply:
         """The status reply: lifecycle, workers, queue occupancy, reply counts."""
@@ -329,6 +316,7 @@ class Daemon:
             standby=spares.get(0),
             standbys=list(spares.values()),
             **self.obs.status_fields(),
+            **self.listeners.status_fields(),
         )
 
 
@@ -338,8 +326,28 @@ def serve(
     placement: Placement | None = None,
 ) -> int:
     """Run a daemon on uvloop in the foreground; returns the exit status. ``read_config``
-    reads the configuration again for a reload (SIGHUP); ``placement`` as for ``Daemon``."""
+    reads the configuration again for a reload (SIGHUP); ``placement`` is
+    ``gpus.place(config)`` when the caller already decided it."""
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(Daemon(config, read_config, placement).run())
+        return runner.run(run_daemon(config, read_config, placement))
+
+
+async def run_daemon(
+    config: Config,
+    read_config: Callable[[], Config] | None = None,
+    placement: Placement | None = None,
+) -> int:
+    """Create the queue, build a :class:`Daemon` around it and run it; the queue is closed
+    (and, its creator being us, unlinked) however the daemon ends."""
+    placement = placement or place(config)
+    name = queue_name(config.server.socket)
+    q = config.queue
+    geometry = Geometry(slots=q.slots, slot_bytes=q.slot_bytes, tick_ms=q.tick_ms)
+    queue = RequestQueue.create(name, geometry, worker_spin_us=q.worker_spin_us)
+    try:
+        daemon = Daemon(config, queue, name, placement, read_config)
+        return await daemon.run()
+    finally:
+        queue.close()

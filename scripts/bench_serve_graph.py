@@ -135,14 +135,17 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared" / "data")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "serve-graph.json")
+    ap.add_argument(
+        "--model", type=Path, default=None, help="model file to time (default: the shipped one)"
+    )
     args = ap.parse_args()
     import cupy as cp
 
-    model = load_model()
+    model = load_model(args.model)
     frames = mosaics(args.data, 2 * BUCKETS[-1])
     tables: dict[str, list[dict[str, Any]]] = {}
-    for views in (model.views, ("identity",)):
-        net = CudaScratchNet(load_model(views=views))
+    for views in dict.fromkeys((model.views, ("identity",))):
+        net = CudaScratchNet(load_model(args.model, views=views))
         rows = tables.setdefault("+".join(views), [])
         for b in BUCKETS:
             rows.append(bench_bucket(net, frames, b, args.reps))
@@ -151,12 +154,14 @@ def main() -> None:
     for name, rows in tables.items():
         print(f"views {name}")
         print_table(rows)
-    print(f"CudaScratchNet.predict (4 views, with prob): {pred:.2f} ms/frame")
+    print(f"CudaScratchNet.predict ({len(model.views)} views, with prob): {pred:.2f} ms/frame")
     props = cp.cuda.runtime.getDeviceProperties(0)
     record = {
         "device": props["name"].decode(),
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "size": SIZE,
+        "model": model.version,
+        "architecture": model.meta.architecture,
         "views": list(model.views),
         "reps": args.reps,
         "frames": "1024x1024 mosaics of real SD-900 tiles",

@@ -37,6 +37,7 @@ class CpuBackend:
         self.model: ScratchNet = load_model(model_path or None, views=views or None)
         self.max_batch = max_batch
         self.version: str = self.model.version
+        self.boot_ms: dict[str, float] = {}  # the boot is the model load: the total says it
 
     def warm_up(self) -> None:
         """Run one forward pass so the first real request does not pay for lazy setup."""

@@ -33,13 +33,12 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Final, Protocol, cast
-
-import numpy as np
+from collections.abc import Sequence
+from typing import Any, Final
 
 from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Claim, QueueError, RequestQueue, Result
+from scratchd.workers.backend import AsyncBackend, Backend, DeviceMemory
 from scratchd.workers.batching import BatchPolicy, ewma
 from scratchd.workers.cpu import CpuBackend
 from scratchd.workers.cuda import CudaBackend
@@ -52,31 +51,6 @@ LEAD_FLOOR_NS: Final = 100_000
 """The least time before a computing batch's expected end at which the next one is claimed."""
 LEAD_WEIGHT: Final = 0.1
 """Weight of the newest claim + submit time in its running estimate."""
-
-
-class Backend(Protocol):
-    device: str
-    max_batch: int
-    version: str
-
-    def warm_up(self) -> None: ...
-
-    def infer(self, images: Sequence[np.ndarray], want_mask: Sequence[bool]) -> list[Result]: ...
-
-
-class AsyncBackend(Backend, Protocol):
-    """A backend that computes asynchronously (the CUDA backend; see PipelinedLoop)."""
-
-    def submit(self, images: Sequence[np.ndarray], want_mask: Sequence[bool]) -> object: ...
-
-    def start(self, batch: object) -> None: ...
-
-    def collect(self, batch: object) -> None: ...
-
-    def finish_each(self, batch: object) -> Iterator[tuple[int, Result]]:
-        """(batch position, Result) of each frame as soon as the host has finished it,
-        every position exactly once (the loop completes each at once)."""
-        ...
 
 
 class StopFlag:
@@ -175,10 +149,9 @@ def take_slot(queue: RequestQueue, slot: int, work_fd: int) -> None:
 
 
 def share_inputs(queue: RequestQueue, backend: Backend) -> None:
-    """A GPU backend page-locks the queue's input slots (zero-copy uploads)."""
-    register_host = getattr(backend, "register_host", None)
-    if register_host is not None:
-        register_host(queue.input_region())
+    """A backend with device memory page-locks the queue's input slots (zero-copy uploads)."""
+    if isinstance(backend, DeviceMemory):
+        backend.register_host(queue.input_region())
 
 
 def await_takeover(control_fd: int, death_fd: int, stop: StopFlag) -> tuple[int, int] | None:
@@ -221,12 +194,8 @@ class WorkerLoop:
         self.heartbeat_s = heartbeat_ms / 1000.0
         self.memory_reported_ns = 0
         self.claimed_ns = 0  # when the loop last decided to claim (PipelinedLoop's lead)
-        # Optional backend capabilities, looked up once (a GPU backend has both).
-        self.batch_limit: Callable[[], int] | None = getattr(backend, "batch_limit", None)
-        self.fragmentation: Callable[[], float] | None = getattr(
-            backend, "fragmentation_ratio", None
-        )
-        self.expected_ms: Callable[[object], float] | None = getattr(backend, "expected_ms", None)
+        # A backend with device memory limits claims and reports fragmentation (backend.py).
+        self.memory = backend if isinstance(backend, DeviceMemory) else None
 
     def run(self) -> ExitCode:
         while not self.stop.requested:
@@ -256,17 +225,15 @@ class WorkerLoop:
 
     def report_memory(self, now_ns: int) -> None:
         """A GPU backend's arena fragmentation into our worker row, once a heartbeat."""
-        if self.fragmentation is not None and (
-            now_ns - self.memory_reported_ns >= self.heartbeat_s * 1e9
-        ):
+        if self.memory is not None and now_ns - self.memory_reported_ns >= self.heartbeat_s * 1e9:
             self.memory_reported_ns = now_ns
-            self.queue.report_device_memory(self.slot, self.fragmentation())
+            self.queue.report_device_memory(self.slot, self.memory.fragmentation_ratio())
 
     def limit(self) -> int:
         """The backend's batch limit now (a GPU's follows its free memory)."""
-        if self.batch_limit is None:
+        if self.memory is None:
             return self.policy.max_batch
-        return max(1, self.batch_limit())
+        return max(1, self.memory.batch_limit())
 
     def take(self, claims: list[Claim]) -> None:
         self.serve(claims)
@@ -352,8 +319,8 @@ class PipelinedLoop(WorkerLoop):
     ``expected_ms``, the graphs' measured device time), so that the claim and the upload of
     k+1 happen during k's last stretch and k+1 launches right behind k instead of after a
     claim and an upload on an idle device. ``lead`` is twice the measured claim + submit
-    time plus ``LEAD_FLOOR_NS``. A backend without ``expected_ms`` (or without a measurement
-    yet) has k+1 claimed as soon as anything is ready.
+    time plus ``LEAD_FLOOR_NS``. A batch without a measurement yet (``expected_ms`` 0) has
+    k+1 claimed as soon as anything is ready.
 
     A failure of the asynchronous backend (a CUDA error) leaves the device in an unknown
     state, and a backend that breaks ``finish_each``'s contract cannot be trusted: the worker
@@ -363,20 +330,33 @@ class PipelinedLoop(WorkerLoop):
     not such a failure: the backend answers it ``error`` and serves the rest.
     """
 
-    inflight: tuple[list[Claim], object, int] | None = None  # launched, not collected
-    collected: tuple[list[Claim], object, int] | None = None  # collected, not finished
+    backend: AsyncBackend[Any]
+    inflight: tuple[list[Claim], Any, int] | None = None  # launched, not collected
+    collected: tuple[list[Claim], Any, int] | None = None  # collected, not finished
     busy_until_ns: int = 0  # the in-flight batch's expected end on the device
     submit_ns: float = 0.0  # EWMA of claim + submit time
 
+    def __init__(
+        self,
+        queue: RequestQueue,
+        slot: int,
+        backend: AsyncBackend[Any],
+        stop: StopFlag,
+        death_fd: int,
+        max_delay_ms: int,
+        heartbeat_ms: int,
+    ) -> None:
+        super().__init__(queue, slot, backend, stop, death_fd, max_delay_ms, heartbeat_ms)
+
     def take(self, claims: list[Claim]) -> None:
-        b = cast(AsyncBackend, self.backend)
+        b = self.backend
         images = [self.queue.input_view(c) for c in claims]
         batch = b.submit(images, [c.want_mask for c in claims])
         submitted = time.monotonic_ns()
         self._collect()
         b.start(batch)
         now = time.monotonic_ns()
-        expected_ns = int(self.expected_ms(batch) * 1e6) if self.expected_ms is not None else 0
+        expected_ns = int(b.expected_ms(batch) * 1e6)
         self.busy_until_ns = now + expected_ns
         # A submit that captured a new graph takes far longer than any batch computes: it
         # cannot be hidden behind one, so it must not stretch the lead. The lead only
@@ -419,7 +399,7 @@ class PipelinedLoop(WorkerLoop):
 
     def _collect(self) -> None:
         if self.inflight is not None:
-            cast(AsyncBackend, self.backend).collect(self.inflight[1])
+            self.backend.collect(self.inflight[1])
             self.inflight, self.collected = None, self.inflight
 
     def _finish(self) -> None:
@@ -431,7 +411,7 @@ class PipelinedLoop(WorkerLoop):
             return
         (claims, batch, started), self.collected = self.collected, None
         done = [False] * len(claims)
-        for pos, result in cast(AsyncBackend, self.backend).finish_each(batch):
+        for pos, result in self.backend.finish_each(batch):
             if not 0 <= pos < len(claims) or done[pos]:
                 raise RuntimeError(f"finish_each gave batch position {pos} twice or out of range")
             done[pos] = True
@@ -445,15 +425,19 @@ class PipelinedLoop(WorkerLoop):
 def serve(
     queue: RequestQueue, slot: int, backend: Backend, stop: StopFlag, args: argparse.Namespace
 ) -> int:
-    kind = PipelinedLoop if hasattr(backend, "submit") else WorkerLoop
-    loop = kind(queue, slot, backend, stop, args.death_fd, args.max_delay_ms, args.heartbeat_ms)
+    parts = (stop, args.death_fd, args.max_delay_ms, args.heartbeat_ms)
+    loop: WorkerLoop
+    if isinstance(backend, AsyncBackend):
+        loop = PipelinedLoop(queue, slot, backend, *parts)
+    else:
+        loop = WorkerLoop(queue, slot, backend, *parts)
     try:
         code = loop.run()
     except QueueError as exc:  # e.g. our slot was reclaimed: we must not claim any more
         print(f"scratchd worker slot {slot}: {exc}", file=sys.stderr)
         return ExitCode.CRASH
     except Exception as exc:  # the asynchronous backend, or its broken contract (PipelinedLoop)
-        if kind is WorkerLoop:
+        if not isinstance(loop, PipelinedLoop):
             raise
         print(f"scratchd worker slot {slot}: backend failure, leaving: {exc!r}", file=sys.stderr)
         return ExitCode.CRASH
@@ -473,7 +457,7 @@ def since_exec_ms() -> float:
 
 def _log_boot(slot: int, backend: Backend) -> None:
     """One stderr line with the boot's parts (the CUDA backend measures its own)."""
-    parts = {"total": round(since_exec_ms()), **getattr(backend, "boot_ms", {})}
+    parts = {"total": round(since_exec_ms()), **backend.boot_ms}
     where = "standby" if slot == STANDBY_SLOT else f"slot {slot}"
     print(f"scratchd worker {where}: ready on {backend.device}, boot ms {parts}", file=sys.stderr)
 

@@ -1,14 +1,18 @@
 """How the daemon's observability parts are wired into the running daemon.
 
-    Daemon._serve ──▶ Observability.start()        health + metrics listeners (before the
+    Daemon._serve ──▶ Listeners.start()            health + metrics listeners (before the
                                                     workers boot: /livez answers, /readyz
                                                     says "no worker is ready" until one is)
     Dispatcher.answer ─▶ Daemon.account ─▶ Observability.account(flight, reply, completion)
                           every reply, exactly once: counters, latency, queue wait, batches,
                           and for `ok` replies the input histogram (drift) and entropy
     Daemon.snapshot  ──▶ Observability.status_fields()   latency / drift / entropy for status
+                         Listeners.status_fields()       the listeners' ports
     scrape /metrics  ──▶ LiveSources read the queue and the supervisor at that moment
-    Daemon drain/halt ─▶ Observability.close()
+    Daemon drain/halt ─▶ Listeners.close()
+
+:class:`Observability` accounts replies and needs no running daemon (the benchmarks and
+tests build one alone); :class:`Listeners` is built with the daemon's parts it reads.
 
 Everything runs on the daemon's event loop in the main process; workers only write their
 results (with compute_ns, batch_size, entropy, histogram) into shared memory.
@@ -78,10 +82,17 @@ def _drift_monitor(histogram: np.ndarray, config: Config) -> DriftMonitor:
 
 
 class Observability:
-    """Metrics, drift, entropy, readiness and their listeners for one daemon."""
+    """Metrics, drift and entropy for one daemon. ``device_of`` names the device of a worker
+    slot, for the batch metrics' labels (default: ``devices[0]``, the one device of a pool
+    built without a supervisor)."""
 
     def __init__(
-        self, config: Config, model: ModelReference, devices: list[str], worker_states: list[str]
+        self,
+        config: Config,
+        model: ModelReference,
+        devices: list[str],
+        worker_states: list[str],
+        device_of: Callable[[int], str] | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -94,64 +105,8 @@ class Observability:
         else:
             log_event("drift_disabled", logging.WARNING, reason=model.problem)
         self.completed = 0  # requests a worker finished (ok or error): "the queue moves"
-        self.server: HealthServer | None = None
         self._failures = Throttle("metrics_failed", burst=3)
-        self._device_of: Callable[[int], str] = lambda slot: devices[0] if devices else "cpu"
-
-    def bind(
-        self,
-        queue: RequestQueue,
-        supervisor: Supervisor,
-        dispatcher: Dispatcher,
-        lifecycle: Callable[[], str],
-    ) -> None:
-        """Point the scrape-time sources and /readyz at the running daemon's parts."""
-        src = self.metrics.sources
-
-        def device_of(slot: int) -> str:
-            worker = supervisor.workers.get(slot)
-            return worker.device if worker is not None else supervisor.device
-
-        self._device_of = device_of
-        src.queue_depth = queue.depth_by_priority
-        src.worker_states = lambda: _count_states(supervisor)
-        src.restarts = lambda: {supervisor.device: sum(x.restarts for x in supervisor.lineage)}
-        src.fragmentation = lambda: _fragmentation(queue, supervisor)
-        src.drift_score = lambda: self.drift.score() if self.drift else 0.0
-        src.output_entropy = self.entropy.mean
-        src.signals_warming_up = lambda: self.entropy.warming_up
-
-        def readiness_input() -> ReadinessInput:
-            return ReadinessInput(
-                ready_workers=supervisor.ready_count(),
-                total_workers=supervisor.count,
-                pending=len(dispatcher.pending),
-                completed=self.completed,
-                lifecycle=lifecycle(),
-            )
-
-        # "Not moving" after as long as a batch may take before the supervisor calls its
-        # worker hung: a slow batch of big frames is not a stall.
-        stall_s = self.config.workers.hang_timeout_ms / 1000.0
-        readiness = Readiness(readiness_input, stall_after_s=stall_s)
-        server = self.config.server
-        self.server = HealthServer(
-            server.bind,
-            server.health_port,
-            server.metrics_port,
-            readiness=readiness.check,
-            metrics=self.metrics.exposition,
-            metrics_content_type=CONTENT_TYPE,
-        )
-
-    async def start(self) -> None:
-        assert self.server is not None, "bind() first"
-        await self.server.start()
-        log_event("listening", bind=self.config.server.bind, **self.server.bound)
-
-    async def close(self) -> None:
-        if self.server is not None:
-            await self.server.close()
+        self._device_of = device_of or (lambda slot: devices[0] if devices else "cpu")
 
     def apply_config(self, config: Config) -> None:
         """A reload: re-read the model's metadata; a new model starts a fresh drift window."""
@@ -217,7 +172,6 @@ class Observability:
         }
         throughput = self.metrics.throughput()
         drift = self.config.drift
-        bound = self.server.bound if self.server else {}
         return {
             "model_version": self.model.version,
             "model_views": list(self.config.model.views or self.model.views),
@@ -227,8 +181,6 @@ class Observability:
             if self.drift
             else wire.DriftStatus(threshold=drift.threshold, window=drift.window),
             "entropy": msgspec.convert(self.entropy.snapshot(), wire.EntropyStatus),
-            "health_port": bound.get("health", 0),
-            "metrics_port": bound.get("metrics", 0),
         }
 
     def worker_fields(self, name: str) -> dict[str, Any]:
@@ -238,6 +190,73 @@ class Observability:
             return {}
         summary = stats.summary()
         return {k: summary[k] for k in ("batch_size_mean", "compute_ms_p50")}
+
+
+class Listeners:
+    """The health and metrics listeners of one daemon: /readyz and the scrape-time sources
+    of ``obs.metrics`` read the daemon's parts at the moment they are asked."""
+
+    def __init__(
+        self,
+        obs: Observability,
+        queue: RequestQueue,
+        supervisor: Supervisor,
+        dispatcher: Dispatcher,
+        lifecycle: Callable[[], str],
+    ) -> None:
+        self.config = obs.config.server
+        src = obs.metrics.sources
+        src.queue_depth = queue.depth_by_priority
+        src.worker_states = lambda: _count_states(supervisor)
+        src.restarts = lambda: {supervisor.device: sum(x.restarts for x in supervisor.lineage)}
+        src.fragmentation = lambda: _fragmentation(queue, supervisor)
+        src.drift_score = lambda: obs.drift.score() if obs.drift else 0.0
+        src.output_entropy = obs.entropy.mean
+        src.signals_warming_up = lambda: obs.entropy.warming_up
+
+        def readiness_input() -> ReadinessInput:
+            return ReadinessInput(
+                ready_workers=supervisor.ready_count(),
+                total_workers=supervisor.count,
+                pending=len(dispatcher.pending),
+                completed=obs.completed,
+                lifecycle=lifecycle(),
+            )
+
+        # "Not moving" after as long as a batch may take before the supervisor calls its
+        # worker hung: a slow batch of big frames is not a stall.
+        stall_s = obs.config.workers.hang_timeout_ms / 1000.0
+        readiness = Readiness(readiness_input, stall_after_s=stall_s)
+        self.server = HealthServer(
+            self.config.bind,
+            self.config.health_port,
+            self.config.metrics_port,
+            readiness=readiness.check,
+            metrics=obs.metrics.exposition,
+            metrics_content_type=CONTENT_TYPE,
+        )
+
+    async def start(self) -> None:
+        await self.server.start()
+        log_event("listening", bind=self.config.bind, **self.server.bound)
+
+    async def close(self) -> None:
+        await self.server.close()
+
+    def status_fields(self) -> dict[str, Any]:
+        """Keyword arguments for `wire.StatusReply`: the ports the listeners are bound to."""
+        bound = self.server.bound
+        return {"health_port": bound.get("health", 0), "metrics_port": bound.get("metrics", 0)}
+
+
+def worker_device(supervisor: Supervisor) -> Callable[[int], str]:
+    """``device_of`` for :class:`Observability`: the device of the worker in a slot."""
+
+    def device_of(slot: int) -> str:
+        worker = supervisor.workers.get(slot)
+        return worker.device if worker is not None else supervisor.device
+
+    return device_of
 
 
 def _count_states(supervisor: Supervisor) -> dict[str, int]:

@@ -1,7 +1,8 @@
 """The daemon's face to systemd and to operators: readiness, status, watchdog, reload.
 
-:class:`ServiceManager` is created with the :class:`~scratchd.daemon.app.Daemon` and told
-of its lifecycle; it owns nothing the daemon serves with::
+:class:`ServiceManager` is created with the daemon's other parts (daemon/app.py), reads
+them and the daemon's lifecycle, and is told of each lifecycle change; it owns nothing the
+daemon serves with::
 
     Daemon.__init__ ─▶ ServiceManager(...)   NOTIFY_SOCKET and LISTEN_FDS taken from the
                                              environment (workers must not inherit them)
@@ -25,33 +26,45 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Callable, MutableMapping
-from typing import TYPE_CHECKING
 
 from scratchd.daemon.config import Config
+from scratchd.daemon.frontend.dispatch import Dispatcher
+from scratchd.daemon.lifecycle import Lifecycle
 from scratchd.daemon.ops.notify import Notifier, inherited_listener, start_watchdog
 from scratchd.daemon.ops.reload import Reloader, ReloadState
-
-if TYPE_CHECKING:
-    from scratchd.daemon.app import Daemon
+from scratchd.daemon.pool.supervisor import Supervisor
+from scratchd.ipc.queue import RequestQueue
 
 
 class ServiceManager:
-    """sd_notify, socket activation and SIGHUP reloads for one daemon."""
+    """sd_notify, socket activation and SIGHUP reloads for one daemon: the parts it reads
+    (``queue``, ``supervisor``, ``dispatcher``), the daemon's ``lifecycle`` state, its
+    configuration (``current``) and how a reloaded one is applied (``apply``);
+    ``read_config`` reads the configuration again as ``serve`` first read it."""
 
     def __init__(
         self,
-        daemon: Daemon,
+        *,
+        queue: RequestQueue,
+        supervisor: Supervisor,
+        dispatcher: Dispatcher,
+        lifecycle: Callable[[], Lifecycle],
+        current: Callable[[], Config],
+        apply: Callable[[Config], None],
         read_config: Callable[[], Config] | None,
         environ: MutableMapping[str, str] | None = None,
     ) -> None:
-        self.daemon = daemon
+        self.queue = queue
+        self.supervisor = supervisor
+        self.dispatcher = dispatcher
+        self.lifecycle = lifecycle
         self.notifier = Notifier.from_env(environ)
         self.listener: socket.socket | None = inherited_listener(environ)
         self.reloader = Reloader(
-            read_config=read_config or (lambda: daemon.config),
-            current=lambda: daemon.config,
-            apply=daemon.apply_config,
-            rolling_restart=lambda: daemon.supervisor.rolling_restart(),
+            read_config=read_config or current,
+            current=current,
+            apply=apply,
+            rolling_restart=supervisor.rolling_restart,
             notifier=self.notifier,
             summary=self.summary,
         )
@@ -73,7 +86,7 @@ class ServiceManager:
 
     def stopping(self) -> None:
         self._cancel_tasks()
-        self.notifier.stopping(f"draining {len(self.daemon.dispatcher.pending)} requests")
+        self.notifier.stopping(f"draining {len(self.dispatcher.pending)} requests")
 
     def halted(self, reason: str) -> None:
         self._cancel_tasks()
@@ -94,22 +107,15 @@ class ServiceManager:
     # ---- what systemd is told -----------------------------------------------------------
 
     def healthy(self) -> bool:
-        from scratchd.daemon.app import Lifecycle
-
-        daemon = self.daemon
-        return daemon.state is Lifecycle.SERVING and daemon.supervisor.ready_count() > 0
+        return self.lifecycle() is Lifecycle.SERVING and self.supervisor.ready_count() > 0
 
     def summary(self) -> str:
         """One line for ``systemctl status``: workers, queue, reload state."""
-        daemon = self.daemon
-        supervisor = getattr(daemon, "supervisor", None)
-        if supervisor is None:
-            return daemon.state.value
-        ready = supervisor.ready_count()
-        queued = sum(daemon.queue.depth_by_priority())
-        in_flight = len(daemon.dispatcher.pending)
+        ready = self.supervisor.ready_count()
+        queued = sum(self.queue.depth_by_priority())
+        in_flight = len(self.dispatcher.pending)
         line = (
-            f"{daemon.state.value}: {ready}/{supervisor.count} workers ready, "
+            f"{self.lifecycle().value}: {ready}/{self.supervisor.count} workers ready, "
             f"{queued} queued, {in_flight} in flight"
         )
         if self.reloader.state is ReloadState.RELOADING:
