@@ -43,13 +43,13 @@ from typing import Final
 from scratchd.daemon.config import Config
 from scratchd.daemon.frontend.acceptor import Acceptor
 from scratchd.daemon.frontend.dispatch import Dispatcher, InFlight
-from scratchd.daemon.log import log_event
 from scratchd.daemon.ops.observability import Observability, read_model_reference
 from scratchd.daemon.ops.service import ServiceManager
 from scratchd.daemon.pool.gpus import Placement, place
 from scratchd.daemon.pool.supervisor import PoolHalted, Supervisor, WorkerState
 from scratchd.ipc.queue import Completion, DescState, Geometry, ReclaimReport, RequestQueue
 from scratchd.protocol import wire
+from scratchd.protocol.log import log_event
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1

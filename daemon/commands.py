@@ -14,8 +14,8 @@ import click
 from scratchd.client.commands import socket_option
 from scratchd.daemon import app
 from scratchd.daemon.config import ConfigError, load_config
-from scratchd.daemon.log import configure
 from scratchd.daemon.pool.gpus import place
+from scratchd.protocol.log import configure
 
 EXIT_CONFIG = 2
 """``serve`` exit status for an unusable configuration (restarting cannot help)."""

@@ -35,10 +35,10 @@ import msgspec
 import numpy as np
 
 from scratchd.daemon.config import Config
-from scratchd.daemon.log import Throttle, log_event
 from scratchd.daemon.ops.drift import DriftMonitor, EntropyMonitor
 from scratchd.daemon.ops.health import HealthServer, Readiness, ReadinessInput
 from scratchd.daemon.ops.metrics import CONTENT_TYPE, Metrics
+from scratchd.protocol.log import Throttle, log_event
 
 if TYPE_CHECKING:
     from scratchd.daemon.frontend.dispatch import Dispatcher, InFlight

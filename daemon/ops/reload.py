@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any, Final
 import msgspec
 
 from scratchd.daemon.config import Config, ConfigError
-from scratchd.daemon.log import log_event
 from scratchd.daemon.ops.notify import Notifier
 from scratchd.daemon.pool.supervisor import PoolHalted
+from scratchd.protocol.log import log_event
 
 if TYPE_CHECKING:
     pass
