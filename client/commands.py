@@ -11,7 +11,10 @@ writes each mask as ``DIR/<image stem>.png`` (0/255, the input's size; a repeate
 ``-<n>``).
 
 ``scratchd reload`` finds the daemon's pid in its status reply, sends SIGHUP (so only the
-daemon's user or root may reload) and waits for the status's reload counter to move.
+daemon's user or root may reload), waits for the status's reload counter to move and exits 1
+when the reload failed (``reload_error``: a bad file, or keys only a restart applies, then
+named in ``reload_needs_restart``; the daemon applied nothing). systemd's ``ExecReload`` runs
+it, so ``systemctl reload`` reports the failure.
 """
 
 from __future__ import annotations

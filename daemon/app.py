@@ -324,6 +324,7 @@ class Daemon:
             classes={n: (c.priority, c.deadline_ms) for n, c in self.config.classes.items()},
             reloads=self.service.reloader.count,
             reload_error=self.service.reloader.last_error,
+            reload_needs_restart=list(self.service.reloader.needs_restart),
             refused_connections=self.acceptor.gate.refused,
             standby=spares.get(0),
             standbys=list(spares.values()),
