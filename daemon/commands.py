@@ -1,8 +1,11 @@
 """``scratchd serve``: the daemon in the foreground (wired into ``scratchd`` by daemon/cli.py).
 
-A configuration that cannot be used (an unknown key, a backend this machine cannot run)
-exits with status 2 (``EXIT_CONFIG``), which systemd's ``RestartPreventExitStatus`` does not
-restart.
+A configuration that cannot be used (an unknown key, a backend this machine cannot run, a
+``[model] path`` that is missing or not a model file, views the model cannot run) exits with
+status 2 (``EXIT_CONFIG``) and a message naming the file, which systemd's
+``RestartPreventExitStatus`` does not restart. The model is loaded once here, before any
+worker starts, for that reason: a worker's boot failure would halt the pool with exit 1,
+which systemd restarts again and again.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import click
 from scratchd.client.commands import socket_option
 from scratchd.daemon import app
 from scratchd.daemon.config import ConfigError, load_config
+from scratchd.daemon.ops.reload import model_version
 from scratchd.daemon.pool.gpus import place
+from scratchd.model.scratchnet import ModelError
 from scratchd.protocol.log import configure
 
 EXIT_CONFIG = 2
@@ -45,6 +50,9 @@ def serve(
     try:
         config = load_config(config_path, overrides)
         placement = place(config)  # a backend this machine cannot run is a ConfigError
+        model_version(config)
     except ConfigError as exc:
         raise ConfigExit(str(exc)) from None
+    except ModelError as exc:  # names the model file; say which file configured it
+        raise ConfigExit(f"{config_path or 'defaults'}: [model] path: {exc}") from None
     sys.exit(app.serve(config, lambda: load_config(config_path, overrides), placement))

@@ -159,3 +159,23 @@ def test_serve_refuses_an_unknown_config_key_naming_it(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "unknown key 'queue.slotz'" in done.stderr and str(config) in done.stderr
+
+
+@pytest.mark.parametrize("model", ["garbage", "missing"])
+def test_serve_refuses_a_bad_model_file_naming_it(tmp_path: Path, model: str) -> None:
+    """Exit 2 (systemd does not restart it) with the config and model files named, before a
+    worker starts; not numpy's advice to unpickle the file, not a pool halt's exit 1."""
+    path = tmp_path / f"{model}.npz"
+    if model == "garbage":
+        path.write_bytes(b"this is not a model\n" * 50)
+    config = tmp_path / "scratchd.toml"
+    config.write_text(f'[workers]\nbackend = "cpu"\n[model]\npath = "{path}"\n')
+    done = subprocess.run(
+        [*SERVE, "--config", str(config), "--socket", str(tmp_path / "s.sock")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert str(config) in done.stderr and str(path) in done.stderr
+    assert "pickle" not in done.stderr and "worker" not in done.stderr
