@@ -145,7 +145,15 @@ def test_commands_without_a_daemon_say_where_they_looked(tmp_path: Path) -> None
     sock = str(tmp_path / "none.sock")
     for args in (["status", "--socket", sock], ["infer", "--socket", sock, "x.png"]):
         result = CliRunner().invoke(main, args)
-        assert result.exit_code == 1 and sock in result.output
+        assert result.exit_code == 3 and f"scratchd at {sock}: [Errno 2]" in result.output
+
+
+def test_infer_lists_its_exit_statuses_in_help() -> None:
+    shown = CliRunner().invoke(main, ["infer", "--help"], terminal_width=200)
+    assert shown.exit_code == 0
+    text = " ".join(shown.output.split())
+    for status in ("0 every image answered ok", "1 some image not ok", "2 usage", "3 daemon"):
+        assert status in text, text
 
 
 def test_serve_refuses_an_unknown_config_key_naming_it(tmp_path: Path) -> None:
