@@ -237,8 +237,7 @@ def status(socket_opt: str | None, as_json: bool, watch: bool, interval: float) 
 
     def fetch() -> dict[str, Any]:
         with Client(path, timeout=10.0) as client:
-            doc: dict[str, Any] = msgspec.to_builtins(client.status())
-            return doc
+            return status_view.status_document(msgspec.to_builtins(client.status()))
 
     if watch and not as_json:
         status_view.watch_status(fetch, interval_s=interval)

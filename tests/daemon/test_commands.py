@@ -129,6 +129,11 @@ def test_status_json_and_the_socket_environment_variable(daemon: DaemonProcess) 
         assert w["state"] == "ready" and w["device"] == "cpu" and w["restarts"] == 0
         assert w["pid"] > 0
     assert len(doc["queue"]["depth"]) == 8
+    # the documented schema (client/status_view.py): no wire fields, labelled classes, each
+    # standby once
+    assert not {"id", "type", "standby"} & doc.keys()
+    assert doc["classes"]["normal"] == {"priority": 0, "deadline_ms": 600000}
+    assert len(doc["standbys"]) <= 1 and "name" in (doc["standbys"] or [{"name": 0}])[0]
 
 
 def test_infer_honours_the_socket_environment_variable(
