@@ -35,7 +35,12 @@ class ConfigExit(click.ClickException):
 @click.command()
 @click.option("--config", "config_path", default=None, metavar="FILE", help="TOML config file.")
 @socket_option
-@click.option("--backend", type=click.Choice(["cpu", "cuda", "auto"]), default=None)
+@click.option(
+    "--backend",
+    type=click.Choice(["cpu", "cuda", "auto"]),
+    default=None,
+    help="Where workers compute (default: workers.backend, auto: CUDA when usable).",
+)
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="CPU worker count.")
 def serve(
     config_path: str | None, socket_opt: str | None, backend: str | None, workers: int | None
