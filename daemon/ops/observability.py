@@ -91,6 +91,7 @@ class Observability:
         self.model = model
         self.enabled = os.environ.get(DISABLE_ENV, "") not in ("1", "true", "yes")
         self.metrics = Metrics(config.class_names(), devices, worker_states=worker_states)
+        self.metrics.sources.model_version = lambda: self.model.version
         self.entropy = EntropyMonitor(config.drift.window, config.drift.min_samples)
         self.drift: DriftMonitor | None = None
         if model.histogram is not None:
