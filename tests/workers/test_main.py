@@ -172,7 +172,7 @@ def test_sigterm_wakes_a_sleeping_worker_at_once(queue: RequestQueue) -> None:
         start = time.monotonic()
         worker.proc.send_signal(signal.SIGTERM)
         assert worker.proc.wait(30) == ExitCode.OK
-        assert time.monotonic() - start < 5.0  # not a wall-clock bound: a hang would be 30 s
+        assert time.monotonic() - start < 20.0  # the doorbell, not the 30 s a hang would take
     finally:
         worker.close()
 
