@@ -35,6 +35,7 @@ import contextlib
 import itertools
 import os
 import socket
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
@@ -138,9 +139,20 @@ def _widen_send_buffer(sock: socket.socket | None) -> None:
 
 
 class AsyncClient:
-    """A pipelined asyncio connection: any number of ``infer`` calls may be awaited at once."""
+    """A pipelined asyncio connection: any number of ``infer`` calls may be awaited at once.
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    ``timeout`` is each call's deadline, as in :class:`Client` (a late reply finds no one
+    waiting and is dropped); errors name the socket."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        path: str = "",
+        timeout: float | None = None,
+    ) -> None:
+        self.path = path
+        self.timeout = timeout
         self._reader = reader
         self._writer = writer
         self._ids = itertools.count(1)
@@ -149,13 +161,20 @@ class AsyncClient:
         self._receiver = asyncio.get_running_loop().create_task(self._receive())
 
     @classmethod
-    async def connect(cls, path: str | None = None) -> AsyncClient:
+    async def connect(cls, path: str | None = None, timeout: float | None = None) -> AsyncClient:
         """Connect to ``path`` (default: ``SCRATCHD_SOCKET``, else the standard socket)."""
-        reader, writer = await asyncio.open_unix_connection(
-            socket_path(path), limit=MAX_REPLY_BYTES
-        )
+        where = socket_path(path)
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_unix_connection(where, limit=MAX_REPLY_BYTES)
+        except TimeoutError:
+            raise TimeoutError(f"scratchd at {where}: no connection within the timeout") from None
+        except OSError as exc:
+            named = type(exc)(f"scratchd at {where}: {exc}")
+            named.errno = exc.errno
+            raise named from None
         _widen_send_buffer(writer.get_extra_info("socket"))
-        return cls(reader, writer)
+        return cls(reader, writer, where, timeout)
 
     async def infer(
         self,
@@ -165,7 +184,9 @@ class AsyncClient:
         priority: int | None = None,
         deadline_ms: int | None = None,
         want_mask: bool = False,
+        timeout: float | None = None,
     ) -> Reply:
+        """One image's reply; ``timeout`` overrides the client's for this call."""
         request_id = next(self._ids)
         frame = request_frame(
             request_id,
@@ -177,36 +198,41 @@ class AsyncClient:
             into=self._spare,
         )
         self._spare = None
-        reply = await self._call(request_id, frame, reuse=True)
+        reply = await self._call(request_id, frame, timeout, reuse=True)
         if not isinstance(reply, Reply):
             raise ConnectionError(f"daemon answered request {request_id} with {type(reply)}")
         return reply
 
-    async def status(self) -> StatusReply:
+    async def status(self, timeout: float | None = None) -> StatusReply:
         request_id = next(self._ids)
-        reply = await self._call(request_id, wire.encode_frame(wire.StatusRequest(id=request_id)))
+        frame = wire.encode_frame(wire.StatusRequest(id=request_id))
+        reply = await self._call(request_id, frame, timeout)
         if not isinstance(reply, StatusReply):
             raise ConnectionError(f"daemon answered a status request with {type(reply)}")
         return reply
 
     async def _call(
-        self, request_id: int, frame: bytearray, reuse: bool = False
+        self, request_id: int, frame: bytearray, timeout: float | None, reuse: bool = False
     ) -> wire.DaemonMessage:
         if self._receiver.done():
-            raise ConnectionError("connection to scratchd is closed")
+            raise ConnectionError(f"scratchd at {self.path}: the connection is closed")
         future: asyncio.Future[wire.DaemonMessage] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
         try:
-            self._writer.write(frame)
-            if reuse and self._writer.transport.get_write_buffer_size() == 0:
-                self._spare = frame  # the socket took it all: the transport keeps no reference
-            await self._writer.drain()
-            return await future
+            async with asyncio.timeout(self.timeout if timeout is None else timeout):
+                # write() puts all of the frame in the transport: a timeout never cuts one
+                self._writer.write(frame)
+                if reuse and self._writer.transport.get_write_buffer_size() == 0:
+                    self._spare = frame  # the socket took it all: the transport keeps none
+                await self._writer.drain()
+                return await future
+        except TimeoutError:
+            raise TimeoutError(f"scratchd at {self.path}: no reply within the timeout") from None
         finally:
-            self._waiting.pop(request_id, None)
+            self._waiting.pop(request_id, None)  # a late reply finds no one and is dropped
 
     async def _receive(self) -> None:
-        error: BaseException = ConnectionError("scratchd closed the connection")
+        error: BaseException = ConnectionError(f"scratchd at {self.path} closed the connection")
         try:
             while True:
                 prefix = await self._reader.readexactly(wire.PREFIX_BYTES)
@@ -216,9 +242,9 @@ class AsyncClient:
                 if future is not None and not future.done():
                     future.set_result(message)
         except (asyncio.IncompleteReadError, OSError) as exc:
-            error = ConnectionError(f"connection to scratchd lost: {exc}")
+            error = ConnectionError(f"scratchd at {self.path}: connection lost: {exc}")
         except wire.DecodeError as exc:
-            error = ConnectionError(f"scratchd sent an undecodable reply: {exc}")
+            error = ConnectionError(f"scratchd at {self.path} sent an undecodable reply: {exc}")
         finally:
             for future in self._waiting.values():
                 if not future.done():
@@ -242,16 +268,37 @@ class AsyncClient:
 
 
 class Client:
-    """A blocking connection. ``infer`` is one round trip; ``map`` pipelines many."""
+    """A blocking connection. ``infer`` is one round trip; ``map`` pipelines many.
+
+    ``timeout`` (seconds, None: wait for ever) is a deadline for each whole call: ``infer``
+    and ``status`` raise ``TimeoutError`` once it has passed, however the time went
+    (sending, waiting, a reply arriving in pieces); in ``map`` it bounds the wait for each
+    next reply. A reply that arrives after its call timed out is dropped when it is read, as
+    is anything else no call is waiting for, so a long-lived client holds nothing for them;
+    a reply cut short by a timeout is finished by the next call, so the connection stays
+    usable. A send that times out may have sent part of a frame: the connection is closed.
+    Errors (``OSError`` and its subclasses ``ConnectionError``, ``TimeoutError``, ...)
+    name the socket: ``scratchd at /run/scratchd/scratchd.sock: [Errno 2] ...``.
+    """
 
     def __init__(self, path: str | None = None, timeout: float | None = None) -> None:
+        self.path = socket_path(path)
+        self.timeout = timeout
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
-        self._sock.connect(socket_path(path))
+        try:
+            self._sock.connect(self.path)
+        except OSError as exc:
+            self._sock.close()
+            raise self._named(exc) from None
         _widen_send_buffer(self._sock)
         self._ids = itertools.count(1)
         self._spare: bytearray | None = None  # the last frame (sendall sent it): reused
-        self._early: dict[int, wire.DaemonMessage] = {}
+        self._pending: set[int] = set()  # sent, reply not yet handed to a caller
+        self._early: dict[int, wire.DaemonMessage] = {}  # pending replies read by another call
+        self._prefix = bytearray(wire.PREFIX_BYTES)  # the frame being read, kept across calls
+        self._body: bytearray | None = None
+        self._got = 0
 
     def infer(
         self,
@@ -261,15 +308,19 @@ class Client:
         priority: int | None = None,
         deadline_ms: int | None = None,
         want_mask: bool = False,
+        timeout: float | None = None,
     ) -> Reply:
+        """One image's reply; ``timeout`` overrides the client's for this call."""
+        deadline = self._deadline(timeout)
         request_id = self._send(
             image,
+            deadline,
             part_class=part_class,
             priority=priority,
             deadline_ms=deadline_ms,
             want_mask=want_mask,
         )
-        reply = self._receive_for(request_id)
+        reply = self._receive_for(request_id, deadline)
         assert isinstance(reply, Reply)
         return reply
 
@@ -279,60 +330,129 @@ class Client:
         """Send ``images`` with up to ``concurrency`` in flight; yields ``(index, reply)``
         in completion order. ``options`` are ``infer``'s keyword arguments."""
         in_flight: dict[int, int] = {}
-        for index, image in enumerate(images):
-            in_flight[self._send(image, **options)] = index
-            while len(in_flight) >= concurrency:
+        try:
+            for index, image in enumerate(images):
+                in_flight[self._send(image, self._deadline(None), **options)] = index
+                while len(in_flight) >= concurrency:
+                    yield self._collect_one(in_flight)
+            while in_flight:
                 yield self._collect_one(in_flight)
-        while in_flight:
-            yield self._collect_one(in_flight)
+        finally:  # closed early, or failed: nobody waits for the rest any more
+            self._pending.difference_update(in_flight)
 
-    def _send(self, image: ImageInput, **options: object) -> int:
+    def status(self, timeout: float | None = None) -> StatusReply:
+        deadline = self._deadline(timeout)
+        request_id = next(self._ids)
+        self._send_frame(wire.encode_frame(wire.StatusRequest(id=request_id)), deadline)
+        self._pending.add(request_id)
+        reply = self._receive_for(request_id, deadline)
+        assert isinstance(reply, StatusReply)
+        return reply
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        timeout = self.timeout if timeout is None else timeout
+        return None if timeout is None else time.monotonic() + timeout
+
+    def _send(self, image: ImageInput, deadline: float | None, **options: object) -> int:
         """Send ``image``'s request (``options``: ``infer``'s keyword arguments) in the last
         frame's buffer, which ``sendall`` has sent all of; returns the request's id."""
         request_id = next(self._ids)
         frame = request_frame(request_id, image, into=self._spare, **options)  # type: ignore[arg-type]
-        self._sock.sendall(frame)
+        self._send_frame(frame, deadline)
         self._spare = frame
+        self._pending.add(request_id)
         return request_id
 
+    def _send_frame(self, frame: bytearray, deadline: float | None) -> None:
+        self._settimeout(deadline)
+        try:
+            self._sock.sendall(frame)
+        except TimeoutError:  # part of a frame may be out: the stream cannot be resumed
+            self.close()
+            raise TimeoutError(f"scratchd at {self.path}: send timed out; closed") from None
+        except OSError as exc:
+            raise self._named(exc) from None
+
     def _collect_one(self, in_flight: dict[int, int]) -> tuple[int, Reply]:
+        deadline = self._deadline(None)
+        for request_id in in_flight.keys() & self._early.keys():
+            reply = self._take(request_id)
+            assert isinstance(reply, Reply)
+            return in_flight.pop(request_id), reply
         while True:
-            message = self._read_message()
+            message = self._read_message(deadline)
             if message.id in in_flight and isinstance(message, Reply):
+                self._pending.discard(message.id)
                 return in_flight.pop(message.id), message
+            self._keep(message)
 
-    def status(self) -> StatusReply:
-        request_id = next(self._ids)
-        self._sock.sendall(wire.encode_frame(wire.StatusRequest(id=request_id)))
-        reply = self._receive_for(request_id)
-        assert isinstance(reply, StatusReply)
-        return reply
+    def _receive_for(self, request_id: int, deadline: float | None) -> wire.DaemonMessage:
+        try:
+            if request_id in self._early:
+                return self._take(request_id)
+            while True:
+                message = self._read_message(deadline)
+                if message.id == request_id:
+                    self._pending.discard(request_id)
+                    return message
+                self._keep(message)
+        except TimeoutError:
+            self._pending.discard(request_id)  # its reply, should it come, is dropped
+            raise
 
-    def _receive_for(self, request_id: int) -> wire.DaemonMessage:
-        if request_id in self._early:
-            return self._early.pop(request_id)
-        while True:
-            message = self._read_message()
-            if message.id == request_id:
-                return message
+    def _keep(self, message: wire.DaemonMessage) -> None:
+        """Hold a reply another pending call will ask for; drop one nobody waits for."""
+        if message.id in self._pending:
             self._early[message.id] = message
 
-    def _read_message(self) -> wire.DaemonMessage:
-        length = wire.frame_length(self._read_exactly(wire.PREFIX_BYTES))
-        if length > MAX_REPLY_BYTES:
-            raise ConnectionError(f"reply frame of {length} bytes is larger than any reply")
-        return wire.decode_daemon_message(self._read_exactly(length))
+    def _take(self, request_id: int) -> wire.DaemonMessage:
+        self._pending.discard(request_id)
+        return self._early.pop(request_id)
 
-    def _read_exactly(self, n: int) -> bytearray:
-        buf = bytearray(n)
+    def _read_message(self, deadline: float | None) -> wire.DaemonMessage:
+        """The next reply, read into buffers that outlive the call: a timeout part way
+        through a frame leaves what came for the next call to complete."""
+        if self._body is None:
+            self._fill(self._prefix, deadline)
+            length = wire.frame_length(self._prefix)
+            if length > MAX_REPLY_BYTES:
+                raise ConnectionError(
+                    f"scratchd at {self.path}: reply frame of {length} bytes is larger than any"
+                )
+            self._body, self._got = bytearray(length), 0
+        self._fill(self._body, deadline)
+        body, self._body, self._got = self._body, None, 0
+        return wire.decode_daemon_message(body)  # from the buffer as it is: no copy
+
+    def _fill(self, buf: bytearray, deadline: float | None) -> None:
         view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self._sock.recv_into(view[got:])
+        while self._got < len(buf):
+            self._settimeout(deadline)
+            try:
+                k = self._sock.recv_into(view[self._got :])
+            except OSError as exc:
+                raise self._named(exc) from None
             if k == 0:
-                raise ConnectionError("scratchd closed the connection")
-            got += k
-        return buf  # msgspec decodes from it as it is: no copy to bytes
+                raise ConnectionError(f"scratchd at {self.path} closed the connection")
+            self._got += k
+        self._got = 0
+
+    def _settimeout(self, deadline: float | None) -> None:
+        if deadline is None:
+            self._sock.settimeout(None)
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"scratchd at {self.path}: no reply within the timeout")
+        self._sock.settimeout(left)
+
+    def _named(self, exc: OSError) -> OSError:
+        """``exc`` as the same type, its message naming the socket (and its errno kept)."""
+        if isinstance(exc, TimeoutError):
+            return TimeoutError(f"scratchd at {self.path}: no reply within the timeout")
+        named = type(exc)(f"scratchd at {self.path}: {exc}")
+        named.errno = exc.errno
+        return named
 
     def close(self) -> None:
         self._sock.close()

@@ -6,12 +6,19 @@ Every command takes ``--socket`` and otherwise honours ``SCRATCHD_SOCKET``.
 ``scratchd infer IMAGE...`` prints one line per image, in the order given (``--json``: one
 object per line with ``image`` — the path exactly as given —, ``status``, ``verdict``,
 ``score``, ``boxes``, ``latency_ms`` (client round trip), ``worker``, plus ``error`` when
-not ok). It exits 0 when every image was answered ``ok``, 1 otherwise. ``--mask-out DIR``
-writes each mask as ``DIR/<image stem>.png`` (0/255, the input's size; a repeated stem gets
-``-<n>``).
+not ok). ``--mask-out DIR`` writes each mask as ``DIR/<image stem>.png`` (0/255, the input's
+size; a repeated stem gets ``-<n>``).
+
+Exit status, the same for every command here (``infer`` lists them in its ``--help``): 0 all
+is well; 1 some image was not answered ``ok`` (``infer``) or the reload failed (``reload``);
+2 a usage error (click's); 3 the daemon could not be reached, or the connection was lost or
+timed out (the message names the socket).
 
 ``scratchd reload`` finds the daemon's pid in its status reply, sends SIGHUP (so only the
-daemon's user or root may reload) and waits for the status's reload counter to move.
+daemon's user or root may reload), waits for the status's reload counter to move and exits 1
+when the reload failed (``reload_error``: a bad file, or keys only a restart applies, then
+named in ``reload_needs_restart``; the daemon applied nothing). systemd's ``ExecReload`` runs
+it, so ``systemctl reload`` reports the failure.
 """
 
 from __future__ import annotations
@@ -35,6 +42,21 @@ from scratchd.protocol.defaults import DEFAULT_SOCKET, SOCKET_ENV, socket_path
 from scratchd.protocol.image import encode_png
 from scratchd.protocol.wire import StatusReply
 
+EXIT_OK = 0
+EXIT_NOT_OK = 1
+"""``infer``: some image was not answered ok; ``reload``: the reload failed."""
+EXIT_USAGE = 2
+"""click's own usage errors (a bad option value, a missing argument)."""
+EXIT_UNREACHABLE = 3
+"""The daemon could not be reached, or the connection was lost or timed out."""
+
+
+class Unreachable(click.ClickException):
+    """No answer from the daemon: exit 3. The client's errors already name the socket."""
+
+    exit_code = EXIT_UNREACHABLE
+
+
 socket_option = click.option(
     "--socket",
     "socket_opt",
@@ -44,14 +66,39 @@ socket_option = click.option(
 )
 
 
-@click.command()
+@click.command(
+    epilog="Exit status: 0 every image answered ok; 1 some image not ok (its line says why); "
+    "2 usage error; 3 daemon unreachable (or the connection lost)."
+)
 @socket_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
-@click.option("--concurrency", type=click.IntRange(1, 4096), default=8, show_default=True)
-@click.option("--priority", type=click.IntRange(0, 7), default=None)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 4096),
+    default=8,
+    show_default=True,
+    help="Requests in flight at once on the connection.",
+)
+@click.option(
+    "--priority",
+    type=click.IntRange(0, 7),
+    default=None,
+    help="0 .. 7, 7 most urgent (default: the part class's).",
+)
 @click.option("--part-class", default=None, help="Configured part class (default: normal).")
-@click.option("--deadline-ms", type=click.IntRange(min=1), default=None)
-@click.option("--mask-out", type=click.Path(file_okay=False), default=None, metavar="DIR")
+@click.option(
+    "--deadline-ms",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Answer `timeout` if not served within this (default: the part class's).",
+)
+@click.option(
+    "--mask-out",
+    type=click.Path(file_okay=False),
+    default=None,
+    metavar="DIR",
+    help="Write each defect mask as DIR/<image name>.png (0/255, the image's size).",
+)
 @click.argument("images", nargs=-1, required=True)
 def infer(
     socket_opt: str | None,
@@ -76,10 +123,10 @@ def infer(
         all_ok = asyncio.run(runner.run(images))
     except BrokenPipeError:  # our stdout went away (`| head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(1)
+        sys.exit(EXIT_NOT_OK)
     except OSError as exc:
-        raise click.ClickException(f"scratchd at {runner.path}: {exc}") from None
-    sys.exit(0 if all_ok else 1)
+        raise Unreachable(str(exc)) from None
+    sys.exit(EXIT_OK if all_ok else EXIT_NOT_OK)
 
 
 class _MaskWriter:
@@ -177,15 +224,20 @@ class _InferRun:
 @socket_option
 @click.option("--json", "as_json", is_flag=True, help="Print the status as one JSON line.")
 @click.option("--watch", is_flag=True, help="Refresh every --interval seconds until Ctrl-C.")
-@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True)
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=1.0,
+    show_default=True,
+    help="Seconds between refreshes with --watch.",
+)
 def status(socket_opt: str | None, as_json: bool, watch: bool, interval: float) -> None:
     """Show workers, queue depth per priority, latency per part class, drift and entropy."""
     path = socket_path(socket_opt)
 
     def fetch() -> dict[str, Any]:
         with Client(path, timeout=10.0) as client:
-            doc: dict[str, Any] = msgspec.to_builtins(client.status())
-            return doc
+            return status_view.status_document(msgspec.to_builtins(client.status()))
 
     if watch and not as_json:
         status_view.watch_status(fetch, interval_s=interval)
@@ -194,7 +246,7 @@ def status(socket_opt: str | None, as_json: bool, watch: bool, interval: float) 
         try:
             doc = fetch()
         except OSError as exc:
-            raise click.ClickException(f"scratchd at {path}: {exc}") from None
+            raise Unreachable(str(exc)) from None
         if as_json:
             click.echo(status_view.to_json(doc))
         else:
@@ -206,7 +258,13 @@ def status(socket_opt: str | None, as_json: bool, watch: bool, interval: float) 
 
 @click.command("reload")
 @socket_option
-@click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    default=120.0,
+    show_default=True,
+    help="Seconds to wait for the reload to finish.",
+)
 def reload(socket_opt: str | None, timeout: float) -> None:
     """Re-read the config and model; replace workers one at a time (same as SIGHUP)."""
     path = socket_path(socket_opt)
@@ -215,12 +273,12 @@ def reload(socket_opt: str | None, timeout: float) -> None:
             before = client.status()
             _signal_daemon(before.pid)
             after = _wait_for_reload(client, before.reloads, timeout)
-    except (ConnectionError, FileNotFoundError, TimeoutError) as exc:
-        raise click.ClickException(f"cannot reach the daemon at {path}: {exc}") from None
+    except OSError as exc:
+        raise Unreachable(str(exc)) from None
     versions = ", ".join(f"{w.name}={w.model_version}" for w in after.workers)
     if after.reload_error:
         click.echo(f"reload failed: {after.reload_error}", err=True)
-        sys.exit(1)
+        sys.exit(EXIT_NOT_OK)
     click.echo(f"reloaded: {versions}")
 
 
@@ -245,4 +303,4 @@ def _wait_for_reload(client: Client, before: int, timeout: float) -> StatusReply
         if status.reloads > before:
             return status
         time.sleep(0.1)
-    raise TimeoutError(f"no reload completed within {timeout:.0f} s")
+    raise TimeoutError(f"scratchd at {client.path}: no reload finished within {timeout:.0f} s")

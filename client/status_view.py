@@ -1,22 +1,34 @@
-"""`scratchd status`: the operator's view of a running daemon (rich), and its JSON shape.
+"""`scratchd status`: the operator's view of a running daemon (rich), and its JSON schema.
 
-The daemon answers a status request with one `StatusReply` (scratchd.protocol.wire); `--json`
-prints it as one JSON line, the default renders it with rich, `--watch` re-fetches and
-re-renders. The keys this view reads (* = guaranteed by the daemon, the rest shown when
-present):
+The daemon answers a status request with one `StatusReply` (scratchd.protocol.wire);
+:func:`status_document` turns it into the document below, which `--json` prints as one JSON
+line (`--watch --json`: one a refresh), the default renders with rich and `--watch`
+re-renders. The schema of `scratchd status --json` (* = always present; fields are only
+ever added):
 
     {
-      "state": "serving", "pid": 7335, "backend": "cpu", "uptime_s": 12.5,
-      "model_version": "...", "model_views": ["identity", ...],   test-time views in use
-      "workers"*:  [{"id", "name", "pid", "state", "device", "restarts", "requests",
-                     "batches", "batch_size_mean", "compute_ms_p50", "model_version"}, ...],
-      "queue"*:    {"depth": [n0, ..., n7], "slots", "in_use", "in_flight"},
+      "state"*: "serving" (or "draining", ...), "pid"*: 7335, "backend"*: "cpu" | "cuda",
+      "uptime_s"*: 12.5,
+      "model_version": "scratchnet-1.1",            the model the daemon started with
+      "model_views": ["identity", ...],             test-time views in use
+      "workers"*:  [{"id", "name", "slot", "pid", "state", "device", "restarts", "requests",
+                     "batches", "batch_size_mean", "compute_ms_p50", "model_version",
+                     "heartbeat_age_ms"}, ...],
+      "standbys"*: [{same keys as a worker}, ...],  warm spares (one per card on CUDA)
+      "queue"*:    {"depth": [n0, ..., n7] (index = priority), "slots", "in_use", "in_flight"},
+      "classes"*:  {"<part class>": {"priority": 0, "deadline_ms": 3000}, ...},
       "latency"*:  {"<part class>": {"p50_ms", "p99_ms", "count", "deadline_ms"}, ...},
-      "throughput": {"rps", "by_status": {"ok": x, "timeout": x, ...}},
+      "throughput"*: {"rps", "by_status": {"ok": x, "timeout": x, ...}},
       "drift"*:    {"score", "threshold", "over_threshold", "window", "samples", "warming_up"},
       "entropy"*:  {"bits", "window", "samples", "warming_up"},
-      "requests": {"ok": n, ...}          replies since start, by status
+      "requests"*: {"ok": n, ...},                  replies since start, by status
+      "reloads"*: n, "reload_error"*: "" | why the last reload failed,
+      "reload_needs_restart"*: [dotted keys only a restart applies],
+      "refused_connections"*: n, "health_port"*: n, "metrics_port"*: n
     }
+
+The wire's own fields (`id`, `type`) are not part of it, and `standby` (the first card's
+spare, also in `standbys`) is left out so each spare appears once.
 
 Latency and throughput are over the daemon's sliding window (60 s), drift and entropy over
 the last `drift.window` requests; both are "warming up" (`warming_up`, never
@@ -31,7 +43,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rich.console import Console, Group, RenderableType
+from rich import box
+from rich.console import Console, Group, JustifyMethod, RenderableType
 from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
@@ -41,6 +54,22 @@ from scratchd.protocol.wire import PRIORITIES
 
 REQUIRED_KEYS = ("workers", "queue", "latency", "drift", "entropy")
 StatusDoc = Mapping[str, Any]
+
+
+WIRE_ONLY = ("id", "type", "standby")
+"""StatusReply fields that are not in the document: the request id, the message tag, and
+the spare that ``standbys`` lists already."""
+
+
+def status_document(reply: Mapping[str, Any]) -> dict[str, Any]:
+    """The documented status (module docstring) from a StatusReply's builtins."""
+    doc = {key: value for key, value in reply.items() if key not in WIRE_ONLY}
+    classes = reply.get("classes", {})
+    doc["classes"] = {
+        name: {"priority": priority, "deadline_ms": deadline_ms}
+        for name, (priority, deadline_ms) in classes.items()
+    }
+    return doc
 
 
 def missing_keys(doc: StatusDoc) -> list[str]:
@@ -94,20 +123,51 @@ def render_header(doc: StatusDoc) -> Text:
     return line
 
 
-def render_workers(workers: list[Mapping[str, Any]]) -> Table:
-    table = Table(title="workers", title_justify="left", expand=False)
-    # Each worker's model version (it changes worker by worker during a reload), when the
-    # daemon reports one.
-    models = any(w.get("model_version") for w in workers)
-    for col in ("worker", "device", "state", "pid", "restarts", "requests", "batches", "batch",
-                "compute", *(("model",) if models else ())):  # fmt: skip
-        left = col in ("worker", "device", "state", "model")
-        table.add_column(col, justify="left" if left else "right")
+def _table(title: str) -> Table:
+    """A table that fits an 80-column terminal: a rule under the header instead of a grid
+    (a grid costs three columns a cell), cells that fold rather than end in an ellipsis."""
+    return Table(
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        padding=(0, 1, 0, 0),
+    )
+
+
+def _column(table: Table, header: str, left: bool = False) -> None:
+    """A column whose header is never cut: at least as wide as its longest word."""
+    widest = max(len(word) for word in header.split())
+    justify: JustifyMethod = "left" if left else "right"
+    table.add_column(header, justify=justify, min_width=widest, overflow="fold")
+
+
+def render_workers(workers: list[Mapping[str, Any]], model_version: str = "") -> Table:
+    """A row per worker. The device column only when a worker is not on the CPU (``cpu0``
+    says it all), the model column only when a worker's version is not the header's (during
+    and after a reload): the table fits 80 columns without cutting a header."""
+    table = _table("workers")
+    devices = any(w.get("device", "cpu") != "cpu" for w in workers)
+    models = any(w.get("model_version", model_version) != model_version for w in workers)
+    columns = (
+        "worker",
+        *(("device",) if devices else ()),
+        "state",
+        "pid",
+        "restarts",
+        "requests",
+        "batches",
+        "batch",
+        "compute",
+        *(("model",) if models else ()),
+    )
+    for col in columns:
+        _column(table, col, left=col in ("worker", "device", "state", "model"))
     for w in workers:
         state = str(w.get("state", "?"))
         table.add_row(
             str(w.get("name", w.get("id", "?"))),
-            str(w.get("device", "?")),
+            *((str(w.get("device", "?")),) if devices else ()),
             Text(state, style="green" if state == "ready" else "yellow"),
             str(w.get("pid") or "-"),
             Text(str(w.get("restarts", 0)), style="red" if w.get("restarts") else ""),
@@ -118,18 +178,18 @@ def render_workers(workers: list[Mapping[str, Any]]) -> Table:
             *((str(w.get("model_version") or "-"),) if models else ()),
         )
     if not workers:
-        table.add_row("-", "-", Text("none", style="red"), *["-"] * 6)
+        table.add_row("-", Text("none", style="red"), *["-"] * (len(columns) - 2))
     return table
 
 
 def render_queue(queue: Any) -> Table:
     depths = queue_depths(queue)
-    table = Table(title="queue depth by priority (7 = most urgent)", title_justify="left")
+    table = _table("queue depth by priority (7 = most urgent)")
     for priority in range(PRIORITIES):
-        table.add_column(str(priority), justify="right")
+        _column(table, str(priority))
     extra = ("in_flight", "in_use", "slots")
     for col in extra:
-        table.add_column(col.replace("_", " "), justify="right")
+        _column(table, col.replace("_", " "))
     info = queue if isinstance(queue, Mapping) else {}
     table.add_row(
         *(str(depths.get(p, 0)) for p in range(PRIORITIES)), *(_fmt(info.get(c)) for c in extra)
@@ -138,9 +198,9 @@ def render_queue(queue: Any) -> Table:
 
 
 def render_latency(latency: Mapping[str, Mapping[str, Any]]) -> Table:
-    table = Table(title="latency by part class (sliding window)", title_justify="left")
+    table = _table("latency by part class (sliding window)")
     for col in ("class", "p50", "p99", "deadline", "requests"):
-        table.add_column(col, justify="left" if col == "class" else "right")
+        _column(table, col, left=col == "class")
     for part_class, row in sorted(latency.items()):
         p99, deadline = row.get("p99_ms"), row.get("deadline_ms")
         late = p99 is not None and deadline is not None and p99 > deadline
@@ -177,7 +237,7 @@ def render_signals(drift: Mapping[str, Any], entropy: Mapping[str, Any]) -> Text
 def render_status(doc: StatusDoc) -> RenderableType:
     return Group(
         render_header(doc),
-        render_workers(list(doc.get("workers", []))),
+        render_workers(list(doc.get("workers", [])), str(doc.get("model_version", ""))),
         render_queue(doc.get("queue", {})),
         render_latency(doc.get("latency", {})),
         render_signals(doc.get("drift", {}), doc.get("entropy", {})),

@@ -40,7 +40,6 @@ from scratchd.daemon.config import Config
 from scratchd.daemon.frontend.acceptor import Acceptor
 from scratchd.daemon.frontend.dispatch import Dispatcher, InFlight
 from scratchd.daemon.lifecycle import Lifecycle, check_transition
-from scratchd.daemon.log import log_event
 from scratchd.daemon.ops.observability import (
     Listeners,
     Observability,
@@ -53,6 +52,7 @@ from scratchd.daemon.pool.supervisor import PoolHalted, Supervisor, WorkerState
 from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Completion, DescState, Geometry, ReclaimReport, RequestQueue
 from scratchd.protocol import wire
+from scratchd.protocol.log import log_event
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -312,6 +312,7 @@ class Daemon:
             classes={n: (c.priority, c.deadline_ms) for n, c in self.config.classes.items()},
             reloads=self.service.reloader.count,
             reload_error=self.service.reloader.last_error,
+            reload_needs_restart=list(self.service.reloader.needs_restart),
             refused_connections=self.acceptor.gate.refused,
             standby=spares.get(0),
             standbys=list(spares.values()),

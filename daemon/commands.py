@@ -1,8 +1,11 @@
 """``scratchd serve``: the daemon in the foreground (wired into ``scratchd`` by daemon/cli.py).
 
-A configuration that cannot be used (an unknown key, a backend this machine cannot run)
-exits with status 2 (``EXIT_CONFIG``), which systemd's ``RestartPreventExitStatus`` does not
-restart.
+A configuration that cannot be used (an unknown key, a backend this machine cannot run, a
+``[model] path`` that is missing or not a model file, views the model cannot run) exits with
+status 2 (``EXIT_CONFIG``) and a message naming the file, which systemd's
+``RestartPreventExitStatus`` does not restart. The model is loaded once here, before any
+worker starts, for that reason: a worker's boot failure would halt the pool with exit 1,
+which systemd restarts again and again.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ import click
 from scratchd.client.commands import socket_option
 from scratchd.daemon import app
 from scratchd.daemon.config import ConfigError, load_config
-from scratchd.daemon.log import configure
+from scratchd.daemon.ops.reload import model_version
 from scratchd.daemon.pool.gpus import place
+from scratchd.model.scratchnet import ModelError
+from scratchd.protocol.log import configure
 
 EXIT_CONFIG = 2
 """``serve`` exit status for an unusable configuration (restarting cannot help)."""
@@ -30,7 +35,12 @@ class ConfigExit(click.ClickException):
 @click.command()
 @click.option("--config", "config_path", default=None, metavar="FILE", help="TOML config file.")
 @socket_option
-@click.option("--backend", type=click.Choice(["cpu", "cuda", "auto"]), default=None)
+@click.option(
+    "--backend",
+    type=click.Choice(["cpu", "cuda", "auto"]),
+    default=None,
+    help="Where workers compute (default: workers.backend, auto: CUDA when usable).",
+)
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="CPU worker count.")
 def serve(
     config_path: str | None, socket_opt: str | None, backend: str | None, workers: int | None
@@ -45,6 +55,9 @@ def serve(
     try:
         config = load_config(config_path, overrides)
         placement = place(config)  # a backend this machine cannot run is a ConfigError
+        model_version(config)
     except ConfigError as exc:
         raise ConfigExit(str(exc)) from None
+    except ModelError as exc:  # names the model file; say which file configured it
+        raise ConfigExit(f"{config_path or 'defaults'}: [model] path: {exc}") from None
     sys.exit(app.serve(config, lambda: load_config(config_path, overrides), placement))

@@ -18,8 +18,20 @@ def shard() -> None:
 @shard.command()
 @click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("out", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--shard-size-mb", default=256, show_default=True, type=click.IntRange(min=1))
-@click.option("--val-fraction", default=0.2, show_default=True, type=click.FloatRange(0.0, 1.0))
+@click.option(
+    "--shard-size-mb",
+    default=256,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Start a new shard file past this size.",
+)
+@click.option(
+    "--val-fraction",
+    default=0.2,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0),
+    help="Share of the images held out as the validation split.",
+)
 def build(src: Path, out: Path, shard_size_mb: int, val_fraction: float) -> None:
     """Pack the images and masks under SRC into shards in OUT."""
     started = time.perf_counter()

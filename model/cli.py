@@ -221,7 +221,12 @@ def model() -> None:
 
 @model.command("info")
 @click.option("--json", "as_json", is_flag=True, help="The metadata as one JSON object.")
-@click.option("--model", "model_path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--model",
+    "model_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Model file (default: the one shipped in the package).",
+)
 def info(as_json: bool, model_path: Path | None) -> None:
     """Print the model's metadata: version, architecture, params, metrics, ..."""
     meta = _load(model_path).meta.to_json()

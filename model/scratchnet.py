@@ -25,6 +25,7 @@ magnetic-tile IoU 0.659 vs 0.618, tile AUROC 0.976 vs 0.949, clean tiles flagged
 from __future__ import annotations
 
 import json
+import zipfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -191,8 +192,10 @@ def load_model(path: str | Path | None = None, views: Sequence[str] | None = Non
     try:
         with np.load(path, allow_pickle=False) as data:
             arrays = {k: data[k] for k in data.files}
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"{path}: not a readable model file: {exc}") from None
+    except OSError as exc:
+        raise ModelError(f"{path}: not a readable model file: {exc.strerror or exc}") from None
+    except (ValueError, zipfile.BadZipFile):  # numpy's ValueError is advice to unpickle it
+        raise ModelError(f"{path}: not a model file (not an .npz archive)") from None
     blob = arrays.pop(META_KEY, None)
     if blob is None:
         raise ModelError(f"{path}: no {META_KEY} entry")

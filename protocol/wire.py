@@ -240,6 +240,9 @@ class StatusReply(msgspec.Struct, frozen=True, tag="status_reply", tag_field="ty
     """Every warm spare: one for a CPU pool, one per card for a CUDA pool."""
     model_views: list[str] = []
     """The test-time views the workers average (config ``model.views``, else the model's)."""
+    reload_needs_restart: list[str] = []
+    """The changed keys that refused the last reload: only a restart applies them (the
+    reload applied nothing; ``reload_error`` says so)."""
 
 
 ClientMessage = InferRequest | StatusRequest

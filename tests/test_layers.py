@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("model",),
     ("gpu",),
     ("workers",),
-    ("daemon", "daemon.config", "daemon.log"),
+    ("daemon", "daemon.config", "daemon.lifecycle"),
     ("daemon.frontend", "daemon.pool"),
     ("daemon.ops",),
     ("daemon.app", "daemon.service", "daemon.commands", "daemon.cli"),

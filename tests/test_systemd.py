@@ -168,6 +168,18 @@ def test_execstart_config_is_the_shipped_one_and_loads() -> None:
     assert config.server.bind == "127.0.0.1"
 
 
+def test_execreload_waits_for_the_reload_and_can_fail() -> None:
+    """``systemctl reload`` runs ``scratchd reload`` (which waits for the outcome and exits
+    non-zero when the reload failed) on the socket the units serve, and gives up before
+    systemd's own reload timeout (TimeoutStartSec) so its reason is what the journal shows."""
+    (command,) = _values(UNITS / "scratchd.service", "ExecReload")
+    argv = command.split()
+    assert argv[:2] == [INSTALLED_ENTRY, "reload"]
+    assert argv[argv.index("--socket") + 1] == _values(UNITS / "scratchd.socket", "ListenStream")[0]
+    (start_timeout,) = _values(UNITS / "scratchd.service", "TimeoutStartSec")
+    assert float(argv[argv.index("--timeout") + 1]) < float(start_timeout.removesuffix("s"))
+
+
 def _wheel(dest: Path) -> Path:
     """A wheel of this checkout: built offline with the installed setuptools where it can
     be (setuptools >= 68 with bdist_wheel), else in pip's isolated build environment (which

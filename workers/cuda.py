@@ -38,7 +38,7 @@ a batch should end (``expected_ms``).
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +53,7 @@ from scratchd.gpu.serve_graph import ServeGraph
 from scratchd.ipc.queue import Result, Status
 from scratchd.kernels import _cuda as cu
 from scratchd.model.scratchnet import load_model
+from scratchd.protocol.log import log_event
 from scratchd.workers.batching import ewma
 from scratchd.workers.gpu_memory import (
     ARENA_MB,
@@ -323,7 +324,7 @@ class CudaBackend:
                     frame = c.graph.finish_frame(c.collected, j, bool(want))
                 except Exception as exc:  # answered and logged, never hidden
                     reason = f"host finish: {type(exc).__name__}: {exc}"
-                    print(f"scratchd cuda worker: frame {pos}: {reason}", file=sys.stderr)
+                    log_event("frame_failed", logging.ERROR, device=self.device, reason=reason)
                     yield pos, error_result(reason, n)
                     continue
                 yield pos, ok_result(frame, want, compute_ns, n)
@@ -381,8 +382,7 @@ class CudaBackend:
             before = self.graph_ms.get(key, 0.0)
             if before and abs(ms - before) > REMEASURE_NOTE * before:  # the split changes
                 name = f"{key[0]} x {key[1]}x{key[2]}"
-                print(f"scratchd cuda worker: graph {name} re-timed: {before:.2f} → {ms:.2f} ms",
-                      file=sys.stderr)  # fmt: skip
+                log_event("graph_retimed", graph=name, before_ms=before, ms=ms)
         else:
             ms = ewma(self.graph_ms.get(key, 0.0), ms, GRAPH_MS_WEIGHT)
         self._set_time(key, ms)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import logging
 import os
 import select
 import signal
@@ -38,6 +39,7 @@ from typing import Any, Final
 
 from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Claim, QueueError, RequestQueue, Result
+from scratchd.protocol.log import configure, log_event
 from scratchd.workers.backend import AsyncBackend, Backend, DeviceMemory
 from scratchd.workers.batching import BatchPolicy, ewma
 from scratchd.workers.cpu import CpuBackend
@@ -275,6 +277,7 @@ class WorkerLoop:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    configure()  # the daemon's line format on the stderr we share with it
     if not die_with_parent(args.parent_pid):
         return ExitCode.PARENT_GONE
     stop = StopFlag(args.work_fd)
@@ -283,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         queue, backend = boot(args)
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-        print(f"scratchd worker slot {args.slot}: boot failed: {reason}", file=sys.stderr)
+        log_event("worker_boot_failed", logging.ERROR, worker=_where(args.slot), reason=reason)
         _write_all(args.ready_fd, f"BOOT_ERROR {reason}\n".encode())
         return ExitCode.BOOT_ERROR
     _log_boot(args.slot, backend)
@@ -299,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             take_slot(queue, slot, work_fd)
         except Exception as exc:
-            print(f"scratchd standby worker: cannot take slot {slot}: {exc}", file=sys.stderr)
+            log_event("takeover_failed", logging.ERROR, worker="standby", slot=slot, reason=exc)
             return ExitCode.CRASH
     return serve(queue, slot, backend, stop, args)
 
@@ -434,12 +437,12 @@ def serve(
     try:
         code = loop.run()
     except QueueError as exc:  # e.g. our slot was reclaimed: we must not claim any more
-        print(f"scratchd worker slot {slot}: {exc}", file=sys.stderr)
+        log_event("worker_left", logging.ERROR, worker=slot, reason=exc)
         return ExitCode.CRASH
     except Exception as exc:  # the asynchronous backend, or its broken contract (PipelinedLoop)
         if not isinstance(loop, PipelinedLoop):
             raise
-        print(f"scratchd worker slot {slot}: backend failure, leaving: {exc!r}", file=sys.stderr)
+        log_event("backend_failed", logging.ERROR, worker=slot, reason=repr(exc))
         return ExitCode.CRASH
     if code is ExitCode.OK:
         queue.close()
@@ -455,11 +458,24 @@ def since_exec_ms() -> float:
     return (time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / ticks) * 1000.0
 
 
+def _where(slot: int) -> str:
+    """A worker as the log names it: its slot, or ``standby``."""
+    return "standby" if slot == STANDBY_SLOT else str(slot)
+
+
 def _log_boot(slot: int, backend: Backend) -> None:
-    """One stderr line with the boot's parts (the CUDA backend measures its own)."""
-    parts = {"total": round(since_exec_ms()), **backend.boot_ms}
-    where = "standby" if slot == STANDBY_SLOT else f"slot {slot}"
-    print(f"scratchd worker {where}: ready on {backend.device}, boot ms {parts}", file=sys.stderr)
+    """One line with the boot's parts in ms, ``boot_ms`` the total since exec and
+    ``boot_ms_<part>`` each part the backend measured (the CUDA backend times its own)."""
+    parts = {f"boot_ms_{k}": round(v, 1) for k, v in backend.boot_ms.items()}
+    log_event(
+        "worker_booted",
+        worker=_where(slot),
+        pid=os.getpid(),
+        device=backend.device,
+        version=backend.version,
+        boot_ms=round(since_exec_ms()),
+        **parts,
+    )
 
 
 def _write_all(fd: int, data: bytes) -> None:

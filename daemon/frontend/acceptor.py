@@ -72,11 +72,11 @@ from scratchd.daemon.frontend.images import (
     write_raw_grey,
 )
 from scratchd.daemon.frontend.receiver import ReceivePool
-from scratchd.daemon.log import log_event
 from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Handle, RequestQueue
 from scratchd.protocol import wire
 from scratchd.protocol.image import ImageError
+from scratchd.protocol.log import log_event
 
 __all__ = [
     "Acceptor",

@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from scratchd.daemon.log import Throttle
+from scratchd.protocol.log import Throttle
 
 # Linux <asm-generic/socket.h>; the socket module does not export SO_PEERGROUPS.
 SO_PEERGROUPS = 59

@@ -84,9 +84,9 @@ from typing import Final, Protocol, cast
 from scratchd.daemon.frontend import raw_frames
 from scratchd.daemon.frontend.access import LINGER_BYTES, SupportsGetsockopt
 from scratchd.daemon.frontend.receiver import ReceiveJob, ReceivePool
-from scratchd.daemon.log import log_event
 from scratchd.ipc.queue import Handle
 from scratchd.protocol import wire
+from scratchd.protocol.log import log_event
 
 HEAD_BYTES: Final = 64 * 1024
 SCAN_BYTES: Final = 1024

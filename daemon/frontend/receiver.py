@@ -66,8 +66,8 @@ import threading
 from collections.abc import Callable
 from typing import Final
 
-from scratchd.daemon.log import log_event
 from scratchd.ipc._native import recv_into_exact
+from scratchd.protocol.log import log_event
 
 MIN_BYTES: Final = 64 * 1024
 """Pixels still to come, and bytes already in the socket, for which a thread is worth its

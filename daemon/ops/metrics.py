@@ -25,6 +25,8 @@ main process with the result:
 | scratchd_workers                      | gauge     | state               | LiveSources       |
 | scratchd_worker_restarts_total        | counter   | device              | LiveSources       |
 | scratchd_vram_fragmentation_ratio     | gauge     | device              | LiveSources (5)   |
+| scratchd_build_info                   | gauge     | version, model      | LiveSources (6)   |
+| process_* (cpu, memory, fds, start)   | various   |                     | ProcessCollector  |
 
 (1) Only replies that went through the queue (`ok`, `timeout`, `error`): `overloaded` and
     `invalid` are answered at the door in microseconds and would hide the queue's latency.
@@ -36,6 +38,9 @@ main process with the result:
 (4) Per batch, as the worker timed it: CUDA events on GPU workers, wall time on CPU workers.
 (5) Absent (no samples, only HELP/TYPE) on CPU-only daemons: there is no device arena, and a
     zero would claim a measurement that was never made.
+(6) Always 1: the package version and the model version the workers serve (it changes
+    with a reload), to join on (``* on (instance) group_left(model) scratchd_build_info``).
+    The ``process_*`` series are the client library's standard ones for the main process.
 
 Label values are bounded so a hostile client cannot grow the registry: `part_class` is one
 of the configured classes or `other`, `status` one of the five reply statuses, `priority`
@@ -54,10 +59,17 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Seq
 from dataclasses import dataclass, field
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from scratchd import __version__
 from scratchd.protocol.wire import PRIORITIES, STATUSES
 
 _STATUS_INDEX: dict[str, int] = {status: i for i, status in enumerate(STATUSES)}
@@ -99,6 +111,7 @@ class LiveSources:
     signals_warming_up: Callable[[], bool] = bool  # fewer than drift.min_samples answers
     restarts: Callable[[], Mapping[str, int]] = dict  # device -> since start
     fragmentation: Callable[[], Mapping[str, float]] = dict  # GPU device -> ratio
+    model_version: Callable[[], str] = str  # the model the workers serve
 
 
 class SlidingWindow:
@@ -225,6 +238,11 @@ class _LiveCollector:
             "(free - largest free block) / total of the device arena; absent on CPU.",
             labels=["device"],
         )
+        build = GaugeMetricFamily(
+            "scratchd_build_info",
+            "Always 1: the scratchd version and the model version served.",
+            labels=["version", "model"],
+        )
         if with_samples:
             for part_class, value in m.p99_by_class().items():
                 p99.add_metric([part_class], value)
@@ -241,7 +259,8 @@ class _LiveCollector:
                 restarts.add_metric([device], count)
             for device, ratio in sorted(src.fragmentation().items()):
                 frag.add_metric([device], ratio)
-        yield from (p99, depth, entropy, drift, warming, workers, restarts, frag)
+            build.add_metric([__version__, src.model_version()], 1.0)
+        yield from (p99, depth, entropy, drift, warming, workers, restarts, frag, build)
 
 
 class Metrics:
@@ -296,6 +315,7 @@ class Metrics:
             ["device"], buckets=COMPUTE_BUCKETS, registry=r,
         )  # fmt: skip
         r.register(_LiveCollector(self))
+        ProcessCollector(registry=r)
         # Every series a dashboard or alert divides by exists from the first scrape, at 0.
         self._duration_children = {c: self.duration.labels(c) for c in self.part_classes}
         self._request_children: dict[tuple[str, str], Counter] = {

@@ -41,7 +41,6 @@ import numpy as np
 
 from scratchd.daemon.config import Config
 from scratchd.daemon.frontend.dispatch import Dispatcher, InFlight
-from scratchd.daemon.log import Throttle, log_event
 from scratchd.daemon.ops.drift import DriftMonitor, EntropyMonitor
 from scratchd.daemon.ops.health import HealthServer, Readiness, ReadinessInput
 from scratchd.daemon.ops.metrics import CONTENT_TYPE, Metrics
@@ -49,6 +48,7 @@ from scratchd.daemon.pool.supervisor import Supervisor
 from scratchd.ipc.queue import Completion, RequestQueue
 from scratchd.model.scratchnet import DEFAULT_PATH, META_KEY, ModelMeta
 from scratchd.protocol import wire
+from scratchd.protocol.log import Throttle, log_event
 
 DISABLE_ENV = "SCRATCHD_NO_METRICS"
 
@@ -98,6 +98,7 @@ class Observability:
         self.model = model
         self.enabled = os.environ.get(DISABLE_ENV, "") not in ("1", "true", "yes")
         self.metrics = Metrics(config.class_names(), devices, worker_states=worker_states)
+        self.metrics.sources.model_version = lambda: self.model.version
         self.entropy = EntropyMonitor(config.drift.window, config.drift.min_samples)
         self.drift: DriftMonitor | None = None
         if model.histogram is not None:

@@ -7,8 +7,10 @@ What a reload does, in order (:meth:`Reloader.reload_once`)::
            ─▶ re-read the config file (same path and flags as at start)   ── error ─┐
            ─▶ load the configured model once here, to refuse a broken file ── error ─┤
               before any worker is touched                                          │
-           ─▶ apply the keys that can change live; keys that need a restart        │
-              keep their running value (event=reload_needs_restart names them)     │
+           ─▶ a changed key that needs a restart (LIVE_KEYS says which can  ── error ─┤
+              change live) refuses the whole reload, named in                       │
+              event=reload_needs_restart: nothing is applied, no worker replaced    │
+           ─▶ apply the new configuration                                           │
            ─▶ supervisor.rolling_restart(): for each worker, start its              │
               replacement, wait for its READY (new model loaded and warmed up),     │
               then retire the old one, which finishes its batch; anything it still  │
@@ -18,10 +20,15 @@ What a reload does, in order (:meth:`Reloader.reload_once`)::
                                    (on error: event=reload_failed, the daemon keeps
                                     serving with what it had; `scratchd reload` exits 1)
 
+A reload is all or nothing: half a file applied (the new model, the old worker count) is a
+configuration nobody wrote, and a refused reload must not cost a rolling restart. The
+operator restarts instead (``systemctl restart scratchd``), which applies everything.
+
 SIGHUPs that arrive during a reload are folded into one more reload after it: the file may
 have changed again. ``scratchd reload`` finds the daemon's pid in its status reply, sends
-SIGHUP (so only the daemon's user or root may reload — a gateway that may connect may not)
-and waits for the status's reload counter to move.
+SIGHUP (so only the daemon's user or root may reload — a gateway that may connect may not),
+waits for the status's reload counter to move and exits non-zero when the reload failed
+(``reload_error``, and ``reload_needs_restart`` for the keys that only a restart applies).
 """
 
 from __future__ import annotations
@@ -37,10 +44,10 @@ from typing import Any, Final
 import msgspec
 
 from scratchd.daemon.config import Config, ConfigError
-from scratchd.daemon.log import log_event
 from scratchd.daemon.ops.notify import Notifier
 from scratchd.daemon.pool.supervisor import PoolHalted
 from scratchd.model.scratchnet import load_model
+from scratchd.protocol.log import log_event
 
 LIVE_KEYS: Final = frozenset(
     {
@@ -88,23 +95,6 @@ def config_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
     return live, [k for k in changed if k not in LIVE_KEYS]
 
 
-def effective_config(old: Config, new: Config) -> Config:
-    """``new`` with every restart-only key kept at its running value from ``old``."""
-    sections: dict[str, Any] = {}
-    for section in msgspec.structs.asdict(old):
-        old_table, new_table = getattr(old, section), getattr(new, section)
-        if section in LIVE_KEYS or not isinstance(old_table, msgspec.Struct):
-            sections[section] = new_table
-            continue
-        live = {
-            key: getattr(new_table, key)
-            for key in msgspec.structs.asdict(old_table)
-            if f"{section}.{key}" in LIVE_KEYS
-        }
-        sections[section] = msgspec.structs.replace(old_table, **live)
-    return msgspec.structs.replace(old, **sections)
-
-
 def model_version(config: Config) -> str:
     """Load the configured model with the configured views, as the workers will (a broken
     file raises, naming it), and return its version."""
@@ -120,6 +110,8 @@ class ReloadState(enum.Enum):
 class ReloadOutcome:
     ok: bool
     message: str
+    needs_restart: tuple[str, ...] = ()
+    """The changed keys only a restart applies (then ``ok`` is false and nothing was applied)."""
 
 
 class Reloader:
@@ -151,6 +143,7 @@ class Reloader:
         self.state = ReloadState.IDLE
         self.count = 0
         self.last_error = ""
+        self.needs_restart: tuple[str, ...] = ()
 
     def request(self) -> None:
         """Record a reload request and wake the loop (the SIGHUP handler)."""
@@ -174,6 +167,7 @@ class Reloader:
             self.state = ReloadState.IDLE
         self.count += 1
         self.last_error = "" if outcome.ok else outcome.message
+        self.needs_restart = outcome.needs_restart
         level = logging.INFO if outcome.ok else logging.ERROR
         name = "reload_done" if outcome.ok else "reload_failed"
         log_event(name, level, reason=outcome.message, seconds=time.monotonic() - started)
@@ -189,8 +183,11 @@ class Reloader:
             return ReloadOutcome(False, f"kept the running configuration: {exc}")
         live, fixed = config_changes(old, new)
         if fixed:
-            log_event("reload_needs_restart", logging.WARNING, keys=",".join(fixed))
-        self._apply(effective_config(old, new))
+            keys = ",".join(fixed)
+            log_event("reload_needs_restart", logging.WARNING, keys=keys)
+            reason = f"kept the running configuration: {keys} need a restart (systemctl restart)"
+            return ReloadOutcome(False, reason, needs_restart=tuple(fixed))
+        self._apply(new)
         try:
             await self._rolling_restart()
         except PoolHalted as exc:

@@ -24,7 +24,6 @@ import time
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Final
 
-from scratchd.daemon.log import log_event
 from scratchd.daemon.pool.worker_process import (
     Lineage,
     Worker,
@@ -33,6 +32,7 @@ from scratchd.daemon.pool.worker_process import (
     hand_over,
     restart_delay,
 )
+from scratchd.protocol.log import log_event
 from scratchd.workers.protocol import STANDBY_SLOT, ExitCode
 
 if TYPE_CHECKING:

@@ -45,7 +45,6 @@ from collections.abc import Callable
 from typing import Final
 
 from scratchd.daemon.config import Config
-from scratchd.daemon.log import log_event
 from scratchd.daemon.pool.standby import MAX_CONSECUTIVE_BOOT_FAILURES, StandbyMixin
 from scratchd.daemon.pool.worker_process import (
     Lineage,
@@ -58,6 +57,7 @@ from scratchd.daemon.pool.worker_process import (
 )
 from scratchd.ipc.layout import NS_PER_MS, NS_PER_S
 from scratchd.ipc.queue import ReclaimReport, RequestQueue
+from scratchd.protocol.log import log_event
 from scratchd.workers.protocol import ExitCode, WorkerSpec
 
 STABLE_AFTER_S: Final = 30.0

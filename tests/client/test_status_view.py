@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from typing import Any
 
 import msgspec
@@ -14,6 +15,7 @@ from scratchd.client.status_view import (
     missing_keys,
     queue_depths,
     render_status,
+    status_document,
     to_json,
     watch_status,
 )
@@ -57,12 +59,12 @@ def test_table_shows_what_an_operator_needs() -> None:
     assert "0d 01:02:05" in text and "12.5 req/s" in text
     # workers: device, state, pid, restarts, batch size, compute time
     row = next(line for line in text.splitlines() if "4242" in line)
-    cells = [c.strip() for c in row.strip("│ ").split("│")]
-    assert cells == ["cpu0", "cpu", "ready", "4242", "2", "100", "40", "2.5", "21.3 ms"]
+    cells = re.split(r"\s{2,}", row.strip())  # columns are two spaces apart at least
+    assert cells == ["cpu0", "ready", "4242", "2", "100", "40", "2.5", "21.3 ms"]
     assert "restarting" in text
     # queue depth per priority: 3 at priority 0, 1 at priority 7; 5 in flight, 9 of 256 slots
-    queue_row = next(line for line in text.splitlines() if line.strip().startswith("│ 3"))
-    assert [c.strip() for c in queue_row.strip("│ ").split("│")] == [
+    queue_row = next(line for line in text.splitlines() if line.startswith("3 "))
+    assert queue_row.split() == [
         "3", "0", "0", "0", "0", "0", "0", "1", "5", "9", "256",
     ]  # fmt: skip
     # latency per class with the deadline beside it
@@ -99,6 +101,21 @@ def test_json_has_the_required_keys_and_round_trips() -> None:
     assert json.loads(to_json(DOC)) == DOC
 
 
+def test_the_json_document_has_no_wire_fields_and_labels_its_classes() -> None:
+    queue = wire.QueueStatus(depth=[0] * 8, slots=1, in_use=0, in_flight=0)
+    spare = wire.WorkerStatus(id=9, name="cpu-standby", pid=7, state="ready", device="cpu",
+                              restarts=0)  # fmt: skip
+    reply = wire.StatusReply(
+        7, "serving", 1, 0.0, "cpu", [], queue, classes={"normal": (0, 3000)},
+        standby=spare, standbys=[spare],
+    )  # fmt: skip
+    doc = status_document(msgspec.to_builtins(reply))
+    assert not {"id", "type", "standby"} & doc.keys()
+    assert doc["classes"] == {"normal": {"priority": 0, "deadline_ms": 3000}}
+    assert [s["name"] for s in doc["standbys"]] == ["cpu-standby"]
+    assert missing_keys(doc) == []
+
+
 @pytest.mark.parametrize(
     "queue",
     [{"depth": {"0": 3, "7": 1}}, {"0": 3, "7": 1}, [3, 0, 0, 0, 0, 0, 0, 1]],
@@ -127,3 +144,35 @@ def test_watch_refreshes_and_survives_a_daemon_restart() -> None:
     calls["n"] = 0
     assert "up 0d 00:00:03" in watch(3)  # fetched again after the failure
     assert calls["n"] == 3
+
+
+def _gpu(doc: dict[str, Any]) -> dict[str, Any]:
+    workers = [{**w, "name": f"cuda{i}", "device": "cuda:0000:c1:00.0"} for i, w in
+               enumerate(doc["workers"])]  # fmt: skip
+    return {**doc, "workers": workers}
+
+
+def _mid_reload(doc: dict[str, Any]) -> dict[str, Any]:
+    return {**doc, "workers": [{**w, "model_version": "scratchnet-8"} for w in doc["workers"]]}
+
+
+@pytest.mark.parametrize("shape", ["cpu", "gpu", "cpu-mid-reload"])
+def test_the_table_fits_80_columns_without_cutting_a_header(shape: str) -> None:
+    doc = {"cpu": DOC, "gpu": _gpu(DOC), "cpu-mid-reload": _mid_reload(DOC)}[shape]
+    console = Console(width=80, record=True, color_system=None)
+    console.print(render_status(doc))
+    lines = console.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert not any("…" in line for line in lines)
+    headers = {
+        "worker": ["worker", "state", "pid", "restarts", "requests", "batches", "batch",
+                   "compute"],
+        "0": ["0", "7", "in", "flight", "use", "slots"],
+        "class": ["class", "p50", "p99", "deadline", "requests"],
+    }  # fmt: skip
+    headers["worker"] += (["device"] if shape == "gpu" else []) + (
+        ["model"] if shape == "cpu-mid-reload" else []
+    )
+    for first, words in headers.items():
+        (line,) = [line for line in lines if line.split()[:1] == [first]]
+        assert set(words) <= set(line.split()), line

@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 
 from scratchd.client.api import Client
-from scratchd.daemon.log import parse_line
 from scratchd.protocol import wire
 from scratchd.protocol.image import decode_image
+from scratchd.protocol.log import parse_line
 
 BOOT_TIMEOUT_S = 90.0
 MODEL_PATH = os.environ.get("SCRATCHD_TEST_MODEL", "")

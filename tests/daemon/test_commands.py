@@ -129,6 +129,11 @@ def test_status_json_and_the_socket_environment_variable(daemon: DaemonProcess) 
         assert w["state"] == "ready" and w["device"] == "cpu" and w["restarts"] == 0
         assert w["pid"] > 0
     assert len(doc["queue"]["depth"]) == 8
+    # the documented schema (client/status_view.py): no wire fields, labelled classes, each
+    # standby once
+    assert not {"id", "type", "standby"} & doc.keys()
+    assert doc["classes"]["normal"] == {"priority": 0, "deadline_ms": 600000}
+    assert len(doc["standbys"]) <= 1 and "name" in (doc["standbys"] or [{"name": 0}])[0]
 
 
 def test_infer_honours_the_socket_environment_variable(
@@ -145,7 +150,15 @@ def test_commands_without_a_daemon_say_where_they_looked(tmp_path: Path) -> None
     sock = str(tmp_path / "none.sock")
     for args in (["status", "--socket", sock], ["infer", "--socket", sock, "x.png"]):
         result = CliRunner().invoke(main, args)
-        assert result.exit_code == 1 and sock in result.output
+        assert result.exit_code == 3 and f"scratchd at {sock}: [Errno 2]" in result.output
+
+
+def test_infer_lists_its_exit_statuses_in_help() -> None:
+    shown = CliRunner().invoke(main, ["infer", "--help"], terminal_width=200)
+    assert shown.exit_code == 0
+    text = " ".join(shown.output.split())
+    for status in ("0 every image answered ok", "1 some image not ok", "2 usage", "3 daemon"):
+        assert status in text, text
 
 
 def test_serve_refuses_an_unknown_config_key_naming_it(tmp_path: Path) -> None:
@@ -159,3 +172,23 @@ def test_serve_refuses_an_unknown_config_key_naming_it(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "unknown key 'queue.slotz'" in done.stderr and str(config) in done.stderr
+
+
+@pytest.mark.parametrize("model", ["garbage", "missing"])
+def test_serve_refuses_a_bad_model_file_naming_it(tmp_path: Path, model: str) -> None:
+    """Exit 2 (systemd does not restart it) with the config and model files named, before a
+    worker starts; not numpy's advice to unpickle the file, not a pool halt's exit 1."""
+    path = tmp_path / f"{model}.npz"
+    if model == "garbage":
+        path.write_bytes(b"this is not a model\n" * 50)
+    config = tmp_path / "scratchd.toml"
+    config.write_text(f'[workers]\nbackend = "cpu"\n[model]\npath = "{path}"\n')
+    done = subprocess.run(
+        [*SERVE, "--config", str(config), "--socket", str(tmp_path / "s.sock")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert str(config) in done.stderr and str(path) in done.stderr
+    assert "pickle" not in done.stderr and "worker" not in done.stderr

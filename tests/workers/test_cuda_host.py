@@ -3,7 +3,10 @@ frames of a collected batch, and how a new graph's device time is measured at bo
 
 from __future__ import annotations
 
+import io
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +14,7 @@ import numpy as np
 import pytest
 
 from scratchd.ipc.queue import Status
+from scratchd.protocol.log import configure, parse_line
 from scratchd.workers.cuda import REMEASURE_S, TIME_REPLAYS, Batch, Chunk, CudaBackend
 
 
@@ -134,19 +138,29 @@ def timed_backend(eight_ms: float, age_s: float) -> tuple[Any, FakeGraph]:
     return b, b.graphs[(8, 8, 8)]
 
 
-def test_a_bucket_timed_too_slow_is_run_again_once_its_time_is_stale(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+@pytest.fixture
+def log() -> Iterator[io.StringIO]:
+    """The worker's log lines, as the daemon's format writes them."""
+    stream = io.StringIO()
+    configure("info", stream=stream, journald=False)
+    yield stream
+    configure("info", stream=sys.stderr)
+
+
+def test_a_bucket_timed_too_slow_is_run_again_once_its_time_is_stale(log: io.StringIO) -> None:
     b, g8 = timed_backend(eight_ms=10.0, age_s=2 * REMEASURE_S)  # 4 + 4 looks cheaper
     assert b._plan(8, 8, (8, 8)) == [8]  # stale and avoided: run whole, to re-time it
     assert b._plan(8, 8, (8, 8)) == [4, 4]  # one re-measurement at a time
     b._observe(g8, 3.0)  # that batch's device time replaces the stale one (no EWMA)
     assert b.graph_ms[(8, 8, 8)] == 3.0 and not b.remeasure
-    assert "graph 8 x 8x8 re-timed: 10.00 → 3.00 ms" in capsys.readouterr().err
+    (line,) = log.getvalue().splitlines()
+    fields = parse_line(line)
+    assert (fields["event"], fields["graph"]) == ("graph_retimed", "8 x 8x8")
+    assert (float(fields["before_ms"]), float(fields["ms"])) == (10.0, 3.0)
     del b.graph_ms[(2, 8, 8)]  # a graph captured while serving, never run alone yet
     b.remeasure.add((2, 8, 8))
     b._observe(b.graphs[(2, 8, 8)], 0.9)  # its first time is not a correction: no note
-    assert b.graph_ms[(2, 8, 8)] == 0.9 and capsys.readouterr().err == ""
+    assert b.graph_ms[(2, 8, 8)] == 0.9 and len(log.getvalue().splitlines()) == 1
     assert b._plan(8, 8, (8, 8)) == [8]  # now cheaper than 4 + 4 by its own time
     b._observe(g8, 5.0)  # an ordinary batch is blended in
     assert b.graph_ms[(8, 8, 8)] == pytest.approx(0.9 * 3.0 + 0.1 * 5.0)

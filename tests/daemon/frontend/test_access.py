@@ -17,7 +17,7 @@ from scratchd.daemon.frontend.access import (
     PeerCredentials,
     peer_credentials,
 )
-from scratchd.daemon.log import configure, parse_line
+from scratchd.protocol.log import configure, parse_line
 
 
 def test_peer_credentials_of_a_connected_unix_socket() -> None:

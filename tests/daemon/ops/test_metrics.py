@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+import scratchd
 from scratchd.daemon.ops.metrics import DURATION_BUCKETS, STATUSES, Metrics
 
 # docs/design.md, "Metrics": name -> (type, labels). The contract dashboards and alerts rely on.
@@ -28,7 +29,17 @@ TABLE = {
     "scratchd_workers": ("gauge", {"state"}),
     "scratchd_worker_restarts_total": ("counter", {"device"}),
     "scratchd_vram_fragmentation_ratio": ("gauge", {"device"}),
+    "scratchd_build_info": ("gauge", {"version", "model"}),
 }
+PROCESS = {
+    "process_cpu_seconds_total",
+    "process_resident_memory_bytes",
+    "process_virtual_memory_bytes",
+    "process_open_fds",
+    "process_max_fds",
+    "process_start_time_seconds",
+}
+"""prometheus_client's standard process metrics (ProcessCollector, Linux)."""
 
 
 class FakeClock:
@@ -64,13 +75,23 @@ def _busy_metrics() -> Metrics:
 
 def test_registry_is_exactly_the_design_table() -> None:
     families = _families(_busy_metrics())
-    assert set(families) == set(TABLE)
+    assert set(families) == set(TABLE) | PROCESS
     for name, (kind, labels) in TABLE.items():
         got_kind, samples = families[name]
         assert got_kind == kind, name
         for sample_name, sample_labels, _ in samples:
             assert set(sample_labels) - {"le"} == labels, (name, sample_name)
             assert not sample_name.endswith("_created")
+
+
+def test_build_info_names_the_package_and_the_model_served() -> None:
+    m = _busy_metrics()
+    m.sources.model_version = lambda: "scratchnet-9"
+    (sample,) = _families(m)["scratchd_build_info"][1]
+    assert sample[1:] == ({"version": scratchd.__version__, "model": "scratchnet-9"}, 1.0)
+    families = _families(m)
+    samples = {name: families[name][1][0][2] for name in PROCESS}
+    assert samples["process_resident_memory_bytes"] > 0 and samples["process_open_fds"] > 0
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")

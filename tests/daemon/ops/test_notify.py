@@ -87,9 +87,7 @@ def test_a_manager_that_does_not_read_never_blocks_the_daemon(tmp_path: Path) ->
     path = str(tmp_path / "notify")
     with _bind_notify_socket(path):
         notifier = Notifier(path)
-        started = time.monotonic()
-        sent = [notifier.status(f"update {i}") for i in range(200)]
-        assert time.monotonic() - started < 5.0
+        sent = [notifier.status(f"update {i}") for i in range(200)]  # a block: for ever
         assert sent[0] and not all(sent), "the queue must have filled and been skipped"
         notifier.close()
 

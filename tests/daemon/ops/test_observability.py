@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import scratchd
 from scratchd.client.api import AsyncClient
 from scratchd.daemon.config import Config, ModelConfig
 from scratchd.daemon.frontend.dispatch import InFlight
@@ -268,6 +269,16 @@ def test_metrics_count_every_request_by_class_and_status(run: Run) -> None:
     assert 0 < compute[(("device", "cpu"),)] <= run.with_worker
 
 
+def test_a_scrape_has_build_info_and_the_process_metrics(run: Run) -> None:
+    (labels,) = _samples(run.metrics_text, "scratchd_build_info")
+    assert dict(labels) == {
+        "version": scratchd.__version__,
+        "model": run.status_normal["model_version"],
+    }
+    assert _samples(run.metrics_text, "process_resident_memory_bytes")[()] > 0
+    assert _samples(run.metrics_text, "process_cpu_seconds_total")[()] > 0
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_live_metrics_pass_promtool(run: Run) -> None:
     check = subprocess.run(
@@ -310,7 +321,7 @@ def test_status_json_and_table(run: Run, daemon: DaemonProcess) -> None:
     for part_class in ("safety", "normal"):
         row = run.status_normal["latency"][part_class]
         assert 0 < row["p50_ms"] <= row["p99_ms"]
-        assert row["deadline_ms"] == doc["classes"][part_class][1]
+        assert row["deadline_ms"] == doc["classes"][part_class]["deadline_ms"]
     table = subprocess.run(cli, capture_output=True, text=True, env=env, check=True).stdout
     assert "latency by part class" in table and "data drift" in table
     assert "views identity " in table

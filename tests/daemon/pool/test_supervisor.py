@@ -19,7 +19,7 @@ import pytest
 from scratchd.client.api import build_request
 from scratchd.daemon.app import queue_name
 from scratchd.daemon.config import load_config
-from scratchd.daemon.pool.supervisor import Supervisor, WorkerState
+from scratchd.daemon.pool.supervisor import PoolHalted, Supervisor, WorkerState
 from scratchd.ipc.queue import Geometry, RequestQueue, Status
 from scratchd.protocol import wire
 from scratchd.protocol.image import decode_image, encode_png
@@ -82,18 +82,29 @@ def test_a_hung_worker_is_terminated_killed_and_replaced() -> None:
 
 
 def test_a_worker_that_cannot_boot_halts_the_pool_with_the_reason(tmp_path: Path) -> None:
+    """``serve`` refuses a broken model file itself (exit 2, tests/daemon/test_commands.py);
+    whatever else stops a worker's boot halts the pool with the worker's reason instead of a
+    restart loop. A model file broken behind ``serve``'s back plays that here."""
     broken = tmp_path / "broken.npz"
     broken.write_bytes(b"this is not a model")
-    d = DaemonProcess(workers=2, model=str(broken)).start(wait=False)
-    try:
-        assert d.proc is not None
-        assert d.proc.wait(60) == 1
-        log = d.log()
-        assert "failed to boot" in log and str(broken) in log
-        assert log.count("event=worker_restart") == 0  # no crash loop
-        assert not d.shm_path.exists()
-    finally:
-        d.__exit__(None, None, None)
+    config = load_config(None, {"workers.cpu_workers": 2, "model.path": str(broken)}, environ={})
+    name = queue_name(f"/tmp/halt-{os.getpid()}.sock")
+
+    async def scenario() -> tuple[str, int]:
+        queue = RequestQueue.create(name, Geometry(slots=8, slot_bytes=1 << 16, max_workers=8))
+        sup = Supervisor(config, queue, name, "cpu", 2, lambda report: None)
+        try:
+            with pytest.raises(PoolHalted) as halted:
+                await sup.start()
+            restarts = sum(x.restarts for x in sup.lineage)
+            await sup.stop_all(2.0)
+            return str(halted.value), restarts
+        finally:
+            queue.close()
+
+    reason, restarts = asyncio.run(scenario())
+    assert "failed to boot" in reason and str(broken) in reason
+    assert restarts == 0  # no crash loop
 
 
 def test_rolling_restart_replaces_every_worker_while_requests_flow() -> None:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scratchd.daemon.log import Throttle, configure, format_fields, log_event, parse_line
+from scratchd.protocol.log import Throttle, configure, format_fields, log_event, parse_line
 
 
 @pytest.fixture

@@ -12,9 +12,12 @@ Under systemd (``JOURNAL_STREAM`` names our stderr) each line starts with the sy
 priority prefix ``<N>`` that journald turns into the entry's priority and the timestamp is
 left to the journal; in a terminal an ISO-8601 UTC timestamp and ``level=`` lead instead.
 
-What is logged (the operator's events): start, ready, worker death and its cause, restart,
-reload, drain, refusals. Nothing per request unless the level is DEBUG
-(``SCRATCHD_LOG_LEVEL=debug``): a line per part at line rate would drown the journal.
+The daemon and its worker processes write the same lines to the stderr they share (a
+worker calls :func:`configure` first thing), which is why this module sits below both.
+What is logged: start, ready, each worker's boot (``event=worker_booted`` with its parts in
+ms) or boot failure, worker death and its cause, restart, reload, drain, refusals. Nothing
+per request unless the level is DEBUG (``SCRATCHD_LOG_LEVEL=debug``): a line per part at
+line rate would drown the journal.
 Floods of one event (refusals, malformed frames from a broken gateway) go through
 :class:`Throttle`, which keeps the first lines of each window and then one summary.
 """
