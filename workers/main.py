@@ -466,7 +466,7 @@ def _where(slot: int) -> str:
 def _log_boot(slot: int, backend: Backend) -> None:
     """One line with the boot's parts in ms, ``boot_ms`` the total since exec and
     ``boot_ms_<part>`` each part the backend measured (the CUDA backend times its own)."""
-    parts = {f"boot_ms_{k}": round(v, 1) for k, v in backend.boot_ms.items()}
+    parts: dict[str, Any] = {f"boot_ms_{k}": round(v, 1) for k, v in backend.boot_ms.items()}
     log_event(
         "worker_booted",
         worker=_where(slot),
