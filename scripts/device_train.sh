@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Training on a lent GPU machine (the device tool): scripts/device_train.sh SHARDS MINUTES ARGS...
+#
+# Run from the repository root there, with the wheels the machine lacks in .whl/ and the shards
+# (`scratchd shard build DATA .devdata/shards`) carried. Everything lands in $OUT/m:
+# checkpoint.pt, scratchnet.npz, curve.png, train_log.json, stdout.log. A checkpoint at
+# .devdata/resume/checkpoint.pt is resumed (same flags; a larger MINUTES stretches the cosine).
+# Give the call a timeout of at least 60 * MINUTES + 150 s (setup, warm-up, inner-split pass).
+set -u
+SHARDS=$1; M=$2; shift 2
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+python3 setup.py -q build_ext --inplace >/tmp/build.log 2>&1 || { tail -20 /tmp/build.log; exit 1; }
+mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/scratchd
+export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1
+mkdir -p "$OUT/m"
+RES=()
+[[ -f .devdata/resume/checkpoint.pt ]] && RES=(--resume .devdata/resume/checkpoint.pt)
+python3 scripts/train.py --shards "$SHARDS" --out "$OUT/m" --minutes "$M" --seed 1 "${RES[@]}" "$@" 2>&1 \
+    | grep --line-buffered -v -i warn | tee "$OUT/m/stdout.log" | cut -c1-3000
+ls -la "$OUT/m"
