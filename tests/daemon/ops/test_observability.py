@@ -334,7 +334,14 @@ def test_readyz_is_503_without_ready_workers_and_200_after_recovery(
     assert _get(port, "/readyz")[0] == 200
     assert _get(port, "/livez")[0] == 200
     # Every worker process at once, the warm standby included (it would take over at once).
+    # The standby boots in the background after the pool is READY: wait until it is READY too,
+    # so the scan below finds every process (a standby spawned after it would take over within
+    # milliseconds and the 503 would be too short to see).
     assert daemon.proc is not None
+    deadline = time.monotonic() + 60
+    while (s := daemon.status().standby) is None or s.state != "ready":
+        assert time.monotonic() < deadline, f"no READY standby: {s}"
+        time.sleep(0.05)
     for pid in _children(daemon.proc.pid):
         os.kill(pid, signal.SIGKILL)
     seen: list[tuple[int, str]] = []  # changes of answer, from the first 503 on
