@@ -173,9 +173,9 @@ class Trainer:
         """Train until the schedule ends or this process has trained ``stop_seconds``.
 
         The schedule's clock starts once each crop size has run twice in this process: the
-        first steps of a shape pay for startup (on the H200 the first 200 steps took 73 s
-        against ~9 s at the later rate, presumably cuDNN autotuning), which must not eat the
-        schedule; that time is kept in ``warmup_seconds``."""
+        first steps of a shape pay for startup (presumably cuDNN autotuning; several times the
+        later rate, docs/scratchnet2/README.md), which must not eat the schedule; that time is
+        kept in ``warmup_seconds``."""
         start_seconds, t0 = self.seconds, time.perf_counter()
         warm_until = self.step + 2 * len(CROPS)
         bar = Progress(
