@@ -57,7 +57,7 @@ def submit(q: RequestQueue, rid: int) -> None:
 
 
 def waiting_mask(q: RequestQueue) -> int:
-    return int(q._seg.header["waiting"])
+    return int(q._core.seg.header["waiting"])
 
 
 def wait_in_thread(q: RequestQueue, timeout_s: float) -> tuple[threading.Thread, list[bool]]:
@@ -104,9 +104,9 @@ def test_main_spin_disarms_the_completion_ring_only_while_it_spins(brief: Reques
     thread = threading.Thread(target=lambda: brief.wait_for_completions(1.0, spin_us=300_000))
     thread.start()
     time.sleep(0.1)
-    armed.append(brief._native.completion_armed())
+    armed.append(brief._core.native.completion_armed())
     thread.join(5.0)
-    armed.append(brief._native.completion_armed())
+    armed.append(brief._core.native.completion_armed())
     assert armed == [False, True]
 
 
@@ -200,7 +200,7 @@ def test_a_worker_sharing_the_main_process_cpu_sleeps_instead_of_spinning(
     everywhere = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(everywhere)})  # the waiting thread inherits this CPU
     try:
-        spinning._seg.header["main_cpu"] = min(everywhere)  # "the main process spins here"
+        spinning._core.seg.header["main_cpu"] = min(everywhere)  # "the main process spins here"
         thread, got = wait_in_thread(spinning, timeout_s=10.0)
         deadline = time.monotonic() + 1.0  # far less than its 2 s spin
         while waiting_mask(spinning) != 1 and time.monotonic() < deadline:
