@@ -630,8 +630,9 @@ static PyObject *collect_body(Core *c) {
  * fast path, no Python between lock and unlock. If the trylock fails the body does not run
  * and the op returns a Contended sentinel: BUSY (someone holds it; nothing is held now) or
  * OWNER_DIED (EOWNERDEAD: the lock IS held now, inconsistent). Python then takes its slow
- * path (ipc/core.py _contended: wait watching for a stuck holder, or repair → consistent)
- * and calls the op again with held = 1 (the caller holds the lock; no locking here). */
+ * path (ipc/core.py QueueCore.contended: wait watching for a stuck holder, or repair →
+ * consistent) and calls the op again with held = 1 (the caller holds the lock; no locking
+ * here). */
 static PyObject *BUSY, *OWNER_DIED;
 
 static PyObject *enter(Core *c, int held) {

@@ -2,18 +2,22 @@
 
 A standby is an ordinary worker process started with ``STANDBY_SLOT``: it loads the model and
 runs its warm-up (a GPU standby also captures its graphs), says READY, then waits on its
-control socket. When a worker dies, the supervisor hands the standby the dead worker's slot
-(``hand_over``: the slot number and its work eventfd travel over the socket) and the
-replacement serves within milliseconds, while a new standby boots behind it::
+control socket. When a worker dies, the supervisor asks :meth:`Standbys.take` for the dead
+worker's replacement: the standby is handed a free slot (``hand_over``: the slot number and its
+work eventfd travel over the socket) and serves within milliseconds, while a new standby boots
+behind it::
 
-    spawn_standby(g) ── READY ──▶ standbys[g] ── worker of group g dies ──▶ _promote_standby
-          ▲                                                                      │
-          └──────────────────── call_soon(spawn_standby, g) ◀────────────────────┘
+    spawn(g) ── READY ──▶ workers[g] ── worker of group g dies ──▶ take(wid) ──▶ Supervisor
+        ▲                                                              │         (its slot,
+        └────────────────────── call_soon(spawn, g) ◀──────────────────┘          its lineage)
 
 Groups: a CPU pool shares one standby (group 0); a CUDA pool has one per card (group = the
 worker's id), because a standby's CUDA context, modules and graphs live on its own card.
 A standby that fails to boot ``MAX_CONSECUTIVE_BOOT_FAILURES`` times in a row (or says
 BOOT_ERROR) halts the pool, like a worker.
+
+:class:`Standbys` owns the spares and their lineages only; the supervisor owns the serving
+workers and passes in, when it builds this, the few things a spare needs from it.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Final
+from collections.abc import Callable
+from typing import Final
 
 from scratchd.daemon.pool.worker_process import (
     Lineage,
@@ -35,39 +39,44 @@ from scratchd.daemon.pool.worker_process import (
 from scratchd.protocol.log import log_event
 from scratchd.workers.protocol import STANDBY_SLOT, ExitCode
 
-if TYPE_CHECKING:
-    from scratchd.daemon.config import Config
-    from scratchd.ipc.queue import RequestQueue
-
 MAX_CONSECUTIVE_BOOT_FAILURES: Final = 5
 
 
-class StandbyMixin(ABC):
-    """The standby half of :class:`~scratchd.daemon.pool.supervisor.Supervisor`."""
+class Standbys:
+    """The warm spares of a pool of ``count`` workers of ``device``, one per group.
 
-    # Provided by the Supervisor.
-    config: Config
-    queue: RequestQueue
-    device: str
-    count: int
-    workers: dict[int, Worker]
-    names_by_slot: dict[int, str]
-    lineage: list[Lineage]
-    standbys: dict[int, Worker]
-    standby_lines: dict[int, Lineage]
-    _loop: asyncio.AbstractEventLoop
+    Collaborators, all the supervisor's: ``launch(wid, slot, group)`` starts a worker process;
+    ``free_slot()`` names a free worker-table slot; ``work_fd(slot)`` is that slot's work
+    eventfd; ``running()`` is False once the pool stops; ``enabled()`` reads
+    ``workers.standby`` from the current config; ``halt(reason)`` stops the pool for good.
+    """
 
-    @abstractmethod
-    def _launch(self, wid: int, slot: int, group: int | None = None) -> Worker: ...
-
-    @abstractmethod
-    def _free_slot(self) -> int: ...
-
-    @abstractmethod
-    def _running(self) -> bool: ...
-
-    @abstractmethod
-    def halt(self, reason: str) -> None: ...
+    def __init__(
+        self,
+        device: str,
+        count: int,
+        *,
+        launch: Callable[[int, int, int], Worker],
+        free_slot: Callable[[], int],
+        work_fd: Callable[[int], int],
+        running: Callable[[], bool],
+        enabled: Callable[[], bool],
+        halt: Callable[[str], None],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.device = device
+        self.count = count
+        self._launch = launch
+        self._free_slot = free_slot
+        self._work_fd = work_fd
+        self._running = running
+        self._enabled = enabled
+        self._halt = halt
+        self._loop = loop
+        self.workers: dict[int, Worker] = {}
+        """The spare of each group that has one, booting or READY."""
+        self.lines = {g: Lineage() for g in self.groups()}
+        """Each group's spares over time: spawned, boot failures, the pending respawn."""
 
     def groups(self) -> list[int]:
         """Standby groups: one per card for CUDA, a single shared one for CPU."""
@@ -76,63 +85,66 @@ class StandbyMixin(ABC):
     def group_of(self, wid: int) -> int:
         return wid if self.device == "cuda" else 0
 
-    def spawn_standby(self, group: int = 0) -> None:
-        """Start a warm spare (``workers.standby``) for ``group`` unless it has one or we are
-        stopping."""
-        line = self.standby_lines[group]
+    def spawn(self, group: int = 0) -> None:
+        """Start a warm spare (``workers.standby``) for ``group`` unless it has one or the pool
+        is stopping."""
+        line = self.lines[group]
         line.pending = None
-        if self.config.workers.standby and group not in self.standbys and self._running():
-            worker = self._launch(STANDBY_SLOT, STANDBY_SLOT, group)
-            self.standbys[group] = worker
+        if self._enabled() and group not in self.workers and self._running():
+            self.workers[group] = self._launch(STANDBY_SLOT, STANDBY_SLOT, group)
             line.spawned += 1
 
-    def _promote_standby(self, wid: int) -> bool:
-        """Hand a free slot to the warm standby as worker ``wid``; False if there is none."""
+    def take(self, wid: int) -> Worker | None:
+        """Hand a free slot to the READY spare of worker ``wid``'s group, which now serves in
+        it as ``wid``; None if there is none. The caller records it as a serving worker."""
         group = self.group_of(wid)
-        standby = self.standbys.get(group)
+        standby = self.workers.get(group)
         if standby is None or standby.state is not WorkerState.READY:
-            return False
-        del self.standbys[group]
+            return None
+        del self.workers[group]
         slot = self._free_slot()
-        if not hand_over(standby, slot, self.queue.work_fd(slot)):
-            # It is gone (or going: its control socket is closed). Out of ``standbys``, its
-            # exit is a non-event, so the group's next spare is started here.
-            self._loop.call_soon(self.spawn_standby, group)
-            return False
+        # Either way the group's next spare is started: out of ``workers``, this one's exit
+        # is a non-event.
+        self._loop.call_soon(self.spawn, group)
+        if not hand_over(standby, slot, self._work_fd(slot)):
+            return None  # it is gone (or going: its control socket is closed)
         standby.id, standby.slot, standby.ready_ns = wid, slot, time.monotonic_ns()
-        self.workers[slot] = standby
-        self.names_by_slot[slot] = standby.name
-        lineage = self.lineage[wid]
-        lineage.restarts += 1
-        lineage.spawned += 1
-        lineage.last_restart_s = time.time()
-        log_event("worker_restart", worker=standby.name, pid=standby.proc.pid, slot=slot,
-                  standby=True)  # fmt: skip
-        self._loop.call_soon(self.spawn_standby, group)
-        return True
+        return standby
 
-    def _on_standby_exit(self, worker: Worker, code: int, was_ready: bool) -> None:
+    def retire_all(self) -> list[tuple[int, Worker]]:
+        """Take every spare out (their exits become non-events) and return them by group: a
+        rolling restart stops them and spawns new ones with the new config and model."""
+        retired = list(self.workers.items())
+        self.workers.clear()
+        return retired
+
+    def cancel_pending(self) -> None:
+        """Cancel every group's scheduled respawn (the pool is stopping)."""
+        for line in self.lines.values():
+            if line.pending is not None:
+                line.pending.cancel()
+
+    def on_exit(self, worker: Worker, code: int, was_ready: bool) -> None:
+        """A spare's process exited: start the next one after backoff, or halt the pool."""
         if worker.control is not None:
             worker.control.close()
             worker.control = None
         group = worker.group
-        current: Worker | None = self.standbys.get(group)
+        current: Worker | None = self.workers.get(group)
         if current is None or current.proc.pid != worker.proc.pid:
             return  # a standby retired, or one that died while being handed a slot
-        del self.standbys[group]
+        del self.workers[group]
         planned = not self._running()
         level = logging.INFO if planned else logging.WARNING
         log_event("standby_exited", level, pid=worker.proc.pid, cause=describe_exit(code))
         if planned:
             return
-        line = self.standby_lines[group]
+        line = self.lines[group]
         if not was_ready and code == ExitCode.BOOT_ERROR:
-            self.halt(f"standby worker failed to boot: {worker.boot_reason()}")
+            self._halt(f"standby worker failed to boot: {worker.boot_reason()}")
             return
         line.failures = 0 if was_ready else line.failures + 1
         if line.failures >= MAX_CONSECUTIVE_BOOT_FAILURES:
-            self.halt(f"standby worker died {line.failures} times during boot")
+            self._halt(f"standby worker died {line.failures} times during boot")
             return
-        line.pending = self._loop.call_later(
-            restart_delay(line.failures + 1), self.spawn_standby, group
-        )
+        line.pending = self._loop.call_later(restart_delay(line.failures + 1), self.spawn, group)

@@ -45,7 +45,7 @@ from collections.abc import Callable
 from typing import Final
 
 from scratchd.daemon.config import Config
-from scratchd.daemon.pool.standby import MAX_CONSECUTIVE_BOOT_FAILURES, StandbyMixin
+from scratchd.daemon.pool.standby import MAX_CONSECUTIVE_BOOT_FAILURES, Standbys
 from scratchd.daemon.pool.worker_process import (
     Lineage,
     Worker,
@@ -76,7 +76,7 @@ class PoolHalted(RuntimeError):
     """A worker failed to boot: serving cannot start or continue. The message says why."""
 
 
-class Supervisor(StandbyMixin):
+class Supervisor:
     """Keeps ``count`` workers of ``device`` alive on ``queue``.
 
     ``on_reclaimed`` is called after every reclaim (the dispatcher collects the completions
@@ -113,8 +113,26 @@ class Supervisor(StandbyMixin):
         self._watchdog: asyncio.TimerHandle | None = None
         self._changed = asyncio.Event()  # set whenever a worker becomes READY or exits
         # Warm, not serving: the next replacement, one per group (see the module docstring).
-        self.standbys: dict[int, Worker] = {}
-        self.standby_lines = {g: Lineage() for g in self.groups()}
+        self.spares = Standbys(
+            device,
+            count,
+            launch=self._launch,
+            free_slot=self._free_slot,
+            work_fd=queue.work_fd,
+            running=self._running,
+            enabled=lambda: self.config.workers.standby,
+            halt=self.halt,
+            loop=self._loop,
+        )
+
+    @property
+    def standbys(self) -> dict[int, Worker]:
+        """The warm spare of each group that has one, booting or READY."""
+        return self.spares.workers
+
+    @property
+    def standby_lines(self) -> dict[int, Lineage]:
+        return self.spares.lines
 
     # ---- starting ---------------------------------------------------------------------
 
@@ -129,8 +147,8 @@ class Supervisor(StandbyMixin):
         if self.state is PoolState.HALTED:
             raise PoolHalted(self.halt_reason)
         self.state = PoolState.RUNNING
-        for group in self.groups():  # after the pool: their boot does not slow the pool's
-            self.spawn_standby(group)
+        for group in self.spares.groups():  # after the pool: their boot does not slow it
+            self.spares.spawn(group)
 
     def spawn_worker(self, wid: int) -> Worker:
         """Start the process for logical worker ``wid`` in a free worker-table slot."""
@@ -156,7 +174,7 @@ class Supervisor(StandbyMixin):
             parent_pid=os.getpid(),
             extra=extra,
         )
-        group = self.group_of(wid) if group is None else group
+        group = self.spares.group_of(wid) if group is None else group
         env = self._worker_env(wid, group)
         worker = launch(wid, self.device, spec, self.queue, self._death_r, env)
         worker.group = group
@@ -228,7 +246,7 @@ class Supervisor(StandbyMixin):
         worker.state = WorkerState.EXITED
         if worker.standby:
             worker.exited.set()  # stop_all() waits on the standby's exit too
-            self._on_standby_exit(worker, code, was_ready)
+            self.spares.on_exit(worker, code, was_ready)
             return
         report = self.queue.reclaim_worker(
             worker.slot, time.monotonic_ns(), max_kills=self.config.workers.max_kills
@@ -292,6 +310,22 @@ class Supervisor(StandbyMixin):
             lineage.last_restart_s = time.time()
             worker = self.spawn_worker(wid)
             log_event("worker_restart", worker=worker.name, pid=worker.proc.pid, slot=worker.slot)
+
+    def _promote_standby(self, wid: int) -> bool:
+        """The warm standby of ``wid``'s group takes over as worker ``wid`` in a free slot;
+        False if there is none READY."""
+        standby = self.spares.take(wid)
+        if standby is None:
+            return False
+        self.workers[standby.slot] = standby
+        self.names_by_slot[standby.slot] = standby.name
+        lineage = self.lineage[wid]
+        lineage.restarts += 1
+        lineage.spawned += 1
+        lineage.last_restart_s = time.time()
+        log_event("worker_restart", worker=standby.name, pid=standby.proc.pid, slot=standby.slot,
+                  standby=True)  # fmt: skip
+        return True
 
     def halt(self, reason: str) -> None:
         """Stop the pool for good: the daemon cannot serve (reported, exits non-zero)."""
@@ -365,18 +399,18 @@ class Supervisor(StandbyMixin):
             old.retiring = True
             self.terminate(old)
             await old.exited.wait()
-        for group, old_standby in list(self.standbys.items()):  # spares: new config and model
-            del self.standbys[group]  # out of standbys: its exit is a non-event
+        for group, old_standby in self.spares.retire_all():  # spares: new config and model
             self.terminate(old_standby)
-            self.spawn_standby(group)
+            self.spares.spawn(group)
 
     async def stop_all(self, grace_s: float) -> None:
         """SIGTERM every worker, wait up to ``grace_s``, SIGKILL the rest, wait for them."""
         if self.state is not PoolState.HALTED:
             self.state = PoolState.STOPPING
-        for lineage in [*self.lineage, *self.standby_lines.values()]:
+        for lineage in self.lineage:
             if lineage.pending is not None:
                 lineage.pending.cancel()
+        self.spares.cancel_pending()
         workers = [*self.workers.values(), *self.standbys.values()]
         for worker in workers:
             self.terminate(worker)

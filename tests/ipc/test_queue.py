@@ -204,13 +204,13 @@ class QueueModel(RuleBasedStateMachine):
         """A process died mid-critical-section with the index in any state: wipe the whole
         derived index and let the repair rebuild it from the descriptor table alone. Every
         later observation (claim order, expiry, collection) must be unaffected."""
-        seg = self.q._seg
-        with self.q._mutex:
+        seg = self.q._core.seg
+        with self.q._core.mutex:
             for index in (seg.ready_head, seg.ready_tail, seg.wheel_head):
                 index[:] = -1
             seg.ready_count[:] = 0
-            self.q._done_head[0] = -1
-            self.q._repair()
+            self.q._core.done_head[0] = -1
+            self.q._core.repair()
 
     @rule()
     def collect(self) -> None:
@@ -247,7 +247,7 @@ class QueueModel(RuleBasedStateMachine):
     def index_is_well_formed(self) -> None:
         """Ready lists, wheel buckets and the done stack hold exactly the descriptors their
         states say, doubly linked both ways, ready lists in (deadline, seq) order."""
-        seg, d = self.q._seg, self.q._seg.descs
+        seg, d = self.q._core.seg, self.q._core.seg.descs
         state = d["state"]
         queued = {int(i) for i in np.flatnonzero(state == DescState.QUEUED)}
         in_lists: set[int] = set()
@@ -270,7 +270,7 @@ class QueueModel(RuleBasedStateMachine):
                 in_wheel.add(i)
                 prev, i = i, int(d["wnext"][i])
         assert in_wheel == queued
-        stacked, i = set(), int(self.q._done_head[0])
+        stacked, i = set(), int(self.q._core.done_head[0])
         while i != -1:
             stacked.add(i)
             i = int(d["rnext"][i])

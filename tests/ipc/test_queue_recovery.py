@@ -33,12 +33,12 @@ def hold_lock_in_child(queue: RequestQueue, then: str) -> int:
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         try:
-            queue._mutex.acquire()
+            queue._core.mutex.acquire()
             os.write(ready_w, b"x")
             if then == "die":
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(0.2)
-            queue._mutex.release()
+            queue._core.mutex.release()
         finally:
             os._exit(0)
     os.close(ready_w)
@@ -56,8 +56,8 @@ def test_a_native_operation_after_a_dead_holder_repairs_first(queue: RequestQueu
     assert queue.counters()["repairs"] == 1
     claims = queue.claim_batch(0, 4, time.monotonic_ns())
     assert [c.request_id for c in claims] == [1, 2]
-    assert queue._mutex.try_acquire()  # consistent and free again
-    queue._mutex.release()
+    assert queue._core.mutex.try_acquire()  # consistent and free again
+    queue._core.mutex.release()
 
 
 def test_a_native_operation_waits_for_a_busy_lock(queue: RequestQueue) -> None:
@@ -79,6 +79,6 @@ def test_close_unmaps_the_segment() -> None:
     submit(q, 1, deadline_ns=time.monotonic_ns() + 10**9)
     (claim,) = q.claim_batch(0, 1, time.monotonic_ns())
     del claim
-    mm = q._seg.mm
+    mm = q._core.seg.mm
     q.close()
     assert mm.closed

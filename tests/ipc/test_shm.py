@@ -71,7 +71,7 @@ def test_a_dead_owners_segment_is_replaced(name: str) -> None:
     q = RequestQueue.create(name, SMALL)
     try:
         assert q.geometry == SMALL
-        assert int(q._seg.header["owner_pid"]) == os.getpid()
+        assert int(q._core.seg.header["owner_pid"]) == os.getpid()
     finally:
         q.close()
 

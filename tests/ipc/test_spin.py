@@ -57,7 +57,7 @@ def submit(q: RequestQueue, rid: int) -> None:
 
 
 def waiting_mask(q: RequestQueue) -> int:
-    return int(q._seg.header["waiting"])
+    return int(q._core.seg.header["waiting"])
 
 
 def wait_in_thread(q: RequestQueue, timeout_s: float) -> tuple[threading.Thread, list[bool]]:
@@ -104,9 +104,9 @@ def wait_until_main_spins(q: RequestQueue, timeout_s: float = 10.0) -> bool:
     """Whether the main side's spin (the completion ring disarmed) began in time: a thread
     started under load may take a while to get there."""
     deadline = time.monotonic() + timeout_s
-    while q._native.completion_armed() and time.monotonic() < deadline:
+    while q._core.native.completion_armed() and time.monotonic() < deadline:
         time.sleep(0.001)
-    return not q._native.completion_armed()
+    return not q._core.native.completion_armed()
 
 
 def test_main_spin_disarms_the_completion_ring_only_while_it_spins(brief: RequestQueue) -> None:
@@ -117,7 +117,7 @@ def test_main_spin_disarms_the_completion_ring_only_while_it_spins(brief: Reques
     armed = [not wait_until_main_spins(brief)]
     assert brief.complete(0, claim, Result(Status.OK, score=7.0))  # ends the spin
     thread.join(30.0)
-    armed.append(brief._native.completion_armed())
+    armed.append(brief._core.native.completion_armed())
     assert armed == [False, True]
 
 
@@ -212,7 +212,7 @@ def test_a_worker_sharing_the_main_process_cpu_sleeps_instead_of_spinning(
     everywhere = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(everywhere)})  # the waiting thread inherits this CPU
     try:
-        spinning._seg.header["main_cpu"] = min(everywhere)  # "the main process spins here"
+        spinning._core.seg.header["main_cpu"] = min(everywhere)  # "the main process spins here"
         thread, got = wait_in_thread(spinning, timeout_s=60.0)
         deadline = time.monotonic() + 10.0  # far less than its 20 s spin
         while waiting_mask(spinning) != 1 and time.monotonic() < deadline:

@@ -23,7 +23,7 @@ def wheel(n: int, buckets: int) -> Iterator[tuple[RequestQueue, int]]:
     geometry = Geometry(slots=n, slot_bytes=1, tick_ms=1, max_workers=1, wheel_ticks=buckets)
     q = RequestQueue.create(f"/scratchd-test-wheel-{os.getpid()}", geometry)
     try:
-        yield q, int(q._seg.header["clock_base_ns"])
+        yield q, int(q._core.seg.header["clock_base_ns"])
     finally:
         q.close()
 
@@ -66,7 +66,7 @@ def test_remove_unlinks_from_the_middle_and_head() -> None:
         q.abandon_connection(1)
         q.abandon_connection(2)  # the bucket's head (inserted last)
         assert expire(q, base + 10 * TICK) == [0]
-        assert (q._seg.wheel_head == -1).all()
+        assert (q._core.seg.wheel_head == -1).all()
 
 
 @settings(max_examples=150, deadline=None)
@@ -99,6 +99,6 @@ def test_expiry_matches_a_sorted_reference(
             live -= want
             for rid in live:
                 assert base + deadlines[rid] > now
-        with q._mutex:
-            q._repair()  # a rebuilt wheel holds exactly the live entries
+        with q._core.mutex:
+            q._core.repair()  # a rebuilt wheel holds exactly the live entries
         assert sorted(expire(q, base + 10**12)) == sorted(live)

@@ -16,56 +16,63 @@ from typing import Any, cast
 import pytest
 
 from scratchd.daemon.config import load_config
-from scratchd.daemon.pool.standby import MAX_CONSECUTIVE_BOOT_FAILURES, StandbyMixin
+from scratchd.daemon.pool.standby import MAX_CONSECUTIVE_BOOT_FAILURES, Standbys
+from scratchd.daemon.pool.supervisor import PoolState, Supervisor
 from scratchd.daemon.pool.worker_process import Lineage, Worker, WorkerState, restart_delay
 from scratchd.workers.protocol import STANDBY_SLOT, ExitCode, parse_take
 
 
-class Pool(StandbyMixin):
-    """The supervisor's side of the contract, recorded instead of spawning processes."""
+class Pool(Supervisor):
+    """A supervisor whose processes are recorded instead of spawned, and whose loop keeps the
+    calls it is given instead of running them. Its ``Standbys`` is built as the Supervisor
+    builds it, with these collaborators."""
 
     def __init__(self, device: str, count: int, work_fd: int = -1) -> None:
+        # Not Supervisor.__init__: that one needs a running loop and opens the death pipe.
         self.config = load_config()
         self.device, self.count = device, count
+        self.state, self.halt_reason = PoolState.RUNNING, ""
+        self.halted, self._changed = asyncio.Event(), asyncio.Event()
         self.workers, self.names_by_slot = {}, {}
         self.lineage = [Lineage() for _ in range(count)]
-        self.standbys = {}
-        self.standby_lines = {g: Lineage() for g in self.groups()}
-        self.queue = cast(Any, SimpleNamespace(work_fd=lambda slot: work_fd))
         self.soon: list[tuple[Any, tuple[Any, ...]]] = []  # call_soon's calls, not run
         self._loop = cast(asyncio.AbstractEventLoop, SimpleNamespace(
             call_later=lambda delay, fn, *args: ("later", delay, fn, args),
             call_soon=lambda fn, *args: self.soon.append((fn, args)),
         ))  # fmt: skip
         self.launched: list[int] = []
-        self.halted = ""
         self.pids = iter(range(1000, 2000))
+        self.spares = Standbys(
+            device,
+            count,
+            launch=self._launch,
+            free_slot=self._free_slot,
+            work_fd=lambda slot: work_fd,
+            running=self._running,
+            enabled=lambda: self.config.workers.standby,
+            halt=self.halt,
+            loop=self._loop,
+        )
 
     def _launch(self, wid: int, slot: int, group: int | None = None) -> Worker:
         self.launched.append(-1 if group is None else group)
         proc: Any = SimpleNamespace(pid=next(self.pids))
         worker = Worker(id=wid, device=self.device, slot=slot, proc=proc, pidfd=-1, ready_fd=-1)
-        worker.group = self.group_of(wid) if group is None else group  # as Supervisor's does
+        worker.group = self.spares.group_of(wid) if group is None else group  # as Supervisor's
         return worker
 
     def _free_slot(self) -> int:
         return len(self.workers)
 
-    def _running(self) -> bool:
-        return not self.halted
-
-    def halt(self, reason: str) -> None:
-        self.halted = reason
-
 
 def test_a_cpu_pool_shares_one_standby_and_a_cuda_pool_has_one_per_card() -> None:
     cpu = Pool("cpu", 3)
-    assert cpu.groups() == [0] and {cpu.group_of(w) for w in range(3)} == {0}
+    assert cpu.spares.groups() == [0] and {cpu.spares.group_of(w) for w in range(3)} == {0}
     cuda = Pool("cuda", 2)
-    assert cuda.groups() == [0, 1] and [cuda.group_of(w) for w in range(2)] == [0, 1]
-    for g in cuda.groups():
-        cuda.spawn_standby(g)
-        cuda.spawn_standby(g)  # one per group, however often asked
+    assert cuda.spares.groups() == [0, 1] and [cuda.spares.group_of(w) for w in range(2)] == [0, 1]
+    for g in cuda.spares.groups():
+        cuda.spares.spawn(g)
+        cuda.spares.spawn(g)  # one per group, however often asked
     assert cuda.launched == [0, 1]
     assert {g: w.group for g, w in cuda.standbys.items()} == {0: 0, 1: 1}
     assert all(w.slot == STANDBY_SLOT for w in cuda.standbys.values())
@@ -73,7 +80,7 @@ def test_a_cpu_pool_shares_one_standby_and_a_cuda_pool_has_one_per_card() -> Non
 
 def test_only_a_ready_standby_of_the_dead_workers_card_takes_over() -> None:
     cuda = Pool("cuda", 2)
-    cuda.spawn_standby(1)
+    cuda.spares.spawn(1)
     assert not cuda._promote_standby(0)  # card 0 has none; card 1's cannot help
     assert not cuda._promote_standby(1)  # card 1's is still booting
     assert 1 in cuda.standbys
@@ -83,23 +90,23 @@ def test_only_a_ready_standby_of_the_dead_workers_card_takes_over() -> None:
 def test_a_standby_that_cannot_boot_halts_the_pool(code: ExitCode) -> None:
     pool = Pool("cpu", 1)
     for _ in range(MAX_CONSECUTIVE_BOOT_FAILURES):
-        pool.spawn_standby(0)
+        pool.spares.spawn(0)
         spare = pool.standbys[0]
-        pool._on_standby_exit(spare, int(code), was_ready=False)
-        if pool.halted:
+        pool.spares.on_exit(spare, int(code), was_ready=False)
+        if pool.halt_reason:
             break
-    assert "standby worker" in pool.halted
+    assert "standby worker" in pool.halt_reason
     assert (len(pool.launched) == 1) == (code is ExitCode.BOOT_ERROR)  # at once / after retries
 
 
 def test_a_retired_standby_leaving_is_not_a_failure() -> None:
     pool = Pool("cpu", 1)
-    pool.spawn_standby(0)
+    pool.spares.spawn(0)
     old = pool.standbys.pop(0)  # retired (a rolling restart replaced it)
-    pool.spawn_standby(0)
+    pool.spares.spawn(0)
     old.state = WorkerState.EXITED
-    pool._on_standby_exit(old, -9, was_ready=True)
-    assert pool.standbys[0] is not old and not pool.halted
+    pool.spares.on_exit(old, -9, was_ready=True)
+    assert pool.standbys[0] is not old and not pool.halt_reason
 
 
 @pytest.fixture
@@ -112,7 +119,7 @@ def work_fd() -> Iterator[int]:
 
 def _ready_spare(pool: Pool, group: int) -> tuple[Worker, socket.socket]:
     """A READY standby for ``group`` whose control socket's other end is returned."""
-    pool.spawn_standby(group)
+    pool.spares.spawn(group)
     spare = pool.standbys[group]
     spare.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     spare.state, spare.ready_ns = WorkerState.READY, 1
@@ -134,7 +141,7 @@ def test_a_ready_standby_is_handed_the_dead_workers_slot_and_serves_in_it(work_f
     assert cuda.names_by_slot[1] == "cuda1"
     assert (cuda.lineage[1].restarts, cuda.lineage[1].spawned) == (1, 1)
     assert cuda.lineage[0].restarts == 0
-    assert 1 not in cuda.standbys and cuda.soon == [(cuda.spawn_standby, (1,))]  # next spare
+    assert 1 not in cuda.standbys and cuda.soon == [(cuda.spares.spawn, (1,))]  # next spare
 
 
 def test_a_standby_gone_before_its_hand_over_is_replaced_by_a_new_spare(work_fd: int) -> None:
@@ -143,20 +150,17 @@ def test_a_standby_gone_before_its_hand_over_is_replaced_by_a_new_spare(work_fd:
     theirs.close()  # the standby died (its exit not seen yet): the hand-over fails
     assert not pool._promote_standby(1)
     assert pool.workers == {} and pool.lineage[1].restarts == 0
-    assert pool.standbys == {} and pool.soon == [(pool.spawn_standby, (0,))]
+    assert pool.standbys == {} and pool.soon == [(pool.spares.spawn, (0,))]
     for fn, args in pool.soon:
         fn(*args)
     assert pool.standbys[0] is not spare and pool.launched == [0, 0]
-    pool._on_standby_exit(spare, -9, was_ready=True)  # the old one's exit is a non-event
-    assert pool.standbys[0] is not spare and not pool.halted
+    pool.spares.on_exit(spare, -9, was_ready=True)  # the old one's exit is a non-event
+    assert pool.standbys[0] is not spare and not pool.halt_reason
 
 
 def _dies(pool: Pool, failures: int) -> Worker:
     """Worker 0 of ``pool`` was READY and dies now, its ``failures``-th death in a row."""
-    from scratchd.daemon.pool.supervisor import PoolState
-
-    pool.state = PoolState.RUNNING  # type: ignore[attr-defined]
-    pool._respawn = lambda wid: None  # type: ignore[attr-defined]
+    pool.state = PoolState.RUNNING
     pool.lineage[0].failures = failures - 1
     dead = Worker(id=0, device=pool.device, slot=0, proc=cast(Any, None), pidfd=-1, ready_fd=-1)
     dead.ready_ns = time.monotonic_ns()  # not READY for STABLE_AFTER_S: the count goes on
@@ -167,13 +171,11 @@ def _dies(pool: Pool, failures: int) -> Worker:
 def test_a_ready_standby_takes_over_at_once_whatever_the_backoff(
     work_fd: int, failures: int
 ) -> None:
-    from scratchd.daemon.pool.supervisor import Supervisor
-
     pool = Pool("cpu", 1, work_fd)
     dead = _dies(pool, failures)
     spare, theirs = _ready_spare(pool, 0)
     with theirs:
-        Supervisor._decide_after_exit(cast(Any, pool), dead, -9, True)
+        pool._decide_after_exit(dead, -9, True)
         assert pool.workers[0] is spare and pool.lineage[0].pending is None  # nothing deferred
         theirs.settimeout(0)  # handed over already: the message is there
         _, fds, _, _ = socket.recv_fds(theirs, 64, 1)
@@ -183,11 +185,9 @@ def test_a_ready_standby_takes_over_at_once_whatever_the_backoff(
 
 
 def test_without_a_ready_standby_a_fresh_process_waits_the_backoff(work_fd: int) -> None:
-    from scratchd.daemon.pool.supervisor import Supervisor
-
     pool = Pool("cpu", 1, work_fd)
     dead = _dies(pool, 3)
-    pool.spawn_standby(0)  # still booting
-    Supervisor._decide_after_exit(cast(Any, pool), dead, -9, True)
+    pool.spares.spawn(0)  # still booting
+    pool._decide_after_exit(dead, -9, True)
     assert pool.workers == {}
     assert pool.lineage[0].pending[:2] == ("later", restart_delay(3))  # type: ignore[index]

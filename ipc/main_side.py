@@ -1,0 +1,224 @@
+"""What the main process does to the queue: take in requests and hand back their answers.
+
+Used by the daemon's main process only (the creator, ``RequestQueue.create``): the acceptor
+reserves a descriptor, writes the image into its input slot and submits it; the dispatcher
+collects finished requests, expires due ones and frees both; a client's disconnect abandons
+its requests. The main process is the only one that moves descriptors to or from FREE, so its
+free list lives in its own memory (``QueueCore.free_list``). The order of writes of submit,
+collect and expiry is in ``ipc/queue.py``'s docstring, and so is the handshake that lets
+``wait_for_completions`` spin without missing a completion.
+"""
+
+from __future__ import annotations
+
+import struct
+from time import monotonic_ns as time_ns
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from scratchd.ipc._native import Contended
+from scratchd.ipc.core import DONE, EXPIRED, FREE, QUEUED, WRITTEN, QueueCore
+from scratchd.ipc.layout import PRIORITIES
+from scratchd.ipc.records import (
+    Completion,
+    DescState,
+    Handle,
+    QueueError,
+    Status,
+    read_result,
+)
+
+if TYPE_CHECKING:  # a type the stub names (ipc/_native.pyi), not a runtime attribute
+    from scratchd.ipc._native import FinishedRow
+
+_TIMEOUT_REASON = "deadline passed while queued"
+
+
+class MainSide:
+    """The main process's operations, over its :class:`QueueCore`."""
+
+    def __init__(self, core: QueueCore) -> None:
+        self._core = core
+
+    # ---------------------------------------------------------------- requests in
+    def reserve(self) -> Handle | None:
+        """A FREE descriptor, now WRITTEN and owned by the caller; None when full (overloaded)."""
+        core = self._core
+        state, free_list = core.d.state, core.free_list
+        while True:
+            if not free_list:
+                scan = np.flatnonzero(core.seg.descs["state"] == FREE)
+                free_list.extend(scan.tolist())
+                if not free_list:
+                    return None
+            i = free_list.popleft()
+            if state[i] == FREE:
+                state[i] = WRITTEN
+                return Handle(i, int(core.d.generation[i]))
+
+    def payload(self, h: Handle) -> memoryview:
+        """The writable input slot (``slot_bytes``) of a WRITTEN descriptor."""
+        core = self._core
+        core.expect(h, WRITTEN)
+        return core.seg.inputs[h.index].data
+
+    def submit(
+        self, h: Handle, *, request_id: int, conn_id: int, priority: int, part_class: int,
+        deadline_ns: int, height: int, width: int, want_mask: bool,
+    ) -> None:  # fmt: skip
+        """Publish a WRITTEN descriptor whose input slot holds ``height × width`` pixels."""
+        core = self._core
+        core.expect(h, WRITTEN)
+        if not 0 <= priority < PRIORITIES:
+            raise ValueError(f"priority {priority} outside 0..{PRIORITIES - 1}")
+        if height <= 0 or width <= 0 or height * width > core.geometry.slot_bytes:
+            raise ValueError(
+                f"image {height}x{width} does not fit a {core.geometry.slot_bytes} B slot"
+            )
+        i = h.index
+        try:
+            core.seg.request_block.pack(
+                i, request_id, conn_id, time_ns(), deadline_ns, part_class, height, width,
+                priority, 1 if want_mask else 0, 0, 0,  # abandoned, kills
+            )  # fmt: skip
+        except struct.error as exc:  # nothing was written; the descriptor stays WRITTEN
+            raise ValueError(
+                f"request field out of range (request_id and conn_id are u64, part_class "
+                f"i32, deadline_ns i64): {exc}"
+            ) from exc
+        # [lock] attempt, seq, ready list, wheel, state = QUEUED, take a waiting worker [unlock]
+        wake = core.native.submit(False, i)
+        if isinstance(wake, Contended):
+            wake = core.contended(wake, core.native.submit, i)
+        if wake >= 0:
+            core.ring_workers([wake])
+
+    def release(self, h: Handle) -> None:
+        """Give back a WRITTEN descriptor that will not be submitted."""
+        self._core.expect(h, WRITTEN)
+        self._core.make_free(h.index)
+
+    def abandon_connection(self, conn_id: int) -> int:
+        """The client left: its queued requests are freed now, its claimed and finished ones
+        when ``collect_completed`` meets them (without a Completion).
+
+        WRITTEN descriptors are the acceptor's own: it must ``release`` them. Returns the
+        number of requests dropped.
+        """
+        core = self._core
+        d = core.d
+        with core.mutex:
+            dn = core.seg.descs
+            mine = np.flatnonzero((dn["conn_id"] == conn_id) & (dn["state"] >= QUEUED)).tolist()
+            for i in mine:
+                if d.state[i] == QUEUED:
+                    core.native.unlink(i)
+                    core.make_free(i)
+                else:
+                    d.abandoned[i] = 1
+            core.seg.header["abandoned"] += len(mine)
+        return len(mine)
+
+    # ---------------------------------------------------------------- answers out
+    def collect_completed(self) -> list[Completion]:
+        """Every finished (DONE / EXPIRED / FAILED) request as a Completion, oldest first;
+        their descriptors are FREE afterwards.
+
+        Drains the completion doorbell first, so a completion that lands later rings again.
+        Requests whose client left are freed without a Completion.
+        """
+        core = self._core
+        if core.completion is not None:
+            core.completion.drain()
+        # [lock] pop the done stack, free each in the same hold [unlock]
+        finished = core.native.collect(False)
+        if isinstance(finished, Contended):
+            finished = core.contended(finished, core.native.collect)
+        # FREE but not reused before we return (only this process reserves): read unlocked.
+        out = [self._completion_of(row) for row in finished if not row[3]]  # 3: abandoned
+        if core.seg.owner:
+            core.free_list.extend([row[0] for row in finished])
+        return out
+
+    def wait_for_completions(self, timeout_s: float | None, spin_us: int = 0) -> bool:
+        """Wait until a finished request waits for ``collect_completed``, spinning first for
+        up to ``spin_us``, then sleeping on the completion eventfd for up to ``timeout_s``
+        (None: forever). True if one waits now; False after the timeout or a stale ring.
+
+        For a main process that has a thread to spare (the benchmark, a synchronous
+        embedding); the daemon's event loop instead watches ``completion_fd`` and never
+        spins. While this spins, ``completion_armed`` is 0 and workers skip the eventfd
+        write; it is re-armed (seq_cst) and the done stack looked at once more before the
+        ``poll``, so a completion is never missed."""
+        core = self._core
+        if core.completion is None:
+            raise QueueError("wait_for_completions needs the completion doorbell")
+        if core.native.await_done(spin_us * 1000):
+            return True
+        core.completion.wait(timeout_s)  # a stale ring (collected already) wakes it early
+        return core.native.await_done(0)
+
+    def expire_due(self, now_ns: int) -> list[Completion]:
+        """Answer TIMEOUT for every queued request whose deadline is ``≤ now_ns``."""
+        core = self._core
+        d = core.d
+        with core.mutex:
+            due = core.native.expire(now_ns)  # unlinked from the wheel and ready lists
+            if core.faulty:
+                core.fault.reach("expire.unlinked")
+            for i in due:
+                d.done_ns[i] = now_ns
+                d.state[i] = EXPIRED
+            if due:
+                core.seg.header["expired"] += len(due)
+            out = [self._completion_of(core.native.finished(i)) for i in due]
+            for i in due:
+                core.make_free(i)
+        return out
+
+    def next_deadline_ns(self) -> int | None:
+        """The earliest deadline among queued requests (when to call ``expire_due``)."""
+        with self._core.mutex:
+            return self._core.native.earliest_deadline()
+
+    # ---------------------------------------------------------------- views
+    def depth_by_priority(self) -> list[int]:
+        """Queued requests per priority, index 0..7."""
+        with self._core.mutex:
+            return [int(n) for n in self._core.seg.ready_count]
+
+    def counters(self) -> dict[str, int]:
+        """Totals since creation: repairs (after a dead lock holder), expired, requeued,
+        quarantined and abandoned requests."""
+        h = self._core.seg.header
+        names = ("repairs", "expired", "requeued", "quarantined", "abandoned")
+        return {n: int(h[n]) for n in names}
+
+    def free_count(self) -> int:
+        """FREE descriptors now (a lock-free snapshot; counts_by_state's FREE entry without
+        the other states: the acceptor asks it per large frame)."""
+        return int(np.count_nonzero(self._core.seg.descs["state"] == FREE))
+
+    def counts_by_state(self) -> dict[DescState, int]:
+        """Descriptors per state (a lock-free snapshot)."""
+        counts = np.bincount(self._core.seg.descs["state"], minlength=len(DescState))
+        return {s: int(counts[s.value]) for s in DescState}
+
+    def _completion_of(self, row: FinishedRow) -> Completion:
+        i, gen, state, _, rid, conn, enqueued, part, h, w, prio, kills, claimed, done, worker = row
+        result, error = None, ""
+        if state == DONE:
+            seg = self._core.seg
+            result = read_result(seg.result_block, self._core.r, seg.masks, i, h, w)
+            status = result.status
+        elif state == EXPIRED:
+            status, error = Status.TIMEOUT, _TIMEOUT_REASON
+        else:
+            status = Status.ERROR
+            error = f"quarantined: {kills} workers died while processing this request"
+        return Completion(
+            handle=Handle(i, gen), request_id=rid, conn_id=conn, part_class=part, priority=prio,
+            status=status, result=result, enqueue_ns=enqueued, claim_ns=claimed, done_ns=done,
+            worker=worker, error=error,
+        )  # fmt: skip
