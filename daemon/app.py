@@ -293,6 +293,16 @@ class Daemon:
             )
             for group, spare in sorted(self.supervisor.standbys.items())
         }
+        for group in self.supervisor.spares.backing_off():  # a crash-looping spare, paced
+            spares[group] = wire.WorkerStatus(
+                id=-1,
+                name=f"{self.backend}-standby" + ("" if self.backend == "cpu" else str(group)),
+                pid=0,
+                state="restarting",
+                device=self.backend,
+                restarts=max(0, self.supervisor.standby_lines[group].spawned - 1),
+            )
+        spares = dict(sorted(spares.items()))
         counts = self.queue.counts_by_state()
         queue = wire.QueueStatus(
             depth=self.queue.depth_by_priority(),

@@ -68,7 +68,7 @@ class StopFlag:
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self.requested = True
-        if self.wake_fd < 0:  # a standby: its select() wakes within 0.25 s and sees the flag
+        if self.wake_fd < 0:  # a standby: its poll() wakes within 0.25 s and sees the flag
             return
         with contextlib.suppress(OSError):
             os.eventfd_write(self.wake_fd, 1)
@@ -156,12 +156,24 @@ def share_inputs(queue: RequestQueue, backend: Backend) -> None:
         backend.register_host(queue.input_region())
 
 
+def wait_readable(fds: Sequence[int], timeout_s: float) -> set[int]:
+    """Which of ``fds`` are readable (or at EOF, or in error) within ``timeout_s``.
+
+    ``poll``, never ``select``: our descriptors keep the numbers they had in the main process
+    (``pass_fds``), which holds one per client connection, and ``select`` refuses any numbered
+    1024 or more (``FD_SETSIZE``), which would crash-loop a standby under many connections."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return {fd for fd, _ in poller.poll(timeout_s * 1000.0)}
+
+
 def await_takeover(control_fd: int, death_fd: int, stop: StopFlag) -> tuple[int, int] | None:
     """Standby: wait for ``TAKE <slot>`` and the slot's work eventfd; None if told to stop
     or orphaned first."""
     control = socket.socket(fileno=control_fd)
     while not stop.requested:
-        readable, _, _ = select.select([control_fd, death_fd], [], [], 0.25)
+        readable = wait_readable([control_fd, death_fd], 0.25)
         if death_fd in readable:
             return None
         if control_fd in readable:
@@ -192,6 +204,8 @@ class WorkerLoop:
         self.backend = backend
         self.stop = stop
         self.death_fd = death_fd
+        self.death_poll = select.poll()  # checked every turn: built once
+        self.death_poll.register(death_fd, select.POLLIN)
         self.policy = BatchPolicy(max(1, backend.max_batch), max_delay_ms * NS_PER_MS)
         self.heartbeat_s = heartbeat_ms / 1000.0
         self.memory_reported_ns = 0
@@ -254,8 +268,7 @@ class WorkerLoop:
         """Finish the batch in flight, if any (a pipelined loop has one)."""
 
     def parent_gone(self) -> bool:
-        readable, _, _ = select.select([self.death_fd], [], [], 0)
-        return bool(readable)
+        return bool(self.death_poll.poll(0))
 
     def serve(self, claims: list[Claim]) -> None:
         images = [self.queue.input_view(c) for c in claims]

@@ -14,7 +14,13 @@ behind it::
 Groups: a CPU pool shares one standby (group 0); a CUDA pool has one per card (group = the
 worker's id), because a standby's CUDA context, modules and graphs live on its own card.
 A standby that fails to boot ``MAX_CONSECUTIVE_BOOT_FAILURES`` times in a row (or says
-BOOT_ERROR) halts the pool, like a worker.
+BOOT_ERROR) halts the pool, like a worker. One that dies after READY, before it was handed a
+slot, counts as a failure too unless it was READY for ``STABLE_AFTER_S``: its next spare
+waits the restart backoff (``restart_delay``), so a spare that keeps dying while waiting
+(whatever in its environment kills it) is paced instead of respawned at once forever. From
+the second death in a row each one is a ``standby_crash_loop`` warning, and the group shows
+in the status as ``restarting`` until the next spare is spawned. The serving workers are
+not affected, so this never halts the pool.
 
 :class:`Standbys` owns the spares and their lineages only; the supervisor owns the serving
 workers and passes in, when it builds this, the few things a spare needs from it.
@@ -29,6 +35,7 @@ from collections.abc import Callable
 from typing import Final
 
 from scratchd.daemon.pool.worker_process import (
+    STABLE_AFTER_S,
     Lineage,
     Worker,
     WorkerState,
@@ -36,6 +43,7 @@ from scratchd.daemon.pool.worker_process import (
     hand_over,
     restart_delay,
 )
+from scratchd.ipc.layout import NS_PER_S
 from scratchd.protocol.log import log_event
 from scratchd.workers.protocol import STANDBY_SLOT, ExitCode
 
@@ -140,11 +148,25 @@ class Standbys:
         if planned:
             return
         line = self.lines[group]
-        if not was_ready and code == ExitCode.BOOT_ERROR:
-            self._halt(f"standby worker failed to boot: {worker.boot_reason()}")
-            return
-        line.failures = 0 if was_ready else line.failures + 1
-        if line.failures >= MAX_CONSECUTIVE_BOOT_FAILURES:
-            self._halt(f"standby worker died {line.failures} times during boot")
-            return
-        line.pending = self._loop.call_later(restart_delay(line.failures + 1), self.spawn, group)
+        if not was_ready:
+            line.boot_failures += 1
+            if code == ExitCode.BOOT_ERROR:
+                self._halt(f"standby worker failed to boot: {worker.boot_reason()}")
+                return
+            if line.boot_failures >= MAX_CONSECUTIVE_BOOT_FAILURES:
+                self._halt(f"standby worker died {line.boot_failures} times during boot")
+                return
+        else:
+            line.boot_failures = 0
+            if (time.monotonic_ns() - worker.ready_ns) / NS_PER_S >= STABLE_AFTER_S:
+                line.failures = 0
+        line.failures += 1
+        delay = restart_delay(line.failures)
+        if line.failures > 1:
+            log_event("standby_crash_loop", logging.WARNING, group=group,
+                      deaths_in_a_row=line.failures, backoff_s=delay)  # fmt: skip
+        line.pending = self._loop.call_later(delay, self.spawn, group)
+
+    def backing_off(self) -> list[int]:
+        """The groups without a spare whose next one waits its backoff (a crash loop)."""
+        return [g for g, line in self.lines.items() if line.pending is not None]

@@ -42,11 +42,11 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from typing import Final
 
 from scratchd.daemon.config import Config
 from scratchd.daemon.pool.standby import MAX_CONSECUTIVE_BOOT_FAILURES, Standbys
 from scratchd.daemon.pool.worker_process import (
+    STABLE_AFTER_S,
     Lineage,
     Worker,
     WorkerState,
@@ -59,9 +59,6 @@ from scratchd.ipc.layout import NS_PER_MS, NS_PER_S
 from scratchd.ipc.queue import ReclaimReport, RequestQueue
 from scratchd.protocol.log import log_event
 from scratchd.workers.protocol import ExitCode, WorkerSpec
-
-STABLE_AFTER_S: Final = 30.0
-"""A worker READY this long has its restart backoff reset."""
 
 
 class PoolState(enum.Enum):

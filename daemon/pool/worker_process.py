@@ -36,6 +36,8 @@ from scratchd.workers.protocol import (
 
 WORKER_FAULT_ENV: Final = "SCRATCHD_WORKER_FAULT"
 MAX_BACKOFF_S: Final = 10.0
+STABLE_AFTER_S: Final = 30.0
+"""A worker (or standby) READY this long has its restart backoff reset."""
 BLAS_THREAD_VARS: Final = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 

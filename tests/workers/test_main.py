@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -21,7 +25,11 @@ from scratchd.ipc.queue import Completion, Geometry, RequestQueue, Status
 from scratchd.model.scratchnet import load_model
 from scratchd.protocol.image import decode_image
 from scratchd.protocol.log import parse_line
-from scratchd.workers.protocol import ExitCode, WorkerSpec, parse_ready
+from scratchd.workers.main import StopFlag, WorkerLoop, await_takeover
+from scratchd.workers.protocol import ExitCode, WorkerSpec, parse_ready, take_message
+
+FD_SETSIZE = 1024
+"""``select()`` refuses descriptors numbered this or more."""
 
 MODEL = os.environ.get("SCRATCHD_TEST_MODEL", "")
 
@@ -254,3 +262,63 @@ def test_boot_time_is_measured_from_exec() -> None:
     )  # fmt: skip
     assert 300 <= float(child.stdout) < 60_000  # the sleep counts: the clock starts at exec
     assert since_exec_ms() > 0
+
+
+@pytest.fixture
+def high_fds() -> Iterator[None]:
+    """This process holds descriptors up to ``FD_SETSIZE``, as the main process does with a
+    thousand client connections: every descriptor opened now is numbered past it, and a
+    worker it starts inherits those numbers (``pass_fds``)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = FD_SETSIZE + 256
+    if soft < want:
+        if hard != resource.RLIM_INFINITY and hard < want:
+            pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {want}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < FD_SETSIZE:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_standby_waits_on_descriptors_past_fd_setsize(high_fds: None) -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    death_r, death_w = os.pipe()
+    work_fd = os.eventfd(0)
+    control_fd = theirs.detach()  # await_takeover owns it from here
+    try:
+        assert min(control_fd, death_r, work_fd) >= FD_SETSIZE
+        socket.send_fds(ours, [take_message(3)], [work_fd])
+        taken = await_takeover(control_fd, death_r, StopFlag(-1))
+        assert taken is not None and taken[0] == 3  # told its slot, handed its doorbell
+        os.close(taken[1])
+        # The serving loop checks its death pipe every turn, on the same numbers.
+        backend = cast(Any, SimpleNamespace(max_batch=1))
+        loop = WorkerLoop(cast(Any, None), 3, backend, StopFlag(-1), death_r, 0, 100)
+        assert not loop.parent_gone()
+        os.close(death_w)
+        death_w = -1
+        assert loop.parent_gone()  # the main process is gone: EOF
+    finally:
+        ours.close()
+        for fd in (death_r, death_w, work_fd):
+            if fd >= 0:
+                os.close(fd)
+
+
+def test_a_standby_whose_parent_dies_past_fd_setsize_leaves(high_fds: None) -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    death_r, death_w = os.pipe()
+    control_fd = theirs.detach()  # await_takeover owns it (closed with its socket object)
+    try:
+        assert min(control_fd, death_r) >= FD_SETSIZE
+        os.close(death_w)
+        assert await_takeover(control_fd, death_r, StopFlag(-1)) is None
+    finally:
+        ours.close()
+        os.close(death_r)

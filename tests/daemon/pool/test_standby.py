@@ -6,6 +6,7 @@ tests/workers/test_cuda.py (GPU)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import time
@@ -18,7 +19,15 @@ import pytest
 from scratchd.daemon.config import load_config
 from scratchd.daemon.pool.standby import MAX_CONSECUTIVE_BOOT_FAILURES, Standbys
 from scratchd.daemon.pool.supervisor import PoolState, Supervisor
-from scratchd.daemon.pool.worker_process import Lineage, Worker, WorkerState, restart_delay
+from scratchd.daemon.pool.worker_process import (
+    STABLE_AFTER_S,
+    Lineage,
+    Worker,
+    WorkerState,
+    restart_delay,
+)
+from scratchd.ipc.layout import NS_PER_S
+from scratchd.protocol.log import LOGGER_NAME
 from scratchd.workers.protocol import STANDBY_SLOT, ExitCode, parse_take
 
 
@@ -191,3 +200,61 @@ def test_without_a_ready_standby_a_fresh_process_waits_the_backoff(work_fd: int)
     pool._decide_after_exit(dead, -9, True)
     assert pool.workers == {}
     assert pool.lineage[0].pending[:2] == ("later", restart_delay(3))  # type: ignore[index]
+
+
+class Events(logging.Handler):
+    """The names of the events logged while installed (``log_event``'s ``event``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.names.append(getattr(record, "event", ""))
+
+
+@pytest.fixture
+def events() -> Iterator[Events]:
+    logger = logging.getLogger(LOGGER_NAME)
+    handler, level = Events(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def _ready_then_dies(pool: Pool, ready_s: float = 0.0) -> Any:
+    """The group's spare boots, says READY, and dies ``ready_s`` later before it was handed
+    a slot (as one whose wait fails does); the respawn it schedules is returned."""
+    pool.spares.spawn(0)
+    spare = pool.standbys[0]
+    spare.state = WorkerState.READY
+    spare.ready_ns = time.monotonic_ns() - int(ready_s * NS_PER_S)
+    pool.spares.on_exit(spare, int(ExitCode.CRASH), was_ready=True)
+    return pool.spares.lines[0].pending
+
+
+def test_a_standby_that_keeps_dying_after_ready_backs_off_and_is_reported(
+    events: Events,
+) -> None:
+    pool = Pool("cpu", 1)
+    delays = []
+    for _ in range(8):
+        pending = _ready_then_dies(pool)
+        assert pool.spares.backing_off() == [0]  # the status shows the group restarting
+        delays.append(pending[1])
+    assert delays == [restart_delay(n) for n in range(1, 9)]  # growing, up to the cap
+    assert delays[0] == 0.0 and delays[-1] > 1.0
+    assert events.names.count("standby_crash_loop") == 7  # from the second death in a row
+    assert not pool.halt_reason  # the serving workers are fine: never a halt
+    pool.spares.spawn(0)  # the backoff ran out: spawned, no longer backing off
+    assert pool.spares.backing_off() == []
+
+
+def test_a_standby_that_was_ready_long_enough_starts_the_count_again() -> None:
+    pool = Pool("cpu", 1)
+    for _ in range(4):
+        _ready_then_dies(pool)
+    pending = _ready_then_dies(pool, ready_s=STABLE_AFTER_S)
+    assert pending[1] == 0.0 and pool.spares.lines[0].failures == 1
