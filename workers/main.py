@@ -157,11 +157,9 @@ def share_inputs(queue: RequestQueue, backend: Backend) -> None:
 
 
 def wait_readable(fds: Sequence[int], timeout_s: float) -> set[int]:
-    """Which of ``fds`` are readable (or at EOF, or in error) within ``timeout_s``.
-
-    ``poll``, never ``select``: our descriptors keep the numbers they had in the main process
-    (``pass_fds``), which holds one per client connection, and ``select`` refuses any numbered
-    1024 or more (``FD_SETSIZE``), which would crash-loop a standby under many connections."""
+    """Which of ``fds`` are readable (or at EOF) within ``timeout_s``. ``poll``, not ``select``:
+    our descriptors keep the main process's numbers (``pass_fds``), past 1023 when it holds
+    many connections, and ``select`` refuses those (``FD_SETSIZE``)."""
     poller = select.poll()
     for fd in fds:
         poller.register(fd, select.POLLIN)
@@ -203,8 +201,7 @@ class WorkerLoop:
         self.slot = slot
         self.backend = backend
         self.stop = stop
-        self.death_fd = death_fd
-        self.death_poll = select.poll()  # checked every turn: built once
+        self.death_poll = select.poll()  # the death pipe, checked every turn: built once
         self.death_poll.register(death_fd, select.POLLIN)
         self.policy = BatchPolicy(max(1, backend.max_batch), max_delay_ms * NS_PER_MS)
         self.heartbeat_s = heartbeat_ms / 1000.0
