@@ -296,8 +296,20 @@ def decode_client_message(body: bytes | bytearray | memoryview) -> ClientMessage
 
 def decode_client_frame(body: bytes | bytearray | memoryview) -> ClientFrame:
     """Decode a request body as the daemon does: like :func:`decode_client_message` (same
-    schema, same errors), but raw ``pixels`` stay a view into ``body`` (:class:`InferFrame`)."""
-    return _frame_decoder.decode(body)
+    schema), but raw ``pixels`` stay a view into ``body`` (:class:`InferFrame`).
+
+    Whatever the body, the only exception is :data:`DecodeError`: a client controls every
+    byte, and msgspec raises others for some (``RecursionError`` for a value nested
+    thousands deep, even in a field the schema skips). msgspec has no knob for nesting depth
+    or container sizes beyond the schema's own constraints (``RequestId``); every size it
+    reads is checked against the body's, so the body's length (the receiver's frame cap)
+    bounds the rest."""
+    try:
+        return _frame_decoder.decode(body)
+    except msgspec.DecodeError:
+        raise
+    except Exception as exc:
+        raise DecodeError(_undecodable(exc)) from None
 
 
 def decode_daemon_message(body: bytes | bytearray | memoryview) -> DaemonMessage:
@@ -318,13 +330,19 @@ def salvage_request_id(body: bytes | memoryview) -> int:
     """
     try:
         loose = _loose_decoder.decode(body)
-    except msgspec.DecodeError:
+    except Exception:  # DecodeError, RecursionError, …: nothing to salvage
         return 0
     if isinstance(loose, dict):
         rid = loose.get("id")
         if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 2**63:
             return rid
     return 0
+
+
+def _undecodable(exc: Exception) -> str:
+    if isinstance(exc, RecursionError):
+        return "malformed msgpack: nested too deeply"
+    return f"malformed msgpack ({type(exc).__name__})"
 
 
 def pack_mask(mask: np.ndarray) -> tuple[bytes, tuple[int, int]]:

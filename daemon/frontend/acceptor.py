@@ -8,8 +8,10 @@ Per frame (see ``scratchd.protocol.wire`` for the format), in this order:
    reply (id 0: its body is never read) and the connection is closed, since the stream can
    no longer be trusted; so is a body that does not arrive within ``frame_timeout_ms``;
 2. typed msgpack decode (``wire.decode_client_frame``: raw pixels stay a view of the
-   received frame); a body that fails it is answered ``invalid`` with msgspec's reason
-   (addressed to the body's ``id`` when one can be read) and the connection carries on;
+   received frame); a body that fails it, however malformed (nested thousands deep, sizes
+   that lie), is answered ``invalid`` with the reason (addressed to the body's ``id`` when
+   one can be read) and the connection carries on, its requests in flight answered as
+   usual; the log gets a throttled ``malformed_frame`` warning, never a traceback;
 3. resolve the part class (``daemon/frontend/admission.py``) and check the image's declared size
    (``invalid`` with a reason; ``daemon/frontend/images.py``);
 4. ``reserve()`` a descriptor; none free → ``overloaded`` at once (backpressure);
@@ -76,7 +78,7 @@ from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Handle, RequestQueue
 from scratchd.protocol import wire
 from scratchd.protocol.image import ImageError
-from scratchd.protocol.log import log_event
+from scratchd.protocol.log import Throttle, log_event
 
 __all__ = [
     "Acceptor",
@@ -121,6 +123,7 @@ class Acceptor:
         self.classes = PartClasses(config)
         self.gate = AccessGate.from_config(config.server.allowed_uids, config.server.allowed_gids)
         self._ids = itertools.count(1)
+        self._malformed = Throttle("malformed_frame", burst=5, window=60.0)
         self._decoding: set[asyncio.Task[None]] = set()
         self._lingering: set[asyncio.Task[None]] = set()
         self._pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="scratchd-decode")
@@ -280,8 +283,10 @@ class Acceptor:
     def handle_frame(self, conn: Connection, body: memoryview | bytes, received_ns: int) -> None:
         try:
             message = wire.decode_client_frame(body)
-        except wire.DecodeError as exc:
-            flight = InFlight(conn, wire.salvage_request_id(body), "unknown", 0, received_ns)
+        except wire.DecodeError as exc:  # whatever the body: wire raises nothing else
+            rid = wire.salvage_request_id(body)
+            self._malformed.log(logging.WARNING, conn=conn.id, id=rid, reason=str(exc))
+            flight = InFlight(conn, rid, "unknown", 0, received_ns)
             self.dispatcher.reject(flight, "invalid", f"malformed request: {exc}")
             return
         if isinstance(message, wire.StatusRequest):
