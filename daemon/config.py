@@ -63,6 +63,14 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     frame_timeout_ms: Positive = 30_000
     """A frame's body must arrive within this time of its length prefix, or the connection
     is answered ``invalid`` and closed (a stalled sender must not hold memory and a slot)."""
+    http_max_connections: Positive = 64
+    """Open connections at most on each of the health and metrics listeners; one more is
+    answered 503 and closed (probes and scrapers need a few; a flood must not take the
+    descriptors the Unix socket's clients need). Read at start only."""
+    http_header_timeout_ms: Positive = 5_000
+    """A request head on the health and metrics listeners must arrive within this time of
+    its first byte (of the connection's opening, for its first request), or the connection
+    is closed (a peer trickling a head must not hold a connection). Read at start only."""
     receive_threads: Annotated[int, msgspec.Meta(ge=0, le=64)] = 4
     """Threads that receive large raw frames' pixels off the event loop's thread (the kernel's
     socket copy, most of the main process's CPU for large frames; ``daemon/frontend/receiver.py``);

@@ -19,6 +19,13 @@ proof, and a `LoopMonitor` task reports how late the loop has been waking (lag).
 speaks just enough HTTP/1.1 for probes and scrapers: GET and HEAD, keep-alive, request
 heads up to 8 KiB, no request bodies (400), 404/405 otherwise. Every response carries
 Content-Length and `Cache-Control: no-store`.
+
+Each listener is bounded like the Unix socket: at most `max_connections` open at once (one
+more is answered 503 and closed before anything is read from it), a request head must be
+whole within `header_timeout_s` of its first byte (of the connection's opening, for the
+first request), and a keep-alive connection idle for `IDLE_TIMEOUT_S` between requests is
+closed. So a flood of connections, or of peers that trickle or never send a head, holds at
+most `max_connections` descriptors per listener, for a bounded time.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from dataclasses import dataclass
 
 MAX_HEAD = 8192
 IDLE_TIMEOUT_S = 30.0
+MAX_CONNECTIONS = 64
+HEADER_TIMEOUT_S = 5.0
 TEXT = "text/plain; charset=utf-8"
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
             500: "Internal Server Error", 503: "Service Unavailable"}  # fmt: skip
@@ -141,10 +150,17 @@ class Request:
     keep_alive: bool
 
 
-async def read_request(reader: asyncio.StreamReader) -> Request | None:
-    """One request head; None on a clean end of stream between requests."""
+async def read_request(
+    reader: asyncio.StreamReader, *, idle_s: float, header_s: float
+) -> Request | None:
+    """One request head, its first byte within ``idle_s`` and the whole head within
+    ``header_s`` of that byte (else ``TimeoutError``); None on a clean end of stream
+    between requests."""
     try:
-        head = await reader.readuntil(b"\r\n\r\n")
+        async with asyncio.timeout(idle_s) as scope:
+            first = await reader.readexactly(1)
+            scope.reschedule(asyncio.get_running_loop().time() + header_s)
+            head = first + await reader.readuntil(b"\r\n\r\n")
     except asyncio.IncompleteReadError as exc:
         if exc.partial.strip():
             raise BadRequest("truncated request head") from exc
@@ -184,8 +200,14 @@ class HealthServer:
         readiness: Callable[[], tuple[bool, str]],
         metrics: Callable[[], bytes],
         metrics_content_type: str = "text/plain; version=0.0.4; charset=utf-8",
+        max_connections: int = MAX_CONNECTIONS,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
     ) -> None:
         self.bind = bind
+        self.max_connections = max_connections
+        self.header_timeout_s = header_timeout_s
+        self.open = {"health": 0, "metrics": 0}  # connections open now, per listener
+        self.refused = 0  # connections answered 503 for being one too many
         self._ports = {"health": health_port, "metrics": metrics_port}
         self._readiness = readiness
         self.loop_monitor = LoopMonitor()
@@ -201,7 +223,7 @@ class HealthServer:
         self.loop_monitor.start()
         try:
             for name, port in self._ports.items():
-                handler = functools.partial(self._serve, routes=self._routes[name])
+                handler = functools.partial(self._serve, listener=name)
                 server = await asyncio.start_server(
                     handler, self.bind, port, limit=MAX_HEAD, reuse_address=True
                 )
@@ -228,15 +250,33 @@ class HealthServer:
         return text(200 if ready else 503, reason)
 
     async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, listener: str
+    ) -> None:
+        if self.open[listener] >= self.max_connections:
+            self.refused += 1
+            busy = text(503, f"too many connections (limit {self.max_connections}); retry later")
+            writer.write(busy.encode(keep_alive=False, head_only=False))
+            writer.close()  # nothing is read: the descriptor goes back at once
+            return
+        self.open[listener] += 1
+        try:
+            await self._serve_requests(reader, writer, self._routes[listener])
+        finally:
+            self.open[listener] -= 1
+
+    async def _serve_requests(
         self,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         routes: Mapping[str, Route],
     ) -> None:
+        idle_s = self.header_timeout_s  # a new connection's first head: no idle allowance
         try:
             while True:
                 try:
-                    request = await asyncio.wait_for(read_request(reader), IDLE_TIMEOUT_S)
+                    request = await read_request(
+                        reader, idle_s=idle_s, header_s=self.header_timeout_s
+                    )
                 except BadRequest as exc:
                     writer.write(text(400, str(exc)).encode(keep_alive=False, head_only=False))
                     break
@@ -245,7 +285,9 @@ class HealthServer:
                 response = self._dispatch(request, routes)
                 head_only = request.method == "HEAD"
                 writer.write(response.encode(keep_alive=request.keep_alive, head_only=head_only))
-                await writer.drain()
+                async with asyncio.timeout(IDLE_TIMEOUT_S):  # a peer that never reads
+                    await writer.drain()
+                idle_s = IDLE_TIMEOUT_S
                 if not request.keep_alive:
                     break
         except (TimeoutError, ConnectionError):

@@ -235,6 +235,8 @@ class Listeners:
             readiness=readiness.check,
             metrics=obs.metrics.exposition,
             metrics_content_type=CONTENT_TYPE,
+            max_connections=self.config.http_max_connections,
+            header_timeout_s=self.config.http_header_timeout_ms / 1000.0,
         )
 
     async def start(self) -> None:

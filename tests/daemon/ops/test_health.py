@@ -219,3 +219,31 @@ def test_garbage_never_takes_the_listeners_down(readiness: Readiness) -> None:
         assert (await http(server.bound["metrics"], get("/metrics")))[0] == 200
 
     with_server(scenario, readiness.check)
+
+
+def test_a_connection_flood_is_capped_and_a_trickled_head_times_out(readiness: Readiness) -> None:
+    async def scenario() -> None:
+        server = HealthServer(
+            "127.0.0.1", 0, 0, readiness=readiness.check, metrics=Metrics(["normal"]).exposition,
+            max_connections=4, header_timeout_s=0.3,
+        )  # fmt: skip
+        await server.start()
+        port = server.bound["health"]
+        try:
+            held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(4)]
+            held[0][1].write(b"GET /livez HTTP/1.1\r\n")  # a head that never ends
+            await asyncio.sleep(0.1)
+            assert server.open["health"] == 4
+            extra, extra_writer = await asyncio.open_connection("127.0.0.1", port)
+            status, _, body = await read_response(extra)  # answered without being read
+            assert (status, body) == (503, b"too many connections (limit 4); retry later\n")
+            extra_writer.close()
+            assert (await http(server.bound["metrics"], get("/metrics")))[0] == 200  # its own cap
+            for reader, _ in held:  # silent or trickling: closed after the header timeout
+                assert await asyncio.wait_for(reader.read(), 2) == b""
+            assert server.open["health"] == 0 and server.refused == 1
+            assert (await http(port, get("/livez")))[0] == 200
+        finally:
+            await server.close()
+
+    asyncio.run(scenario())
