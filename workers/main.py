@@ -42,10 +42,15 @@ from scratchd.ipc.queue import Claim, QueueError, RequestQueue, Result
 from scratchd.protocol.log import configure, log_event
 from scratchd.workers.backend import AsyncBackend, Backend, DeviceMemory
 from scratchd.workers.batching import BatchPolicy, ewma
-from scratchd.workers.cpu import CpuBackend
-from scratchd.workers.cuda import CudaBackend
 from scratchd.workers.gpu_memory import ARENA_MB, RESERVE_MB, WARM_SIZES
-from scratchd.workers.protocol import STANDBY_SLOT, ExitCode, parse_take, ready_line
+from scratchd.workers.protocol import (
+    STANDBY_SLOT,
+    ExitCode,
+    parse_size,
+    parse_take,
+    parse_views,
+    ready_line,
+)
 from scratchd.workers.results import error_result
 
 PR_SET_PDEATHSIG: Final = 1
@@ -87,7 +92,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--model", default="")
     p.add_argument(
-        "--views", type=_parse_views, default=(), metavar="V[,V...]",
+        "--views", type=parse_views, default=(), metavar="V[,V...]",
         help="test-time views, comma-separated (default: the model file's)",
     )  # fmt: skip
     p.add_argument("--max-batch", type=int, default=8)
@@ -109,25 +114,18 @@ def die_with_parent(parent_pid: int) -> bool:
 
 
 def make_backend(args: argparse.Namespace) -> Backend:
+    # Imported here for start-up time: a CPU worker need not load the CUDA backend's modules.
     if args.backend == "cuda":
-        sizes = [_parse_size(s) for s in args.gpu_warm_size] or list(WARM_SIZES)
+        from scratchd.workers.cuda import CudaBackend
+
+        sizes = [parse_size(s) for s in args.gpu_warm_size] or list(WARM_SIZES)
         return CudaBackend(
             args.model or None, args.max_batch, args.gpu_reserve_mb, sizes, args.gpu_arena_mb,
             views=args.views,
         )  # fmt: skip
+    from scratchd.workers.cpu import CpuBackend
+
     return CpuBackend(args.model or None, args.max_batch, views=args.views)
-
-
-def _parse_views(text: str) -> tuple[str, ...]:
-    """``--views identity,flip_h`` → the names (the model checks them when it loads)."""
-    return tuple(v for v in text.split(",") if v)
-
-
-def _parse_size(text: str) -> tuple[int, int]:
-    h, sep, w = text.lower().partition("x")
-    if not sep or not h.isdigit() or not w.isdigit() or int(h) < 1 or int(w) < 1:
-        raise ValueError(f"--gpu-warm-size: expected HxW, got {text!r}")
-    return int(h), int(w)
 
 
 def boot(args: argparse.Namespace) -> tuple[RequestQueue, Backend]:

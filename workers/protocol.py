@@ -107,3 +107,16 @@ def parse_take(message: bytes) -> int | None:
     if len(parts) != 2 or parts[0] != TAKE_WORD or not parts[1].isdigit():
         return None
     return int(parts[1])
+
+
+def parse_views(text: str) -> tuple[str, ...]:
+    """``--views identity,flip_h`` → the names (the model checks them when it loads)."""
+    return tuple(v for v in text.split(",") if v)
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """``--gpu-warm-size 1024x768`` → ``(height, width)``."""
+    h, sep, w = text.lower().partition("x")
+    if not sep or not h.isdigit() or not w.isdigit() or int(h) < 1 or int(w) < 1:
+        raise ValueError(f"--gpu-warm-size: expected HxW, got {text!r}")
+    return int(h), int(w)
