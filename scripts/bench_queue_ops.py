@@ -35,23 +35,14 @@ from typing import Any
 
 from scratchd.ipc.queue import Geometry, RequestQueue, Result, Status
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_queue import submit_one
+
 ROOT = Path(__file__).resolve().parent.parent
-PAYLOAD = bytes(range(16))  # a 4x4 image: the queue, not the copy, is measured
 GEOMETRY = Geometry(slots=64, slot_bytes=4096, tick_ms=1, max_workers=2, wheel_ticks=1024)
-DEADLINE_NS = 60 * 10**9
 SLOT = 1
 OPS = ("submit", "claim", "finish", "complete")
 ROUND_TRIP = "round trip (all four)"
-
-
-def submit_one(q: RequestQueue, i: int) -> None:
-    h = q.reserve()
-    assert h is not None
-    q.payload(h)[:16] = PAYLOAD
-    q.submit(
-        h, request_id=i, conn_id=1, priority=0, part_class=0,
-        deadline_ns=time.monotonic_ns() + DEADLINE_NS, height=4, width=4, want_mask=False,
-    )  # fmt: skip
 
 
 def timed_calls(q: RequestQueue, rounds: int, first: int) -> dict[str, float]:
