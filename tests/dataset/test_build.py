@@ -1,4 +1,5 @@
-"""``build_shards`` over fixture trees in both layouts and over the real ``../shared/data``."""
+"""``build_shards`` over fixture trees in both layouts and over the full data sets
+(``SCRATCHD_DATA``, skipped without them)."""
 
 from __future__ import annotations
 
