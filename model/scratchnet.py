@@ -189,18 +189,37 @@ def load_model(path: str | Path | None = None, views: Sequence[str] | None = Non
     """Load a model file (default: the one shipped in the package); ``views`` overrides
     the test-time augmentation views stored in its metadata."""
     path = Path(path) if path is not None else DEFAULT_PATH
+    arrays = _read_arrays(path, None)
+    meta = _meta(path, arrays.pop(META_KEY, None))
+    try:
+        return ScratchNet(arrays, meta, views)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ModelError(f"{path}: {exc}") from None
+
+
+def read_meta(path: str | Path | None = None) -> ModelMeta:
+    """A model file's metadata alone, parsed as :func:`load_model` parses it (the weights
+    stay on disk)."""
+    path = Path(path) if path is not None else DEFAULT_PATH
+    return _meta(path, _read_arrays(path, META_KEY).get(META_KEY))
+
+
+def _read_arrays(path: Path, only: str | None) -> dict[str, np.ndarray]:
+    """The npz's arrays (just ``only`` when given), its failures as :class:`ModelError`."""
     try:
         with np.load(path, allow_pickle=False) as data:
-            arrays = {k: data[k] for k in data.files}
+            names = data.files if only is None else [k for k in data.files if k == only]
+            return {k: data[k] for k in names}
     except OSError as exc:
         raise ModelError(f"{path}: not a readable model file: {exc.strerror or exc}") from None
     except (ValueError, zipfile.BadZipFile):  # numpy's ValueError is advice to unpickle it
         raise ModelError(f"{path}: not a model file (not an .npz archive)") from None
-    blob = arrays.pop(META_KEY, None)
+
+
+def _meta(path: Path, blob: np.ndarray | None) -> ModelMeta:
     if blob is None:
         raise ModelError(f"{path}: no {META_KEY} entry")
     try:
-        meta = ModelMeta.from_json(json.loads(blob.tobytes().decode()))
-        return ScratchNet(arrays, meta, views)
+        return ModelMeta.from_json(json.loads(blob.tobytes().decode()))
     except (ValueError, TypeError, KeyError) as exc:
         raise ModelError(f"{path}: {exc}") from None

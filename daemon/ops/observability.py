@@ -28,7 +28,6 @@ with and without) and for nothing else.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -46,7 +45,7 @@ from scratchd.daemon.ops.health import HealthServer, Readiness, ReadinessInput
 from scratchd.daemon.ops.metrics import CONTENT_TYPE, Metrics
 from scratchd.daemon.pool.supervisor import Supervisor
 from scratchd.ipc.queue import Completion, RequestQueue
-from scratchd.model.scratchnet import DEFAULT_PATH, META_KEY, ModelMeta
+from scratchd.model.scratchnet import ModelError, read_meta
 from scratchd.protocol import wire
 from scratchd.protocol.log import Throttle, log_event
 
@@ -66,14 +65,12 @@ class ModelReference:
 
 def read_model_reference(path: str) -> ModelReference:
     """The model's metadata only (the weights stay on disk; workers load those)."""
-    file = path or str(DEFAULT_PATH)
     try:
-        with np.load(file, allow_pickle=False) as data:  # parsed as load_model parses it
-            meta = ModelMeta.from_json(json.loads(data[META_KEY].tobytes().decode()))
-        histogram = np.asarray(meta.histogram, dtype=np.float64)
-        return ModelReference(meta.version, histogram, views=tuple(meta.views))
-    except Exception as exc:  # the workers report a broken model; here drift is just off
-        return ModelReference("", None, f"{file}: {type(exc).__name__}: {exc}")
+        meta = read_meta(path or None)
+    except ModelError as exc:  # the workers report a broken model; here drift is just off
+        return ModelReference("", None, str(exc))
+    histogram = np.asarray(meta.histogram, dtype=np.float64)
+    return ModelReference(meta.version, histogram, views=tuple(meta.views))
 
 
 def _drift_monitor(histogram: np.ndarray, config: Config) -> DriftMonitor:
