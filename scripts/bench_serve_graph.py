@@ -138,16 +138,21 @@ def main() -> None:
     ap.add_argument(
         "--model", type=Path, default=None, help="model file to time (default: the shipped one)"
     )
+    ap.add_argument(
+        "--buckets", type=int, nargs="*", default=list(BUCKETS), help="buckets to time"
+    )
     args = ap.parse_args()
+    if not set(args.buckets) <= set(BUCKETS):
+        ap.error(f"--buckets: each one of {BUCKETS}")
     import cupy as cp
 
     model = load_model(args.model)
-    frames = mosaics(args.data, 2 * BUCKETS[-1])
+    frames = mosaics(args.data, 2 * max(args.buckets))
     tables: dict[str, list[dict[str, Any]]] = {}
     for views in dict.fromkeys((model.views, ("identity",))):
         net = CudaScratchNet(load_model(args.model, views=views))
         rows = tables.setdefault("+".join(views), [])
-        for b in BUCKETS:
+        for b in args.buckets:
             rows.append(bench_bucket(net, frames, b, args.reps))
             cp.get_default_memory_pool().free_all_blocks()
     pred = predict_ms(CudaScratchNet(model), frames)

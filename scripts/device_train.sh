@@ -8,10 +8,7 @@
 # Give the call a timeout of at least 60 * MINUTES + 150 s (setup, warm-up, inner-split pass).
 set -u
 SHARDS=$1; M=$2; shift 2
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-python3 setup.py -q build_ext --inplace >/tmp/build.log 2>&1 || { tail -20 /tmp/build.log; exit 1; }
-mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/scratchd
+bash scripts/device_setup.sh || exit 1
 export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1
 mkdir -p "$OUT/m"
 RES=()

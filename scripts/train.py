@@ -87,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--widths", type=int, nargs=4, default=[32, 80, 160, 320])
     ap.add_argument("--dec-depth", type=int, default=2)
+    ap.add_argument("--depths", type=int, nargs=4, default=[1, 2, 2, 1])
+    ap.add_argument("--dilations", type=int, nargs="*", default=[2, 4])
     ap.add_argument("--loss", choices=["bce+lovasz", "bce+dice"], default="bce+lovasz")
     ap.add_argument("--aux", type=float, default=0.4, help="deep supervision weight (0: off)")
     ap.add_argument("--image-loss", type=float, default=0.2, help="top-k image BCE weight")
@@ -128,7 +130,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"train {len(train_set)} = fit {len(fit)} + inner {len(inner)}; "
           f"mean {mean:.4f} std {std:.4f}", flush=True)  # fmt: skip
 
-    cfg = NetConfig(widths=tuple(args.widths), dec_depth=args.dec_depth)
+    cfg = NetConfig(
+        widths=tuple(args.widths),
+        depths=tuple(args.depths),
+        dilations=tuple(args.dilations),
+        dec_depth=args.dec_depth,
+    )
     recipe = recipe_of(args)
     torch.manual_seed(args.seed)  # the initial weights
     trainer = Trainer(TorchScratchNet(cfg), recipe, dev, args.seed)
