@@ -138,9 +138,7 @@ def main() -> None:
     ap.add_argument(
         "--model", type=Path, default=None, help="model file to time (default: the shipped one)"
     )
-    ap.add_argument(
-        "--buckets", type=int, nargs="*", default=list(BUCKETS), help="buckets to time"
-    )
+    ap.add_argument("--buckets", type=int, nargs="*", default=list(BUCKETS), help="buckets to time")
     args = ap.parse_args()
     if not set(args.buckets) <= set(BUCKETS):
         ap.error(f"--buckets: each one of {BUCKETS}")
