@@ -10,8 +10,10 @@ Model ``scratchnet`` (its version: the served model file's), one input, four out
                                                   K with rows of zeros (an empty box)
     mask    UINT8  [H, W] (a batch: [N, H, W])    0/255; only when the request names it
 
-A request's ``parameters`` may hold ``part_class`` (string), ``priority`` (0..7) and
-``deadline_ms`` (int), as on the Unix socket. A batch's images share them; each is one
+A request's ``parameters`` may hold ``part_class`` (string), ``priority`` (0..7, higher
+first, as on the Unix socket: not Triton's order, where 1 is highest) and ``deadline_ms``
+(int); without ``deadline_ms``, Triton's ``timeout`` (microseconds, what tritonclient's
+``timeout=`` sends) is the deadline. A batch's images share them; each is one
 request in the daemon's queue, and the call is answered when all are. A call whose images are
 not all ``ok`` is answered with the protocol's error for the first one that is not
 (:data:`HTTP_STATUS`, :data:`GRPC_CODE`: whether a client should retry).
@@ -95,9 +97,11 @@ def options(parameters: Mapping[str, object]) -> Options:
     part_class = parameters.get("part_class", "normal")
     if not isinstance(part_class, str):
         raise TensorError(f"parameter part_class must be a string, got {part_class!r}")
-    return Options(
-        part_class, _int_param(parameters, "priority"), _int_param(parameters, "deadline_ms")
-    )
+    deadline_ms = _int_param(parameters, "deadline_ms")
+    timeout_us = _int_param(parameters, "timeout")
+    if deadline_ms is None and timeout_us:  # Triton's request timeout, in microseconds
+        deadline_ms = max(1, -(-timeout_us // 1000))
+    return Options(part_class, _int_param(parameters, "priority"), deadline_ms)
 
 
 def _int_param(parameters: Mapping[str, object], name: str) -> int | None:
