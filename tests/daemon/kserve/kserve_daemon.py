@@ -31,6 +31,10 @@ class KServeDaemon(DaemonProcess):
         extra += f"[kserve]\nhttp_port = {self.http_port}\ngrpc_port = {self.grpc_port}\n"
         super().__init__(extra=extra, **kwargs)
 
+    def __enter__(self) -> KServeDaemon:
+        self.start()
+        return self
+
     def http(self, timeout: float = 120.0) -> thttp.InferenceServerClient:
         url = f"127.0.0.1:{self.http_port}"
         return thttp.InferenceServerClient(url, connection_timeout=timeout, network_timeout=timeout)

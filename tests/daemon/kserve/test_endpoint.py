@@ -23,7 +23,8 @@ VERSION = "scratchnet-1.1"
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[KServeDaemon]:
-    with KServeDaemon(workers=1, slots=64, slot_bytes=1 << 18) as d:
+    d = KServeDaemon(workers=1, slots=64, slot_bytes=1 << 18)
+    with d:
         yield d
 
 
