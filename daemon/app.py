@@ -39,6 +39,8 @@ from typing import Final
 from scratchd.daemon.config import Config
 from scratchd.daemon.frontend.acceptor import Acceptor
 from scratchd.daemon.frontend.dispatch import Dispatcher, InFlight
+from scratchd.daemon.kserve.endpoint import KServeEndpoint
+from scratchd.daemon.kserve.model_info import Served
 from scratchd.daemon.lifecycle import Lifecycle, check_transition
 from scratchd.daemon.ops.observability import (
     Listeners,
@@ -113,6 +115,12 @@ class Daemon:
         self.listeners = Listeners(
             self.obs, queue, self.supervisor, self.dispatcher, lambda: self.state.value
         )
+        # The Open Inference Protocol (daemon/kserve/): HTTP and gRPC, through the acceptor.
+        served = Served(
+            ready=lambda: self.listeners.readiness.check()[0],
+            version=lambda: self.obs.model.version,
+        )
+        self.kserve = KServeEndpoint(config, self.acceptor, served)
         # systemd (NOTIFY_SOCKET, LISTEN_FDS) and SIGHUP reloads.
         self.service = ServiceManager(
             queue=queue,
@@ -155,6 +163,10 @@ class Daemon:
             return await self._halt(str(exc))
         if not self._stop.is_set():
             await self.acceptor.listen(config.server.socket, self.service.listener)
+            try:
+                await self.kserve.start()
+            except OSError as exc:
+                return await self._halt(f"kserve listener on {config.server.bind}: {exc}")
             self.transition(Lifecycle.SERVING)
             log_event("ready", socket=config.server.socket, queue=self.queue_name)
             self.service.serving()
@@ -212,6 +224,7 @@ class Daemon:
         self.dispatcher.collect()
         self.dispatcher.stop()
         await self.acceptor.close_connections()
+        await self.kserve.close()
         await self.listeners.close()
 
     def _on_stop_signal(self) -> None:

@@ -160,6 +160,15 @@ DEFAULT_CLASSES: Final[dict[str, ClassConfig]] = {
 }
 
 
+class KServeConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The Open Inference Protocol endpoint (``daemon/kserve/``), on ``server.bind``."""
+
+    http_port: Port = 0
+    """HTTP/REST (KServe v2); 0: off."""
+    grpc_port: Port = 0
+    """gRPC (``inference.GRPCInferenceService``); 0: off."""
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     server: ServerConfig = ServerConfig()
     queue: QueueConfig = QueueConfig()
@@ -167,6 +176,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     classes: dict[str, ClassConfig] = msgspec.field(default_factory=lambda: dict(DEFAULT_CLASSES))
     model: ModelConfig = ModelConfig()
     drift: DriftConfig = DriftConfig()
+    kserve: KServeConfig = KServeConfig()
 
     def class_names(self) -> list[str]:
         """Class names in a fixed order; a class's index is its number in the queue."""

@@ -42,6 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("daemon", "daemon.config", "daemon.lifecycle"),
     ("daemon.frontend", "daemon.pool"),
     ("daemon.ops",),
+    ("daemon.kserve",),
     ("daemon.app", "daemon.service", "daemon.commands", "daemon.cli"),
 )
 

@@ -66,7 +66,7 @@ from scratchd.daemon.frontend import raw_frames
 from scratchd.daemon.frontend.access import AccessGate, AccessPolicy
 from scratchd.daemon.frontend.admission import Admission, PartClasses, Refused
 from scratchd.daemon.frontend.connection import BufferPool, Connection, SlotLoan
-from scratchd.daemon.frontend.dispatch import Dispatcher, InFlight
+from scratchd.daemon.frontend.dispatch import Dispatcher, InFlight, Peer
 from scratchd.daemon.frontend.images import (
     Invalid,
     check_image,
@@ -220,7 +220,7 @@ class Acceptor:
         self.dispatcher.reject(flight, "invalid", reason + "; closing the connection")
         conn.close()
 
-    def closed(self, conn: Connection) -> None:
+    def closed(self, conn: Peer) -> None:
         """The client left (or was closed): drop its requests from the books."""
         self.connections.pop(conn.id, None)
         self.dispatcher.forget_connection(conn)
@@ -232,9 +232,7 @@ class Acceptor:
         except Exception as exc:
             self._answer_bug(conn, wire.salvage_request_id(body), received_ns, exc)
 
-    def _answer_bug(
-        self, conn: Connection, request_id: int, received_ns: int, exc: Exception
-    ) -> None:
+    def _answer_bug(self, conn: Peer, request_id: int, received_ns: int, exc: Exception) -> None:
         """A bug must cost one reply, not the connection: logged, answered ``error``."""
         log_event("request_failed", logging.ERROR, error=repr(exc))
         flight = InFlight(conn, request_id, "unknown", 0, received_ns)
@@ -294,8 +292,20 @@ class Acceptor:
             return
         self._admit(conn, message, received_ns, None)
 
+    def new_peer_id(self) -> int:
+        """A connection id no Unix-socket connection has: for another front end's peers."""
+        return next(self._ids)
+
+    def admit(self, peer: Peer, request: wire.InferFrame, received_ns: int) -> None:
+        """Queue a request another front end decoded (``daemon/kserve/``), or answer it on
+        ``peer``: the same classes, checks, door and queue as a Unix-socket frame's."""
+        try:
+            self._admit(peer, request, received_ns, None)
+        except Exception as exc:
+            self._answer_bug(peer, request.id, received_ns, exc)
+
     def _admit(
-        self, conn: Connection, request: wire.InferFrame, received_ns: int, lent: Handle | None
+        self, conn: Peer, request: wire.InferFrame, received_ns: int, lent: Handle | None
     ) -> None:
         """Queue ``request`` or answer it. ``lent``: the slot its pixels were received into
         (``request.pixels`` is a view of it); submitted or released here, whatever happens."""
@@ -359,7 +369,7 @@ class Acceptor:
             raise refusal
         return admission
 
-    def _refusal_at_door(self, conn: Connection) -> Refused | None:
+    def _refusal_at_door(self, conn: Peer) -> Refused | None:
         """Why any inference request arriving on ``conn`` now is refused, whatever it holds:
         in this order, a draining daemon, the connection's in-flight limit; else None."""
         if self.draining:

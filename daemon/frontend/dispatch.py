@@ -28,9 +28,8 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
-from scratchd.daemon.frontend.connection import Connection
 from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Completion, Handle, RequestQueue, Status
 from scratchd.protocol import wire
@@ -44,11 +43,29 @@ STATUS_NAMES: Final[dict[Status, wire.ReplyStatus]] = {
 }
 
 
+class Peer(Protocol):
+    """Where a request's reply goes: a Unix-socket ``Connection``, or any other front
+    end's stand-in for one (``daemon/kserve/``). ``id`` keys the peer's requests in the queue
+    (``abandon_connection``); ``in_queue`` and ``converting`` are its requests accepted and
+    not yet answered, which the per-connection limit counts (``in_flight``)."""
+
+    id: int
+    closed: bool
+    in_queue: set[Handle]
+    converting: int
+
+    def send(self, message: wire.Reply) -> None: ...
+
+    def in_flight(self) -> int: ...
+
+    def converted(self, _task: asyncio.Task[None]) -> None: ...
+
+
 @dataclass(slots=True)
 class InFlight:
     """A request between its frame arriving and its reply being written."""
 
-    conn: Connection
+    conn: Peer
     request_id: int
     part_class: str
     priority: int
@@ -114,7 +131,7 @@ class Dispatcher:
         self.idle.clear()
         self._arm_at(flight.deadline_ns)
 
-    def forget_connection(self, conn: Connection) -> int:
+    def forget_connection(self, conn: Peer) -> int:
         """A client left: drop its entries (the queue frees their slots). Returns how many."""
         for handle in conn.in_queue:
             self.pending.pop(handle, None)

@@ -225,6 +225,7 @@ class Listeners:
         # worker hung: a slow batch of big frames is not a stall.
         stall_s = obs.config.workers.hang_timeout_ms / 1000.0
         readiness = Readiness(readiness_input, stall_after_s=stall_s)
+        self.readiness = readiness  # /readyz's decision, also the KServe endpoint's
         self.server = HealthServer(
             self.config.bind,
             self.config.health_port,

@@ -1,0 +1,1 @@
+"""scratchd.daemon.kserve"""
