@@ -16,6 +16,7 @@ import yaml
 
 import scratchd
 from scratchd.daemon.config import Config
+from scratchd.daemon.kserve.tensors import MODEL
 from scratchd.daemon.ops.health import HealthServer
 from scratchd.ipc.layout import Geometry, layout
 from scratchd.protocol.defaults import DEFAULT_SOCKET, SOCKET_ENV
@@ -38,7 +39,6 @@ from tests.deploy.manifests import (
 
 __all__ = ["kustomization"]  # the fixture, used by name
 
-MODEL_NAME = "scratchnet"  # the Open Inference Protocol's model name for scratchd
 DRAIN_MARGIN_S = 5  # after the drain and the workers' stop: unlink the segment, exit
 
 
@@ -267,10 +267,10 @@ def test_the_kserve_runtime_serves_scratchnet_over_both_protocols() -> None:
     runtime = one(source(KSERVE / "servingruntime.yaml"), "ServingRuntime")
     isvc = one(source(KSERVE / "inferenceservice.yaml"), "InferenceService")
     assert {"v2", "grpc-v2"} <= set(runtime["spec"]["protocolVersions"])
-    assert [f["name"] for f in runtime["spec"]["supportedModelFormats"]] == [MODEL_NAME]
+    assert [f["name"] for f in runtime["spec"]["supportedModelFormats"]] == [MODEL]
     model = isvc["spec"]["predictor"]["model"]
     assert (model["modelFormat"]["name"], model["runtime"]) == (
-        MODEL_NAME,
+        MODEL,
         runtime["metadata"]["name"],
     )
     assert model["protocolVersion"] == "v2"
