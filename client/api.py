@@ -12,12 +12,9 @@ This is what ``scratchd infer`` / ``scratchd status`` use and what a PLC gateway
         replies = await asyncio.gather(*(client.infer(p) for p in paths))
 
 An image is a path (its bytes are sent encoded: PNG, BMP or JPEG), encoded ``bytes``, or a
-uint8 numpy array ``(H, W)`` (grey) or ``(H, W, 3)`` (RGB) sent raw. With ``zero_copy=True``
-(the default) an array goes through shared memory instead: at the connection's first array
-the client registers a memfd ring of slots with the daemon (``client/regions.py``: the
-ownership rules) and each array is copied into a free slot, its request naming the slot;
-when that cannot be done (refused, no slot free, too big) it is sent in the frame as before,
-and ``zero_copy_error`` says why registration was refused. Replies are
+uint8 numpy array ``(H, W)`` (grey) or ``(H, W, 3)`` (RGB) sent raw; with ``zero_copy=True``
+(the default) an array goes through a memfd ring shared with the daemon instead, or in the
+frame when that cannot be used (``client/regions.py``: how, and the ownership rules). Replies are
 ``scratchd.protocol.wire.Reply``; ``unpack_mask(reply)`` gives the mask as a 0/255 array.
 Failures of the daemon are replies with a status, not exceptions; a lost connection raises
 ``ConnectionError`` for every request still in flight.
@@ -48,7 +45,7 @@ from typing import Final
 import numpy as np
 
 from scratchd.client.frames import ImageInput, build_request, request_frame
-from scratchd.client.regions import SlotRing, accept_registration, send_descriptor
+from scratchd.client.regions import SlotRing, accept_registration, place, send_descriptor
 from scratchd.protocol import wire
 from scratchd.protocol.defaults import socket_path
 from scratchd.protocol.wire import Reply, StatusReply, unpack_mask
@@ -95,7 +92,7 @@ class AsyncClient:
         self.timeout = timeout
         self.zero_copy = zero_copy  # register a ring at the first array (one attempt)
         self.zero_copy_error = ""  # why registration was refused, if it was
-        self._ring: SlotRing | None = None
+        self.ring: SlotRing | None = None  # registered: arrays go through it
         self._gate: asyncio.Future[None] | None = None  # set while registering: writes wait
         self._reader = reader
         self._writer = writer
@@ -134,11 +131,9 @@ class AsyncClient:
     ) -> Reply:
         """One image's reply; ``timeout`` overrides the client's for this call."""
         request_id = next(self._ids)
-        if isinstance(image, np.ndarray):
-            if self.zero_copy:
-                await self._register_ring(timeout)
-            placed = None if self._ring is None else self._ring.place(request_id, image)
-            image = image if placed is None else placed
+        if isinstance(image, np.ndarray) and self.zero_copy:
+            await self._register_ring(timeout)
+        image = place(self.ring, request_id, image)
         frame = request_frame(
             request_id,
             image,
@@ -181,7 +176,7 @@ class AsyncClient:
         finally:
             self._gate.set_result(None)
             self._gate = None
-        self._ring, self.zero_copy_error = accept_registration(ring, answer)
+        self.ring, self.zero_copy_error = accept_registration(ring, answer)
 
     async def _call(
         self,
@@ -224,8 +219,8 @@ class AsyncClient:
                 prefix = await self._reader.readexactly(wire.PREFIX_BYTES)
                 body = await self._reader.readexactly(wire.frame_length(prefix))
                 message = wire.decode_daemon_message(body)
-                if self._ring is not None:  # answered: the daemon reads its slot no more
-                    self._ring.release(message.id)
+                if self.ring is not None:  # answered: the daemon reads its slot no more
+                    self.ring.release(message.id)
                 future = self._waiting.get(message.id)
                 if future is not None and not future.done():
                     future.set_result(message)
@@ -240,8 +235,8 @@ class AsyncClient:
 
     async def close(self) -> None:
         self._writer.close()
-        if self._ring is not None:
-            self._ring.close()
+        if self.ring is not None:
+            self.ring.close()
         with contextlib.suppress(OSError):
             await self._writer.wait_closed()
         self._receiver.cancel()
@@ -278,7 +273,7 @@ class Client:
         self.timeout = timeout
         self.zero_copy = zero_copy  # register a ring at the first array (one attempt)
         self.zero_copy_error = ""  # why registration was refused, if it was
-        self._ring: SlotRing | None = None
+        self.ring: SlotRing | None = None  # registered: arrays go through it
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -352,11 +347,9 @@ class Client:
         """Send ``image``'s request (``options``: ``infer``'s keyword arguments) in the last
         frame's buffer, which ``sendall`` has sent all of; returns the request's id."""
         request_id = next(self._ids)
-        if isinstance(image, np.ndarray):
-            if self.zero_copy:
-                self._register_ring(deadline)
-            placed = None if self._ring is None else self._ring.place(request_id, image)
-            image = image if placed is None else placed
+        if isinstance(image, np.ndarray) and self.zero_copy:
+            self._register_ring(deadline)
+        image = place(self.ring, request_id, image)
         frame = request_frame(request_id, image, into=self._spare, **options)  # type: ignore[arg-type]
         self._send_frame(frame, deadline)
         self._spare = frame
@@ -387,7 +380,7 @@ class Client:
             if isinstance(exc, TimeoutError):  # cut mid-handshake: the stream cannot resume
                 self.close()
             raise
-        self._ring, self.zero_copy_error = accept_registration(ring, answer)
+        self.ring, self.zero_copy_error = accept_registration(ring, answer)
 
     def _send_frame(self, frame: bytearray, deadline: float | None) -> None:
         self._settimeout(deadline)
@@ -449,8 +442,8 @@ class Client:
         self._fill(self._body, deadline)
         body, self._body, self._got = self._body, None, 0
         message = wire.decode_daemon_message(body)  # from the buffer as it is: no copy
-        if self._ring is not None:  # answered: the daemon reads its slot no more
-            self._ring.release(message.id)
+        if self.ring is not None:  # answered: the daemon reads its slot no more
+            self.ring.release(message.id)
         return message
 
     def _fill(self, buf: bytearray, deadline: float | None) -> None:
@@ -485,8 +478,8 @@ class Client:
 
     def close(self) -> None:
         self._sock.close()
-        if self._ring is not None:
-            self._ring.close()
+        if self.ring is not None:
+            self.ring.close()
 
     def __enter__(self) -> Client:
         return self

@@ -28,7 +28,7 @@ import mmap
 import os
 import socket
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from scratchd.protocol import wire
 DEFAULT_SLOTS: Final = 32
 DEFAULT_SLOT_BYTES: Final = 4 << 20
 """A slot holds a 1024x1024 RGB frame or a 2048x2048 grey one; larger images use the socket."""
+_Image = TypeVar("_Image")
 _SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -123,6 +124,14 @@ class SlotRing:
         self.close_descriptor()
         with contextlib.suppress(BufferError):  # an array still views a slot: unmapped with it
             self._map.close()
+
+
+def place(ring: SlotRing | None, request_id: int, image: _Image) -> _Image | RegionImage:
+    """``image`` placed in a slot of ``ring`` when it is an array that can be, else as it is."""
+    if ring is None or not isinstance(image, np.ndarray):
+        return image
+    placed = ring.place(request_id, image)
+    return image if placed is None else placed
 
 
 def send_descriptor(sock: socket.socket, fd: int) -> None:

@@ -50,12 +50,12 @@ def test_kill9_reload_and_drain_lose_no_zero_copy_request(tmp_path: Path, data_d
 
         async def scenario() -> None:
             baseline, client = await _burst(daemon, images, None)
-            assert client._ring is not None, client.zero_copy_error
+            assert client.ring is not None, client.zero_copy_error
             expected = [(r.verdict, r.score) for r in baseline]
             await client.close()
             for during in (signal.SIGKILL, signal.SIGHUP):
                 replies, client = await _burst(daemon, images, during)
-                assert client._ring is not None and client._ring.in_use() == 0
+                assert client.ring is not None and client.ring.in_use() == 0
                 await client.close()
                 _each_answered_once(replies)
                 assert [r.status for r in replies] == ["ok"] * N, {r.error for r in replies}

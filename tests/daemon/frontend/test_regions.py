@@ -97,8 +97,8 @@ def test_zero_copy_replies_are_the_socket_paths_replies(daemon: LiveDaemon, data
             b = plain.infer(image, want_mask=True, deadline_ms=60_000)
             assert a.status == b.status == "ok", (a.error, b.error)
             assert (a.verdict, a.score, a.boxes, a.mask) == (b.verdict, b.score, b.boxes, b.mask)
-        assert zc._ring is not None and zc._ring.region == 1 and zc.zero_copy_error == ""
-        assert zc._ring.in_use() == 0  # every slot free again once answered
+        assert zc.ring is not None and zc.ring.region == 1 and zc.zero_copy_error == ""
+        assert zc.ring.in_use() == 0  # every slot free again once answered
         replies = dict(zc.map(greys, concurrency=4, deadline_ms=60_000))
         assert [replies[i].status for i in range(len(greys))] == ["ok"] * len(greys)
 
