@@ -125,10 +125,12 @@ def test_a_memfd_smaller_than_announced_is_refused() -> None:
 
 
 def test_a_write_only_descriptor_cannot_be_mapped() -> None:
-    with opened(memfd()) as fd:
-        with opened(os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)) as wfd:
-            with pytest.raises(RegionError, match="cannot be mapped"):
-                map_region(wfd, SIZE)
+    with (
+        opened(memfd()) as fd,
+        opened(os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)) as wfd,
+        pytest.raises(RegionError, match="cannot be mapped"),
+    ):
+        map_region(wfd, SIZE)
 
 
 def test_shrinking_after_registration_fails_and_reads_stay_safe() -> None:
@@ -156,7 +158,7 @@ HUGE = st.integers(min_value=-(2**70), max_value=2**70)
 )
 def test_a_view_is_exactly_the_bytes_asked_for_or_refused(offset: int, nbytes: int) -> None:
     region = Region(3, SIZE, mmap.mmap(-1, SIZE))
-    inside = 0 <= offset and 0 < nbytes and offset + nbytes <= SIZE
+    inside = offset >= 0 and nbytes > 0 and offset + nbytes <= SIZE
     try:
         view = region.view(offset, nbytes)
     except RegionError as exc:

@@ -11,6 +11,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -111,7 +112,7 @@ def test_requests_outside_a_region_are_invalid_and_the_connection_serves_on(
     with connect(daemon) as sock:
         assert register(sock, fd).status == "ok"
         os.close(fd)
-        hostile = [
+        hostile: list[dict[str, Any]] = [
             {"region": 1, "offset": SIZE - 10, "height": 4, "width": 4},  # past the end
             {"region": 1, "offset": SIZE, "height": 1, "width": 1},
             {"region": 1, "offset": 2**62, "height": 1, "width": 1},
