@@ -12,7 +12,9 @@ This is what ``scratchd infer`` / ``scratchd status`` use and what a PLC gateway
         replies = await asyncio.gather(*(client.infer(p) for p in paths))
 
 An image is a path (its bytes are sent encoded: PNG, BMP or JPEG), encoded ``bytes``, or a
-uint8 numpy array ``(H, W)`` (grey) or ``(H, W, 3)`` (RGB) sent raw. Replies are
+uint8 numpy array ``(H, W)`` (grey) or ``(H, W, 3)`` (RGB) sent raw; with ``zero_copy=True``
+(the default) an array goes through a memfd ring shared with the daemon instead, or in the
+frame when that cannot be used (``client/regions.py``: how, and the ownership rules). Replies are
 ``scratchd.protocol.wire.Reply``; ``unpack_mask(reply)`` gives the mask as a 0/255 array.
 Failures of the daemon are replies with a status, not exceptions; a lost connection raises
 ``ConnectionError`` for every request still in flight.
@@ -37,13 +39,13 @@ import os
 import socket
 import time
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from types import TracebackType
-from typing import Final, cast
+from typing import Final
 
-import msgspec
 import numpy as np
 
+from scratchd.client.frames import ImageInput, build_request, request_frame
+from scratchd.client.regions import SlotRing, accept_registration, place, send_descriptor
 from scratchd.protocol import wire
 from scratchd.protocol.defaults import socket_path
 from scratchd.protocol.wire import Reply, StatusReply, unpack_mask
@@ -59,74 +61,8 @@ __all__ = [
     "unpack_mask",
 ]
 
-ImageInput = str | os.PathLike[str] | bytes | np.ndarray
 MAX_REPLY_BYTES: Final = 256 * 1024 * 1024
 SEND_BUFFER_BYTES: Final = 4 * 1024 * 1024
-
-
-def build_request(
-    request_id: int,
-    image: ImageInput,
-    *,
-    part_class: str | None = None,
-    priority: int | None = None,
-    deadline_ms: int | None = None,
-    want_mask: bool = False,
-) -> wire.InferRequest:
-    """The wire request for ``image`` (see the module docstring for accepted inputs)."""
-    request = _request(request_id, image, part_class, priority, deadline_ms, want_mask)
-    if isinstance(request.pixels, memoryview):
-        return msgspec.structs.replace(request, pixels=request.pixels.tobytes())
-    return request
-
-
-def request_frame(
-    request_id: int,
-    image: ImageInput,
-    *,
-    part_class: str | None = None,
-    priority: int | None = None,
-    deadline_ms: int | None = None,
-    want_mask: bool = False,
-    into: bytearray | None = None,
-) -> bytearray:
-    """``wire.encode_frame(build_request(...))``'s bytes, an array's pixels copied only once:
-    from the array into the frame, which grows as msgpack is written (not zero-filled).
-    ``into``: a buffer to write the frame into (its contents replaced), else a new one."""
-    request = _request(request_id, image, part_class, priority, deadline_ms, want_mask)
-    return wire.encode_frame_into(request, bytearray(wire.PREFIX_BYTES) if into is None else into)
-
-
-def _request(
-    request_id: int,
-    image: ImageInput,
-    part_class: str | None,
-    priority: int | None,
-    deadline_ms: int | None,
-    want_mask: bool,
-) -> wire.InferRequest:
-    """The request, an array's ``pixels`` a flat view of it (msgpack: the same bin)."""
-    common = {
-        "id": request_id,
-        "part_class": part_class or "normal",
-        "priority": priority,
-        "deadline_ms": deadline_ms,
-        "want_mask": want_mask,
-    }
-    if isinstance(image, np.ndarray):
-        if image.dtype != np.uint8 or image.ndim not in (2, 3):
-            raise ValueError(f"expected uint8 (H, W) or (H, W, 3), got {image.dtype} {image.shape}")
-        channels = 1 if image.ndim == 2 else image.shape[2]
-        view = np.ascontiguousarray(image).data.cast("B")
-        return wire.InferRequest(
-            pixels=cast(bytes, view),  # encoded from the buffer as is; never decoded
-            height=image.shape[0],
-            width=image.shape[1],
-            channels=channels,
-            **common,  # type: ignore[arg-type]
-        )
-    data = image if isinstance(image, bytes) else Path(image).read_bytes()
-    return wire.InferRequest(encoded=data, **common)  # type: ignore[arg-type]
 
 
 def _widen_send_buffer(sock: socket.socket | None) -> None:
@@ -150,9 +86,14 @@ class AsyncClient:
         writer: asyncio.StreamWriter,
         path: str = "",
         timeout: float | None = None,
+        zero_copy: bool = True,
     ) -> None:
         self.path = path
         self.timeout = timeout
+        self.zero_copy = zero_copy  # register a ring at the first array (one attempt)
+        self.zero_copy_error = ""  # why registration was refused, if it was
+        self.ring: SlotRing | None = None  # registered: arrays go through it
+        self._gate: asyncio.Future[None] | None = None  # set while registering: writes wait
         self._reader = reader
         self._writer = writer
         self._ids = itertools.count(1)
@@ -161,7 +102,9 @@ class AsyncClient:
         self._receiver = asyncio.get_running_loop().create_task(self._receive())
 
     @classmethod
-    async def connect(cls, path: str | None = None, timeout: float | None = None) -> AsyncClient:
+    async def connect(
+        cls, path: str | None = None, timeout: float | None = None, *, zero_copy: bool = True
+    ) -> AsyncClient:
         """Connect to ``path`` (default: ``SCRATCHD_SOCKET``, else the standard socket)."""
         where = socket_path(path)
         try:
@@ -174,7 +117,7 @@ class AsyncClient:
             named.errno = exc.errno
             raise named from None
         _widen_send_buffer(writer.get_extra_info("socket"))
-        return cls(reader, writer, where, timeout)
+        return cls(reader, writer, where, timeout, zero_copy)
 
     async def infer(
         self,
@@ -188,6 +131,9 @@ class AsyncClient:
     ) -> Reply:
         """One image's reply; ``timeout`` overrides the client's for this call."""
         request_id = next(self._ids)
+        if isinstance(image, np.ndarray) and self.zero_copy:
+            await self._register_ring(timeout)
+        image = place(self.ring, request_id, image)
         frame = request_frame(
             request_id,
             image,
@@ -211,15 +157,50 @@ class AsyncClient:
             raise ConnectionError(f"daemon answered a status request with {type(reply)}")
         return reply
 
+    async def _register_ring(self, timeout: float | None) -> None:
+        """Register a ring (the handshake of ``wire.RegisterRegion``), once per connection.
+        Other calls' writes wait meanwhile: nothing may follow the request but its byte."""
+        self.zero_copy = False
+        ring = SlotRing()
+        request_id = next(self._ids)
+        self._gate = asyncio.get_running_loop().create_future()
+        try:
+            frame = wire.encode_frame(wire.RegisterRegion(id=request_id, size=ring.size))
+            answer = await self._call(request_id, frame, timeout, gated=True)
+            if isinstance(answer, wire.SendDescriptor):
+                answer = await self._call(request_id, None, timeout, gated=True, fd=ring.fd)
+        except BaseException:
+            ring.close()
+            self._writer.close()  # cut mid-handshake: where the stream stands is unknown
+            raise
+        finally:
+            self._gate.set_result(None)
+            self._gate = None
+        self.ring, self.zero_copy_error = accept_registration(ring, answer)
+
     async def _call(
-        self, request_id: int, frame: bytearray, timeout: float | None, reuse: bool = False
+        self,
+        request_id: int,
+        frame: bytearray | None,
+        timeout: float | None,
+        reuse: bool = False,
+        gated: bool = False,
+        fd: int = -1,
     ) -> wire.DaemonMessage:
+        """Send ``frame`` (or the handshake's byte carrying ``fd``) and await the answer."""
+        while self._gate is not None and not gated:
+            await asyncio.shield(self._gate)
         if self._receiver.done():
             raise ConnectionError(f"scratchd at {self.path}: the connection is closed")
         future: asyncio.Future[wire.DaemonMessage] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
         try:
             async with asyncio.timeout(self.timeout if timeout is None else timeout):
+                if frame is None:  # the daemon read the request, so the transport holds none
+                    fileno = self._writer.get_extra_info("socket").fileno()
+                    with socket.socket(fileno=os.dup(fileno)) as sock:
+                        send_descriptor(sock, fd)
+                    return await future
                 # write() puts all of the frame in the transport: a timeout never cuts one
                 self._writer.write(frame)
                 if reuse and self._writer.transport.get_write_buffer_size() == 0:
@@ -238,6 +219,8 @@ class AsyncClient:
                 prefix = await self._reader.readexactly(wire.PREFIX_BYTES)
                 body = await self._reader.readexactly(wire.frame_length(prefix))
                 message = wire.decode_daemon_message(body)
+                if self.ring is not None:  # answered: the daemon reads its slot no more
+                    self.ring.release(message.id)
                 future = self._waiting.get(message.id)
                 if future is not None and not future.done():
                     future.set_result(message)
@@ -252,6 +235,8 @@ class AsyncClient:
 
     async def close(self) -> None:
         self._writer.close()
+        if self.ring is not None:
+            self.ring.close()
         with contextlib.suppress(OSError):
             await self._writer.wait_closed()
         self._receiver.cancel()
@@ -281,9 +266,14 @@ class Client:
     name the socket: ``scratchd at /run/scratchd/scratchd.sock: [Errno 2] ...``.
     """
 
-    def __init__(self, path: str | None = None, timeout: float | None = None) -> None:
+    def __init__(
+        self, path: str | None = None, timeout: float | None = None, *, zero_copy: bool = True
+    ) -> None:
         self.path = socket_path(path)
         self.timeout = timeout
+        self.zero_copy = zero_copy  # register a ring at the first array (one attempt)
+        self.zero_copy_error = ""  # why registration was refused, if it was
+        self.ring: SlotRing | None = None  # registered: arrays go through it
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -357,11 +347,40 @@ class Client:
         """Send ``image``'s request (``options``: ``infer``'s keyword arguments) in the last
         frame's buffer, which ``sendall`` has sent all of; returns the request's id."""
         request_id = next(self._ids)
+        if isinstance(image, np.ndarray) and self.zero_copy:
+            self._register_ring(deadline)
+        image = place(self.ring, request_id, image)
         frame = request_frame(request_id, image, into=self._spare, **options)  # type: ignore[arg-type]
         self._send_frame(frame, deadline)
         self._spare = frame
         self._pending.add(request_id)
         return request_id
+
+    def _register_ring(self, deadline: float | None) -> None:
+        """Register a ring (the handshake of ``wire.RegisterRegion``), once per connection;
+        replies to other requests that arrive meanwhile are kept for their calls."""
+        self.zero_copy = False
+        ring = SlotRing()
+        request_id = next(self._ids)
+        try:
+            frame = wire.encode_frame(wire.RegisterRegion(id=request_id, size=ring.size))
+            self._send_frame(frame, deadline)
+            self._pending.add(request_id)
+            answer = self._receive_for(request_id, deadline)
+            if isinstance(answer, wire.SendDescriptor):
+                self._settimeout(deadline)
+                try:
+                    send_descriptor(self._sock, ring.fd)
+                except OSError as exc:
+                    raise self._named(exc) from None
+                self._pending.add(request_id)
+                answer = self._receive_for(request_id, deadline)
+        except BaseException as exc:
+            ring.close()
+            if isinstance(exc, TimeoutError):  # cut mid-handshake: the stream cannot resume
+                self.close()
+            raise
+        self.ring, self.zero_copy_error = accept_registration(ring, answer)
 
     def _send_frame(self, frame: bytearray, deadline: float | None) -> None:
         self._settimeout(deadline)
@@ -422,7 +441,10 @@ class Client:
             self._body, self._got = bytearray(length), 0
         self._fill(self._body, deadline)
         body, self._body, self._got = self._body, None, 0
-        return wire.decode_daemon_message(body)  # from the buffer as it is: no copy
+        message = wire.decode_daemon_message(body)  # from the buffer as it is: no copy
+        if self.ring is not None:  # answered: the daemon reads its slot no more
+            self.ring.release(message.id)
+        return message
 
     def _fill(self, buf: bytearray, deadline: float | None) -> None:
         view = memoryview(buf)
@@ -456,6 +478,8 @@ class Client:
 
     def close(self) -> None:
         self._sock.close()
+        if self.ring is not None:
+            self.ring.close()
 
     def __enter__(self) -> Client:
         return self

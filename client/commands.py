@@ -39,7 +39,7 @@ from rich.console import Console
 from scratchd.client import status_view
 from scratchd.client.api import AsyncClient, Client, unpack_mask
 from scratchd.protocol.defaults import DEFAULT_SOCKET, SOCKET_ENV, socket_path
-from scratchd.protocol.image import encode_png
+from scratchd.protocol.image import ImageError, decode_image, encode_png
 from scratchd.protocol.wire import StatusReply
 
 EXIT_OK = 0
@@ -99,6 +99,12 @@ socket_option = click.option(
     metavar="DIR",
     help="Write each defect mask as DIR/<image name>.png (0/255, the image's size).",
 )
+@click.option(
+    "--zero-copy",
+    is_flag=True,
+    help="Decode each image here and pass its pixels through shared memory, not the socket "
+    "(the daemon must run on this machine; sent over the socket when it cannot be used).",
+)
 @click.argument("images", nargs=-1, required=True)
 def infer(
     socket_opt: str | None,
@@ -108,6 +114,7 @@ def infer(
     part_class: str | None,
     deadline_ms: int | None,
     mask_out: str | None,
+    zero_copy: bool,
     images: tuple[str, ...],
 ) -> None:
     """Send IMAGE files to the daemon and print each verdict."""
@@ -118,7 +125,7 @@ def infer(
         "want_mask": mask_out is not None,
     }
     masks = _MaskWriter(Path(mask_out)) if mask_out else None
-    runner = _InferRun(socket_path(socket_opt), concurrency, options, as_json, masks)
+    runner = _InferRun(socket_path(socket_opt), concurrency, options, as_json, masks, zero_copy)
     try:
         all_ok = asyncio.run(runner.run(images))
     except BrokenPipeError:  # our stdout went away (`| head`): stop quietly
@@ -153,7 +160,9 @@ class _InferRun:
         options: dict[str, Any],
         as_json: bool,
         masks: _MaskWriter | None,
+        zero_copy: bool = False,
     ) -> None:
+        self.zero_copy = zero_copy  # decoded here, pixels through the client's region
         self.path = path
         self.concurrency = concurrency
         self.options = options
@@ -162,7 +171,7 @@ class _InferRun:
 
     async def run(self, images: tuple[str, ...]) -> bool:
         gate = asyncio.Semaphore(self.concurrency)
-        async with await AsyncClient.connect(self.path) as client:
+        async with await AsyncClient.connect(self.path, zero_copy=self.zero_copy) as client:
             tasks = [asyncio.ensure_future(self._one(client, gate, image)) for image in images]
             all_ok = True
             try:
@@ -178,8 +187,9 @@ class _InferRun:
     async def _one(self, client: Any, gate: asyncio.Semaphore, image: str) -> dict[str, Any]:
         async with gate:
             try:
-                data = Path(image).read_bytes()
-            except OSError as exc:
+                data: Any = Path(image).read_bytes()
+                data = decode_image(data) if self.zero_copy else data
+            except (OSError, ImageError) as exc:
                 return {"image": image, "status": "invalid", "error": f"cannot read: {exc}"}
             start = time.perf_counter()
             reply = await client.infer(data, **self.options)

@@ -76,6 +76,13 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     socket copy, most of the main process's CPU for large frames; ``daemon/frontend/receiver.py``);
     0: the loop receives them.
     Read at start only (a reload does not resize the pool)."""
+    max_regions_per_connection: NonNegative = 8
+    """Shared-memory regions one connection may register for zero-copy requests (``wire``
+    ``RegisterRegion``); one more is refused ``overloaded``. 0 turns the zero-copy path off."""
+    max_region_bytes: NonNegative = 4 << 30
+    """Bytes of registered regions, all connections together, that the daemon maps at most;
+    a registration beyond it is refused ``overloaded`` (pages a client never wrote cost no
+    memory, but a mapping is address space and page tables)."""
 
 
 _GEOMETRY: Final = Geometry()  # the shared-memory queue's sizes default to its own

@@ -36,6 +36,7 @@ dominate the cost anyway.
 
 from __future__ import annotations
 
+import fcntl
 import struct
 from typing import Annotated, Any, Final, Literal
 
@@ -52,6 +53,14 @@ ReplyStatus = Literal["ok", "timeout", "overloaded", "invalid", "error"]
 STATUSES: Final[tuple[ReplyStatus, ...]] = ("ok", "timeout", "overloaded", "invalid", "error")
 PRIORITIES: Final = 8
 """A request's priority is 0 (normal) .. ``PRIORITIES - 1`` (most urgent)."""
+
+
+RegionId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+RegionOffset = Annotated[int, msgspec.Meta(ge=0, le=2**62)]
+REGION_SEALS: Final = fcntl.F_SEAL_SHRINK
+"""Seals a registered memfd must carry: it cannot shrink, so the daemon never reads past its end."""
+DESCRIPTOR_BYTE: Final = b"\x00"
+"""The byte that carries a region's descriptor (``SCM_RIGHTS``) after :class:`SendDescriptor`."""
 
 
 class InferRequest(msgspec.Struct, frozen=True, tag="infer", tag_field="type"):
@@ -71,6 +80,10 @@ class InferRequest(msgspec.Struct, frozen=True, tag="infer", tag_field="type"):
     priority: int | None = None
     deadline_ms: int | None = None
     want_mask: bool = False
+    region: RegionId = 0
+    """Non-zero: the pixels lie in this connection's registered region (:class:`RegisterRegion`)
+    at ``offset``, ``height × width × channels`` bytes; ``pixels`` and ``encoded`` stay unset."""
+    offset: RegionOffset = 0
 
 
 class InferFrame(msgspec.Struct, frozen=True, tag="infer", tag_field="type"):
@@ -93,12 +106,50 @@ class InferFrame(msgspec.Struct, frozen=True, tag="infer", tag_field="type"):
     priority: int | None = None
     deadline_ms: int | None = None
     want_mask: bool = False
+    region: RegionId = 0
+    offset: RegionOffset = 0
 
 
 class StatusRequest(msgspec.Struct, frozen=True, tag="status", tag_field="type"):
     """Ask for the daemon's status snapshot."""
 
     id: RequestId
+
+
+class RegisterRegion(msgspec.Struct, frozen=True, tag="register_region", tag_field="type"):
+    """Offer the daemon a shared-memory region of ``size`` bytes that requests on this
+    connection may then name instead of carrying pixels (the zero-copy path).
+
+    The handshake, because a descriptor can only travel with bytes the daemon reads itself:
+    the client sends this frame and nothing more until the daemon answers. The daemon answers
+    :class:`SendDescriptor` (it now reads the next byte itself), and the client sends one byte,
+    :data:`DESCRIPTOR_BYTE`, carrying the descriptor as ``SCM_RIGHTS`` ancillary data; then
+    :class:`RegionReply` says whether the region is registered, and under which ``region`` id.
+    A refusal that needs no descriptor (a limit, a bad size) is a :class:`RegionReply` at once,
+    and then no byte is sent. The descriptor must be a memfd of at least ``size`` bytes sealed
+    with at least :data:`REGION_SEALS` (``F_SEAL_SHRINK``: it can never shrink under the
+    daemon's mapping, so reading it can never fault).
+    """
+
+    id: RequestId
+    size: Annotated[int, msgspec.Meta(ge=1, le=2**62)]
+
+
+class SendDescriptor(msgspec.Struct, frozen=True, tag="send_descriptor", tag_field="type"):
+    """The daemon waits for the descriptor of :class:`RegisterRegion` ``id`` (one byte)."""
+
+    id: int
+
+
+class RegionReply(msgspec.Struct, frozen=True, tag="region_reply", tag_field="type"):
+    """The outcome of :class:`RegisterRegion` ``id``: ``status`` ``ok`` with the ``region`` id
+    that requests name, or why not (``invalid``: the descriptor or size; ``overloaded``: a
+    limit of ``[server]``; ``error``)."""
+
+    id: int
+    status: ReplyStatus
+    region: int = 0
+    error: str = ""
 
 
 class Timings(msgspec.Struct, frozen=True):
@@ -245,9 +296,9 @@ class StatusReply(msgspec.Struct, frozen=True, tag="status_reply", tag_field="ty
     reload applied nothing; ``reload_error`` says so)."""
 
 
-ClientMessage = InferRequest | StatusRequest
-ClientFrame = InferFrame | StatusRequest
-DaemonMessage = Reply | StatusReply
+ClientMessage = InferRequest | StatusRequest | RegisterRegion
+ClientFrame = InferFrame | StatusRequest | RegisterRegion
+DaemonMessage = Reply | StatusReply | SendDescriptor | RegionReply
 
 _encoder: Final = msgspec.msgpack.Encoder()
 _client_decoder: Final = msgspec.msgpack.Decoder(ClientMessage)

@@ -8,6 +8,14 @@ with a worker that computes nothing, so the main process's own cost is what is m
     python scripts/bench_frontend.py --sizes 1024 --accounting --rate 1000 # open loop, 1000 req/s
     python scripts/bench_frontend.py --sizes 1024 --accounting --profile /tmp/fe.pstats
     python scripts/bench_frontend.py --sizes 1024 --receive-threads 0     # pixels on the loop
+    python scripts/bench_frontend.py --sizes 1024 --paths socket,region --repeats 5 \
+        --json docs/bench/frontend-zero-copy.json  # frames vs a registered region, alternating
+
+``--paths``: ``socket`` sends each frame's pixels through the socket; ``region`` registers a
+memfd ring per client connection (``client/regions.py``) and each request names its slot, the
+acceptor copying the pixels from there into the payload slot. With several paths and
+``--repeats`` the runs alternate (socket, region, socket, ...) so that a change in the
+machine's load falls on both; the summary gives each path's median, min and max.
 
 This process runs the front end exactly as the daemon wires it (``Acceptor`` +
 ``Dispatcher`` + ``RequestQueue`` on uvloop) and nothing else, so its CPU time
@@ -186,8 +194,9 @@ def no_accounting(flight: InFlight, reply: wire.Reply, completion: Completion | 
 
 
 async def measure(
-    args: argparse.Namespace, size: int, tmp: Path, profile: cProfile.Profile | None
-) -> dict[str, Any]:
+    args: argparse.Namespace, size: int, tmp: Path, profile: cProfile.Profile | None,
+    path: str = "socket",
+) -> dict[str, Any]:  # fmt: skip
     frames_path = tmp / f"frames-{size}.npy"
     np.save(frames_path, sl.build_frames(sl.image_paths(Path(args.data)), size, 16, 0))
     slots = max(args.clients * args.window + 16, 256)  # open loop: room for a backlog
@@ -214,7 +223,7 @@ async def measure(
         ticks_before, loop_before = thread_ticks(), time.thread_time()
         slow = [spawn_slow(args, config.server.socket, frames_path)] if args.slow else []
         clients = [
-            spawn_client(args, config.server.socket, frames_path) for _ in range(args.clients)
+            spawn_client(args, config.server.socket, frames_path, path) for _ in range(args.clients)
         ]
         outs = [await asyncio.to_thread(p.communicate) for p in clients]
         slow_outs = [await asyncio.to_thread(p.communicate) for p in slow]
@@ -239,6 +248,8 @@ async def measure(
     latencies: list[float] = []
     for out, _ in outs:
         result = json.loads(out)
+        if result["region"] != (path == "region"):
+            raise SystemExit(f"a client did not use the {path} path")
         for k, v in result["statuses"].items():
             statuses[k] = statuses.get(k, 0) + v
         latencies += result["latencies_ms"]
@@ -252,6 +263,7 @@ async def measure(
     per_request = {k: round(v / max(replies, 1) * 1e6, 1) for k, v in split.items()}
     return {
         "size": size,
+        "path": path,
         "frame_bytes": size * size,
         "accounting": args.accounting,
         "rate": args.rate or None,
@@ -302,8 +314,11 @@ def spawn_slow(args: argparse.Namespace, sock: str, frames: Path) -> subprocess.
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
 
-def spawn_client(args: argparse.Namespace, sock: str, frames: Path) -> subprocess.Popen[str]:
+def spawn_client(
+    args: argparse.Namespace, sock: str, frames: Path, path: str
+) -> subprocess.Popen[str]:
     cmd = [sys.executable, __file__, "--client", "--socket", sock, "--frames", str(frames)]
+    cmd += ["--path", path]
     cmd += ["--duration", str(args.duration), "--window", str(args.window)]
     cmd += ["--rate", str(args.rate / args.clients)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -313,12 +328,17 @@ async def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="sdfe-", dir="/tmp") as tmp:
         for k, size in enumerate(args.sizes.split(",")):
-            profile = (
-                cProfile.Profile(time.thread_time_ns, 1e-9) if args.profile and k == 0 else None
-            )
-            rows.append(await measure(args, int(size), Path(tmp), profile))
-            if profile is not None:
-                report_profile(profile, args.profile, rows[-1]["replies"])
+            for repeat in range(args.repeats):
+                for path in args.paths.split(","):
+                    first = k == 0 and repeat == 0 and path == args.paths.split(",")[0]
+                    profile = (
+                        cProfile.Profile(time.thread_time_ns, 1e-9)
+                        if args.profile and first
+                        else None
+                    )
+                    rows.append(await measure(args, int(size), Path(tmp), profile, path))
+                    if profile is not None:
+                        report_profile(profile, args.profile, rows[-1]["replies"])
     return rows
 
 
@@ -336,6 +356,17 @@ def report_profile(profile: cProfile.Profile, path: str, replies: int) -> None:
         print(
             f"{own / replies * 1e6:8.1f}{cum / replies * 1e6:8.1f}{calls / replies:8.2f}  {where}"
         )
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per size and path ("1024/region"): the main process's CPU per request over the runs."""
+    runs: dict[str, list[float]] = collections.defaultdict(list)
+    for r in rows:
+        runs[f"{r['size']}/{r['path']}"].append(r["main_cpu_us_per_request"])
+    return {
+        key: {"median": float(np.median(v)), "min": min(v), "max": max(v), "runs": len(v)}
+        for key, v in runs.items()
+    }
 
 
 def main() -> None:
@@ -357,6 +388,9 @@ def main() -> None:
         "--max-wait-ms", type=float, default=None,
         help="the receive pool's max_wait_s, in ms (default: the pool's own, 0)",
     )  # fmt: skip
+    p.add_argument("--paths", default="socket", help="socket, region, or both: socket,region")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each size and path")
+    p.add_argument("--path", default="socket", help=argparse.SUPPRESS)  # a client's
     p.add_argument("--profile", default="", help="cProfile the first size into this file")
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
     p.add_argument("--json", default=None)
@@ -389,26 +423,31 @@ def main() -> None:
 
     load_before = os.getloadavg()[0]
     rows = uvloop.run(run_all(args))
-    head = f"{'size':>6}{'req/s':>10}{'MiB/s':>9}{'CPU us/req':>12}{'CPU share':>11}"
+    head = f"{'size':>6}{'path':>8}{'req/s':>10}{'MiB/s':>9}{'CPU us/req':>12}{'CPU share':>11}"
     head += f"{'loop us/req':>13}{'recv us/req':>13}{'loop share':>12}"
     print(head + f"{'client us/req':>15}{'p50 ms':>9}{'p99 ms':>9}{'slow req/s':>12}  statuses")
     for r in rows:
         lat = r["latency_ms"]
         print(
-            f"{r['size']:>6}{r['requests_per_s']:>10}{r['mib_per_s']:>9}"
+            f"{r['size']:>6}{r['path']:>8}{r['requests_per_s']:>10}{r['mib_per_s']:>9}"
             f"{r['main_cpu_us_per_request']:>12}{r['main_cpu_share']:>11}"
             f"{r['loop_cpu_us_per_request']:>13}{r['thread_cpu_us_per_request']['receive']:>13}"
             f"{r['loop_cpu_share']:>12}{r['client_cpu_us_per_request']:>15}"
             f"{lat.get('p50', 0):>9}{lat.get('p99', 0):>9}{r['slow']['requests_per_s']:>12}"
             f"  {r['statuses']}"
         )
+    summary = summarize(rows)
+    for key, spread in summary.items():
+        print(f"main CPU us/request {key}: median {spread['median']} (min {spread['min']}, "
+              f"max {spread['max']}) over {spread['runs']} runs")  # fmt: skip
     load = {"loadavg_1m_before": round(load_before, 2), "loadavg_1m_after": os.getloadavg()[0]}
     print(f"load average {load}")
     if args.json:
         doc = {"machine": {"cpus": os.cpu_count(), **load}, "clients": args.clients,
                "window": args.window, "rate": args.rate or None, "accounting": args.accounting,
                "receive_threads": args.receive_threads, "slow": args.slow,
-               "duration_s": args.duration, "rows": rows}  # fmt: skip
+               "duration_s": args.duration, "paths": args.paths, "repeats": args.repeats,
+               "main_cpu_us_per_request": summary, "rows": rows}  # fmt: skip
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
 

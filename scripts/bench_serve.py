@@ -116,6 +116,7 @@ def start_clients(
         cmd += ["--grace", str(args.grace), "--data", args.data]
         cmd += ["--frames", args.frames] if args.frames else []
         cmd += ["--trace"] if trace else []
+        cmd += ["--path", args.path]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
     return procs
 
@@ -143,7 +144,7 @@ def run_load(args: argparse.Namespace, sock: str, pattern: str, rate: float) -> 
         keep = ("sent", "statuses", "lost", "throughput", "p50_ms", "p99_ms", "p999_ms")
         legacy = {"load": load, **{LEGACY_KEYS.get(k, k): row[k] for k in keep}}
         return {**legacy, "max_ms": row["max_ms"], "elapsed_s": row["elapsed_s"]}
-    row = {"load": load, "rate": rate, "size": args.size, **row}
+    row = {"load": load, "rate": rate, "size": args.size, "path": args.path, **row}
     row["gpu_busy_nvml"] = nvml.means()
     row["compute_busy"] = sl.busy_share(before, sl.scrape_compute(port), row["elapsed_s"])
     # the daemon's main process (acceptor, dispatcher, metrics): is it the bottleneck?
@@ -217,13 +218,20 @@ def kill_run(args: argparse.Namespace, sock: str) -> tuple[dict[str, Any], list[
         b["queue_in_use_max"] = max((u for u, _ in mine), default=None)
         b["standbys_ready_min"] = min((r for _, r in mine), default=None)
     load = f"poisson@{args.kill_rate:g}/s + kill -9"
-    return {"load": load, "rate": args.kill_rate, "size": args.size, **row}, kills
+    return {
+        "load": load,
+        "rate": args.kill_rate,
+        "size": args.size,
+        "path": args.path,
+        **row,
+    }, kills
 
 
 def measure_restarts(args: argparse.Namespace, sock: str) -> list[dict[str, Any]]:
     """CPU record: each worker killed ``--kills`` times in turn under 3 req/s."""
     cmd = [sys.executable, __file__, "--client", "--socket", sock, "--pattern", "poisson"]
     cmd += ["--rate", "3", "--duration", str(5.0 * args.kills * 2 + 2), "--data", args.data]
+    cmd += ["--path", args.path]
     background = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     out = []
     for name in worker_names(sock):
@@ -308,6 +316,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpus", default="all", help="cuda: all, or card indices: 0 or 0,1")
     p.add_argument("--model", default="", help="model file (default: the shipped model)")
     p.add_argument("--size", type=int, default=None, help="raw NxN frames (cuda: 1024)")
+    p.add_argument(
+        "--path", choices=["socket", "region"], default="socket",
+        help="raw frames' pixels in the socket frame, or in each client's registered region",
+    )  # fmt: skip
     p.add_argument("--frame-count", type=int, default=64, help="distinct frames (raw mode)")
     p.add_argument("--slots", type=int, default=512, help="queue slots (raw mode)")
     p.add_argument("--max-batch", type=int, default=16, help="queue.max_batch (raw mode)")

@@ -21,7 +21,7 @@ async def closed_loop(args: argparse.Namespace) -> dict[str, Any]:
     frames = np.load(args.frames, mmap_mode="r")
     payloads = [np.asarray(frames[k]) for k in range(frames.shape[0])]
     statuses: dict[str, int] = {}
-    async with await AsyncClient.connect(args.socket) as client:
+    async with await AsyncClient.connect(args.socket, zero_copy=args.path == "region") as client:
         stop_at = time.perf_counter() + args.duration
         latencies: list[float] = []
 
@@ -34,7 +34,12 @@ async def closed_loop(args: argparse.Namespace) -> dict[str, Any]:
                 i += args.window
 
         await asyncio.gather(*(lane(k) for k in range(args.window)))
-    return {"statuses": statuses, "latencies_ms": [round(x * 1e3, 3) for x in latencies]}
+        region = client.ring is not None
+    return {
+        "statuses": statuses,
+        "latencies_ms": [round(x * 1e3, 3) for x in latencies],
+        "region": region,  # the requests named slots of a registered ring
+    }
 
 
 async def open_loop(args: argparse.Namespace) -> dict[str, Any]:
@@ -44,7 +49,7 @@ async def open_loop(args: argparse.Namespace) -> dict[str, Any]:
     statuses: dict[str, int] = {}
     due = sl.schedule("poisson", args.duration, args.rate, seed=os.getpid())
     latencies: list[float] = []
-    async with await AsyncClient.connect(args.socket) as client:
+    async with await AsyncClient.connect(args.socket, zero_copy=args.path == "region") as client:
 
         async def one(i: int) -> None:
             sent = time.perf_counter()
@@ -60,7 +65,12 @@ async def open_loop(args: argparse.Namespace) -> dict[str, Any]:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(i)))
         await asyncio.gather(*tasks)
-    return {"statuses": statuses, "latencies_ms": [round(x * 1e3, 3) for x in latencies]}
+        region = client.ring is not None
+    return {
+        "statuses": statuses,
+        "latencies_ms": [round(x * 1e3, 3) for x in latencies],
+        "region": region,
+    }
 
 
 async def slow_senders(args: argparse.Namespace) -> dict[str, Any]:

@@ -164,7 +164,7 @@ async def run_client(args: argparse.Namespace) -> dict[str, Any]:
     # the daemon's own account of each ok reply (wire.Timings): queue, compute, total
     parts: dict[str, list[float]] = {key: [] for key in PARTS}
     statuses: Counter[str] = Counter()
-    async with await AsyncClient.connect(args.socket) as client:
+    async with await AsyncClient.connect(args.socket, zero_copy=args.path == "region") as client:
         loop = asyncio.get_running_loop()
         start = time.perf_counter() + 0.2
         tasks: list[asyncio.Task[None]] = []

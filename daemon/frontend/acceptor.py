@@ -74,6 +74,7 @@ from scratchd.daemon.frontend.images import (
     write_raw_grey,
 )
 from scratchd.daemon.frontend.receiver import ReceivePool
+from scratchd.daemon.frontend.regions import RegionDesk
 from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Handle, RequestQueue
 from scratchd.protocol import wire
@@ -122,6 +123,7 @@ class Acceptor:
         self.connections: dict[int, Connection] = {}
         self.classes = PartClasses(config)
         self.gate = AccessGate.from_config(config.server.allowed_uids, config.server.allowed_gids)
+        self.regions = RegionDesk(lambda: self.config.server)
         self._ids = itertools.count(1)
         self._malformed = Throttle("malformed_frame", burst=5, window=60.0)
         self._decoding: set[asyncio.Task[None]] = set()
@@ -225,6 +227,7 @@ class Acceptor:
         self.connections.pop(conn.id, None)
         self.dispatcher.forget_connection(conn)
         self.queue.abandon_connection(conn.id)
+        self.regions.release(conn)
 
     def frame(self, conn: Connection, body: memoryview, received_ns: int) -> None:
         try:
@@ -290,6 +293,16 @@ class Acceptor:
         if isinstance(message, wire.StatusRequest):
             conn.send(self.status(message.id))
             return
+        if isinstance(message, wire.RegisterRegion):
+            self.regions.register(conn, message)
+            return
+        if message.region:  # zero-copy: the pixels are read from the client's region
+            try:
+                message = self.regions.resolve(conn, message)
+            except Invalid as exc:
+                flight = InFlight(conn, message.id, "unknown", 0, received_ns, message.want_mask)
+                self.dispatcher.reject(flight, "invalid", str(exc))
+                return
         self._admit(conn, message, received_ns, None)
 
     def new_peer_id(self) -> int:
@@ -334,7 +347,8 @@ class Acceptor:
                     shape = request.height, request.width
                 self._submit(flight, admission, shape)
                 return
-            if request.pixels is not None:  # raw RGB: off the frame buffer (or slot) it is in
+            if request.pixels is not None and not request.region:  # raw RGB: off the frame
+                # buffer (or slot) it is in; a region's pixels stay put (regions.py)
                 request = msgspec.structs.replace(request, pixels=memoryview(bytes(request.pixels)))
         except Exception as exc:  # not published: the slot is still ours to give back
             self.queue.release(handle)

@@ -57,6 +57,8 @@ LIVE_KEYS: Final = frozenset(
         "server.max_in_flight_per_connection",
         "server.max_connections",
         "server.frame_timeout_ms",
+        "server.max_regions_per_connection",
+        "server.max_region_bytes",
         "queue.max_queue_delay_ms",
         "queue.max_batch",
         "workers.cpu_max_batch",

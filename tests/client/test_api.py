@@ -276,14 +276,14 @@ def test_frames_reusing_a_buffer_each_arrive_as_built(tmp_path: Path, loop: str)
     async def scenario() -> None:
         server = await asyncio.start_unix_server(echo.serve, path=path)
         async with server:
-            client = await AsyncClient.connect(path)
+            client = await AsyncClient.connect(path, zero_copy=False)  # frames with pixels
             sock = client._writer.get_extra_info("socket")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)  # fills sooner
             replies = [await client.infer(images[0]), await client.infer(images[1])]
             assert client._spare is not None  # the first frame's buffer came back
             replies += await asyncio.gather(*(client.infer(image) for image in images[2:]))
             await client.close()
-            with Client(path, timeout=10) as blocking:
+            with Client(path, timeout=10, zero_copy=False) as blocking:
                 spare = None
                 for image in images[:3]:
                     replies.append(await asyncio.to_thread(blocking.infer, image))

@@ -74,7 +74,7 @@ class Dribbler:
 def test_a_call_times_out_as_a_whole_and_its_late_reply_is_dropped(tmp_path: Path) -> None:
     server = Dribbler(str(tmp_path / "slow.sock"))
     try:
-        with Client(str(tmp_path / "slow.sock"), timeout=0.5) as client:
+        with Client(str(tmp_path / "slow.sock"), timeout=0.5, zero_copy=False) as client:
             with pytest.raises(TimeoutError, match=re.escape("slow.sock")):
                 client.infer(IMAGE)
             server.gave_up.set()
@@ -91,7 +91,7 @@ def test_the_async_client_times_out_a_call_and_drops_its_late_reply(tmp_path: Pa
     server = Dribbler(path)
 
     async def scenario() -> None:
-        client = await AsyncClient.connect(path, timeout=0.5)
+        client = await AsyncClient.connect(path, timeout=0.5, zero_copy=False)
         try:
             with pytest.raises(TimeoutError, match=re.escape("slow.sock")):
                 await client.infer(IMAGE)

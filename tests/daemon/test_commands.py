@@ -52,6 +52,24 @@ def test_infer_json_lines_in_the_order_given(daemon: DaemonProcess, images: list
         assert line["worker"] in ("cpu0", "cpu1")
 
 
+def test_infer_zero_copy_prints_what_the_socket_path_prints(
+    daemon: DaemonProcess, images: list[str]
+) -> None:
+    """``--zero-copy`` decodes here and passes the pixels through shared memory: the same
+    verdicts, scores and boxes as the encoded bytes over the socket."""
+    outputs = []
+    for flag in ([], ["--zero-copy"]):
+        result = CliRunner().invoke(
+            main, ["infer", "--socket", daemon.socket, "--json", *flag, *images]
+        )
+        assert result.exit_code == 0, result.output
+        lines = [json.loads(line) for line in result.output.splitlines()]
+        outputs.append(
+            [(x["image"], x["status"], x["verdict"], x["score"], x["boxes"]) for x in lines]
+        )
+    assert outputs[0] == outputs[1]
+
+
 def test_infer_writes_masks_of_the_input_size(
     daemon: DaemonProcess, images: list[str], tmp_path: Path
 ) -> None:

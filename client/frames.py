@@ -1,0 +1,101 @@
+"""How an image becomes a request frame (``build_request``, ``request_frame``), for both clients.
+
+An image is a path (its bytes are sent encoded: PNG, BMP or JPEG), encoded ``bytes``, a uint8
+numpy array ``(H, W)`` (grey) or ``(H, W, 3)`` (RGB) sent raw, or a
+:class:`~scratchd.client.regions.RegionImage` already placed in a registered region (the
+zero-copy path: the request names where its pixels lie and carries none).
+
+An array's pixels are copied once on their way to the socket: ``request_frame`` encodes them
+straight from the array into the frame (a view of the array stands for ``pixels``, which
+msgpack encodes as the same bin as the ``bytes`` would be), instead of ``tobytes`` and then a
+zero-filled frame buffer and a second copy into it; the bytes sent are the same as
+``wire.encode_frame(build_request(...))``'s.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import cast
+
+import msgspec
+import numpy as np
+
+from scratchd.client.regions import RegionImage
+from scratchd.protocol import wire
+
+ImageInput = str | os.PathLike[str] | bytes | np.ndarray | RegionImage
+
+
+def build_request(
+    request_id: int,
+    image: ImageInput,
+    *,
+    part_class: str | None = None,
+    priority: int | None = None,
+    deadline_ms: int | None = None,
+    want_mask: bool = False,
+) -> wire.InferRequest:
+    """The wire request for ``image`` (see the module docstring for accepted inputs)."""
+    request = _request(request_id, image, part_class, priority, deadline_ms, want_mask)
+    if isinstance(request.pixels, memoryview):
+        return msgspec.structs.replace(request, pixels=request.pixels.tobytes())
+    return request
+
+
+def request_frame(
+    request_id: int,
+    image: ImageInput,
+    *,
+    part_class: str | None = None,
+    priority: int | None = None,
+    deadline_ms: int | None = None,
+    want_mask: bool = False,
+    into: bytearray | None = None,
+) -> bytearray:
+    """``wire.encode_frame(build_request(...))``'s bytes, an array's pixels copied only once:
+    from the array into the frame, which grows as msgpack is written (not zero-filled).
+    ``into``: a buffer to write the frame into (its contents replaced), else a new one."""
+    request = _request(request_id, image, part_class, priority, deadline_ms, want_mask)
+    return wire.encode_frame_into(request, bytearray(wire.PREFIX_BYTES) if into is None else into)
+
+
+def _request(
+    request_id: int,
+    image: ImageInput,
+    part_class: str | None,
+    priority: int | None,
+    deadline_ms: int | None,
+    want_mask: bool,
+) -> wire.InferRequest:
+    """The request, an array's ``pixels`` a flat view of it (msgpack: the same bin)."""
+    common = {
+        "id": request_id,
+        "part_class": part_class or "normal",
+        "priority": priority,
+        "deadline_ms": deadline_ms,
+        "want_mask": want_mask,
+    }
+    if isinstance(image, RegionImage):
+        return wire.InferRequest(
+            region=image.region,
+            offset=image.offset,
+            height=image.height,
+            width=image.width,
+            channels=image.channels,
+            **common,  # type: ignore[arg-type]
+        )
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim not in (2, 3):
+            raise ValueError(f"expected uint8 (H, W) or (H, W, 3), got {image.dtype} {image.shape}")
+        channels = 1 if image.ndim == 2 else image.shape[2]
+        view = np.ascontiguousarray(image).data.cast("B")
+        return wire.InferRequest(
+            pixels=cast(bytes, view),  # encoded from the buffer as is; never decoded
+            height=image.shape[0],
+            width=image.shape[1],
+            channels=channels,
+            **common,  # type: ignore[arg-type]
+        )
+    data = image if isinstance(image, bytes) else Path(image).read_bytes()
+    return wire.InferRequest(encoded=data, **common)  # type: ignore[arg-type]
