@@ -13,7 +13,7 @@ reported). Besides throughput and latency, the daemon's main process CPU (utime 
 /proc) per request, so the endpoint's cost is stated next to the Unix socket's. Prints a
 table; ``--json`` writes every run.
 
-perf_analyzer comes from the ``perf-analyzer`` wheel; it links libcudart (the
+perf_analyzer is the binary the ``tritonclient`` 2.41 wheel ships; it links libcudart (the
 ``nvidia-cuda-runtime-cu12`` wheel, put on LD_LIBRARY_PATH here) and Debian's libb64-0d.
 """
 
@@ -62,7 +62,7 @@ def perf_analyzer_problem() -> str | None:
     """Why perf_analyzer cannot run here (missing, or its libraries), or None."""
     binary = shutil.which("perf_analyzer") or str(Path(sys.executable).with_name("perf_analyzer"))
     if not Path(binary).exists():
-        return "perf_analyzer is not installed (pip install perf-analyzer)"
+        return "perf_analyzer is not installed (pip install tritonclient==2.41.0)"
     run = subprocess.run(
         [binary, "--version"], capture_output=True, text=True, env=perf_analyzer_env(), check=False
     )
