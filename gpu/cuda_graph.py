@@ -4,7 +4,9 @@ primitive (:func:`capture`), the batch buckets and the plain forward graph (:cla
 Lifecycle of one :class:`ForwardGraph` (``GraphState``)::
 
     NEW ──warm_up()──▶ CAPTURED ──replay()* ──▶ (lives as long as its CudaScratchNet)
-         1. allocate every buffer (cuda_net.Buffers), held by the graph for its lifetime
+         1. allocate every buffer (cuda_net.Buffers), held by the graph for its lifetime;
+            synchronise the device, so the weights and zeroed buffers, made on the legacy
+            default stream, are complete before the private stream touches them
          2. run the forward once eagerly while recording its launches: every module is
             compiled (or loaded from CuPy's disk cache) and every kernel has run once
          3. capture the recorded launches on a private stream: no allocation, no
@@ -33,7 +35,15 @@ class GraphState(enum.Enum):
 def capture(stream: Any, enqueue: Callable[[], object]) -> Any:
     """A CUDA graph of what ``enqueue`` launches: run it once eagerly on ``stream`` while
     recording its launches (compiles and loads every module, runs the Python-side checks),
-    then capture the recorded launches alone and upload the graph."""
+    then capture the recorded launches alone and upload the graph.
+
+    First the device is synchronised: the weights (``cp.asarray`` copies asynchronously
+    through pinned memory), their transposes and the zeroed buffers were enqueued on the
+    stream current when they were made, the legacy default stream, which a non-blocking
+    ``stream`` (and the worker's copy stream) does not wait for. Without this a replay, or
+    an upload into a graph input, could overtake them: a forward on weights not yet
+    copied, or results and frames zeroed after they were written."""
+    cu.cupy().cuda.Device().synchronize()
     with stream, cu.recording() as steps:
         enqueue()
     stream.synchronize()

@@ -1,0 +1,115 @@
+"""Captured forwards are ordered after everything made for them, and read nothing stale.
+
+A model's weights, their transposes and the zeroed buffers are made on the legacy default
+stream; the graphs run on non-blocking streams, which do not wait for it. ``capture``
+synchronises the device first. The first test makes the default stream late on purpose
+(a kernel that spins on it for a while, so every copy and memset made there queues behind
+it) over a memory pool full of NaN: a graph that ran before its weights arrived computes
+on NaN. The second builds the same forward on fresh streams over pools poisoned with
+different bytes: a read of memory no kernel wrote would change the bits.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import numpy as np
+import pytest
+
+from scratchd.model.net import NetConfig, count_params, random_weights
+from scratchd.model.scratchnet import ModelMeta, ScratchNet
+
+from ..kernels.cuda_helpers import cupy, fresh_rng
+
+PROB_ATOL = 2e-2
+SPIN_SOURCE = r"""
+extern "C" __global__ void spin(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+"""
+
+
+def _model(seed: int) -> ScratchNet:
+    cfg = NetConfig()
+    meta = ModelMeta(
+        version="test", architecture=cfg.to_json(), mean=0.45, std=0.22, threshold=0.5,
+        min_area=8, score_window=5, histogram=[1 / 64] * 64, val_metrics={},
+        train_data_sha256="", params=count_params(cfg),
+    )  # fmt: skip
+    return ScratchNet(random_weights(cfg, seed), meta)
+
+
+def _poison_pool(byte: int, nbytes: int = 256 << 20) -> None:
+    """Leave one free block of ``nbytes`` filled with ``byte`` in CuPy's pool, so the next
+    allocations are carved from it (0xFF: NaN as fp16 and fp32)."""
+    cp = cupy()
+    gc.collect()
+    cp.cuda.Device().synchronize()
+    cp.get_default_memory_pool().free_all_blocks()
+    block = cp.empty((nbytes,), np.uint8)
+    block.fill(byte)
+    cp.cuda.Device().synchronize()
+    del block
+
+
+def _delay_default_stream(seconds: float) -> None:
+    """Occupy the legacy default stream for ``seconds``: later work there waits behind it."""
+    cp = cupy()
+    spin = cp.RawKernel(SPIN_SOURCE, "spin")
+    with cp.cuda.Stream.null:
+        spin((1,), (1,), (np.uint64(seconds * 1e9),))
+
+
+def _forward(net: Any, images: np.ndarray, api: str) -> np.ndarray:
+    if api == "run":
+        return np.asarray(net.run(images)["prob"])
+    return np.stack([p.prob for p in net.predict(list(images))])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("api", ["run", "predict"])
+def test_a_graph_waits_for_the_weights_and_buffers_made_on_the_default_stream(
+    api: str,
+) -> None:
+    from scratchd.gpu.cuda_scratchnet import CudaScratchNet
+
+    rng, seed = fresh_rng()
+    model = _model(seed % 1000)
+    images = rng.integers(0, 256, (3, 37, 50), dtype=np.uint8)
+    want = model.prob(images)
+    _forward(CudaScratchNet(model), images, api)  # compiles every module first
+    _poison_pool(0xFF)
+    _delay_default_stream(1.5)  # far longer than building and replaying the graphs
+    got = _forward(CudaScratchNet(model), images, api)
+    assert np.all(np.isfinite(got)), f"seed={seed}: the graph read weights not yet copied"
+    diff = float(np.abs(got - want).max())
+    assert diff <= PROB_ATOL, f"seed={seed}: prob max abs diff {diff}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 17, 23), (3, 37, 50), (2, 129, 301), (5, 64, 64)])
+def test_fresh_graphs_over_poisoned_memory_give_the_same_bits(
+    shape: tuple[int, int, int],
+) -> None:
+    """Three nets, each built over a pool poisoned with another byte (NaN, 0x7e7e, zero),
+    each replayed twice: every output is the same bits, and prob is numpy's."""
+    from scratchd.gpu.cuda_scratchnet import CudaScratchNet
+
+    rng, seed = fresh_rng()
+    model = _model(seed % 1000)
+    images = rng.integers(0, 256, shape, dtype=np.uint8)
+    outs = []
+    for byte in (0xFF, 0x7E, 0x00):
+        _poison_pool(byte)
+        net = CudaScratchNet(model)
+        outs += [net.run(images), net.run(images)]
+        del net
+    first = outs[0]
+    for i, out in enumerate(outs[1:], 1):
+        for key, arr in first.items():
+            np.testing.assert_array_equal(out[key], arr, f"run {i} {key} seed={seed} {shape}")
+    diff = float(np.abs(first["prob"] - model.prob(images)).max())
+    assert diff <= PROB_ATOL, f"seed={seed} shape={shape}: prob max abs diff {diff}"
