@@ -12,6 +12,10 @@ batch to fill (a batch of 8 costs far less than 8 batches of 1 on any backend). 
   enqueued, and never past the moment when that request's deadline, less the estimated
   compute time of the batch, would be missed (its *slack*).
 
+A claim does not start a request whose deadline is nearer than the batch's expected compute
+(``expected_ns``): it could only be answered late, so it is answered ``timeout`` at once and
+costs the device nothing.
+
 The policy is pure arithmetic on numbers the queue reports (`oldest_ready`, the ready count):
 the worker loop asks :meth:`BatchPolicy.plan` and then either claims or sleeps on its
 doorbell until the returned time, waking early when a new request arrives.
@@ -77,6 +81,12 @@ class BatchPolicy:
         if wake_ns <= now_ns:
             return Plan(claim=target, wake_ns=None)
         return Plan(claim=0, wake_ns=wake_ns)
+
+    def expected_ns(self, batch_size: int) -> int:
+        """The expected compute time of a batch of ``batch_size`` (0 before any was timed):
+        a claim does not start a request with less time than this left before its deadline
+        (it could only be answered late; ``claim_batch``'s ``lead_ns``)."""
+        return int(self.per_image_ns * batch_size)
 
     def observe(self, batch_size: int, compute_ns: int) -> None:
         """Fold a finished batch's compute time into the per-image estimate."""

@@ -220,7 +220,9 @@ class WorkerLoop:
             plan = self.policy.plan(now, ready, oldest, idle=self.device_idle(now))
             if plan.claim:
                 self.claimed_ns = now
-                claims = self.queue.claim_batch(self.slot, min(plan.claim, self.limit()), now)
+                n = min(plan.claim, self.limit())
+                lead = self.policy.expected_ns(n)
+                claims = self.queue.claim_batch(self.slot, n, now, lead)
                 if claims:
                     self.take(claims)
                     continue

@@ -14,7 +14,11 @@ Per frame (see ``scratchd.protocol.wire`` for the format), in this order:
    usual; the log gets a throttled ``malformed_frame`` warning, never a traceback;
 3. resolve the part class (``daemon/frontend/admission.py``) and check the image's declared size
    (``invalid`` with a reason; ``daemon/frontend/images.py``);
-4. ``reserve()`` a descriptor; none free → ``overloaded`` at once (backpressure);
+4. weigh the request against the load (``daemon/frontend/overload.py``): ``overloaded``
+   at once (backpressure, with the reason) when its deadline cannot be met behind the work
+   queued ahead of it, or when no slot is left that its priority may take and no queued
+   request of lower priority can be shed for it; else ``reserve()`` a descriptor (after
+   shedding one, answered ``overloaded``, when that was needed);
 5. write the image into the reserved payload slot as raw greyscale: raw grey pixels are copied
    on the loop, from the frame's buffer (one memcpy: the only copy the daemon makes of
    them); encoded images (PNG/BMP/JPEG, ``decode_image``) and raw RGB (copied out of the
@@ -62,7 +66,7 @@ from typing import Final
 import msgspec
 
 from scratchd.daemon.config import Config
-from scratchd.daemon.frontend import raw_frames
+from scratchd.daemon.frontend import overload, raw_frames
 from scratchd.daemon.frontend.access import AccessGate, AccessPolicy
 from scratchd.daemon.frontend.admission import Admission, PartClasses, Refused
 from scratchd.daemon.frontend.connection import BufferPool, Connection, SlotLoan
@@ -309,13 +313,11 @@ class Acceptor:
                 raise
             self.dispatcher.reject(flight, exc.status, str(exc))
             return
-        handle = self.queue.reserve() if lent is None else lent
+        flight.deadline_ns = received_ns + admission.deadline_ms * NS_PER_MS
+        handle = self._take_slot(flight, lent)
         if handle is None:
-            slots = self.config.queue.slots
-            self.dispatcher.reject(flight, "overloaded", f"queue full: all {slots} slots in use")
             return
         flight.handle = handle
-        flight.deadline_ns = received_ns + admission.deadline_ms * NS_PER_MS
         try:
             if request.encoded is None and request.channels == 1:
                 if lent is None:
@@ -331,6 +333,40 @@ class Acceptor:
             self.dispatcher.reject(flight, "error", f"could not queue the request: {exc}")
             return
         self._start_conversion(flight, admission, request)  # its task releases the slot now
+
+    def _take_slot(self, flight: InFlight, lent: Handle | None) -> Handle | None:
+        """A slot for an admitted request, or None when it was refused ``overloaded`` here
+        (daemon/frontend/overload.py): its deadline cannot be met behind the work queued
+        ahead of it, or no slot is left that its priority may take and no request of lower
+        priority is queued to shed. ``lent``: the slot it was received into (kept, unless it
+        is refused; lent only while free slots abound, so that is a reserved-share case)."""
+        queue, limits, priority = self.queue, self.config.queue, flight.priority
+        ahead, queued, workers = queue.load_ahead(priority)
+        in_service = max(0, len(self.dispatcher.pending) - queued)
+        now = time.monotonic_ns()
+        refusal = self.dispatcher.service.refusal(
+            now, flight.deadline_ns, ahead, in_service, workers
+        )
+        if refusal is None and lent is not None:
+            if overload.place(priority, queue.free_count() + 1, limits):
+                return lent
+            refusal = overload.full_reason(priority, limits)
+        if refusal is None:
+            if overload.place(priority, queue.free_count(), limits):
+                handle = queue.reserve()
+                if handle is not None:
+                    return handle
+            shed = queue.shed(priority, overload.shed_reason(priority))
+            if shed is not None:
+                self.dispatcher.shed(shed)
+                handle = queue.reserve()
+                if handle is not None:
+                    return handle
+            refusal = overload.full_reason(priority, limits)
+        if lent is not None:
+            queue.release(lent)
+        self.dispatcher.reject(flight, "overloaded", refusal)
+        return None
 
     def _start_conversion(
         self, flight: InFlight, admission: Admission, request: wire.InferFrame
