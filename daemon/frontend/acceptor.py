@@ -352,16 +352,11 @@ class Acceptor:
                 return lent
             refusal = overload.full_reason(priority, limits)
         if refusal is None:
-            if overload.place(priority, queue.free_count(), limits):
-                handle = queue.reserve()
-                if handle is not None:
-                    return handle
-            shed = queue.shed(priority, overload.shed_reason(priority))
+            handle, shed = overload.take_slot(queue, priority, limits)
             if shed is not None:
                 self.dispatcher.shed(shed)
-                handle = queue.reserve()
-                if handle is not None:
-                    return handle
+            if handle is not None:
+                return handle
             refusal = overload.full_reason(priority, limits)
         if lent is not None:
             queue.release(lent)

@@ -32,7 +32,7 @@ from typing import Final
 
 from scratchd.daemon.config import QueueConfig
 from scratchd.ipc.layout import NS_PER_MS
-from scratchd.ipc.queue import Completion, Status
+from scratchd.ipc.queue import Completion, Handle, RequestQueue, Status
 
 SERVICE_WEIGHT: Final = 0.05
 """The newest result's share in the service-time estimate: a batch's results all carry its
@@ -91,6 +91,21 @@ def place(priority: int, free: int, queue: QueueConfig) -> bool:
     if priority >= queue.reserved_priority:
         return free >= 1
     return free > reserved_slots(queue)
+
+
+def take_slot(
+    queue: RequestQueue, priority: int, limits: QueueConfig
+) -> tuple[Handle | None, Completion | None]:
+    """A WRITTEN slot for a request of ``priority`` (None: refuse it, ``full_reason``), and
+    the request shed to make room for it, whose Completion the caller must answer."""
+    if place(priority, queue.free_count(), limits):
+        handle = queue.reserve()
+        if handle is not None:
+            return handle, None
+    shed = queue.shed(priority, shed_reason(priority))
+    if shed is None:
+        return None, None
+    return queue.reserve(), shed  # the shed request's slot is free: only this process reserves
 
 
 def shed_reason(priority: int) -> str:
