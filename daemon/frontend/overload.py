@@ -8,9 +8,10 @@ is known and before a slot is reserved, both pure arithmetic on numbers the queu
 deadline: with ``s`` the measured service time per request of one worker (an EWMA of each
 result's batch compute time over its batch size, :meth:`ServiceRate.observe`), ``W`` the
 serving workers, ``A`` the requests queued at its priority or higher (a claim takes those
-first) and ``C`` those being computed now, it would finish about
-``now + ((A + C) / W + 1) * s``. Before anything is measured nothing is refused this way (a
-daemon that has served nothing yet must not refuse everything); the two checks behind
+first) and ``C`` those being computed now (half done, on average, when a request arrives),
+it would finish about ``now + ((A + C / 2) / W + 1) * s``. Before anything is measured
+nothing is refused this way (a daemon that has served nothing yet must not refuse
+everything); the two checks behind
 admission keep the deadline anyway: a worker does not start a request that its batch would
 finish late (``claim_batch``'s ``lead_ns``), and a result that arrives late is answered
 ``timeout``, never ``ok`` (``daemon/frontend/dispatch.py``).
@@ -61,7 +62,7 @@ class ServiceRate:
     def expected_ns(self, ahead: int, in_service: int, workers: int) -> int:
         """When a request with ``ahead`` queued before it, ``in_service`` being computed and
         ``workers`` serving would finish, from now (0 while nothing is measured)."""
-        return int(((ahead + in_service) / max(1, workers) + 1) * self.per_request_ns)
+        return int(((ahead + in_service / 2) / max(1, workers) + 1) * self.per_request_ns)
 
     def refusal(
         self, now_ns: int, deadline_ns: int, ahead: int, in_service: int, workers: int

@@ -39,10 +39,10 @@ def test_the_estimate_is_the_work_ahead_spread_over_the_workers_plus_its_own() -
     rate = overload.ServiceRate()
     rate.observe(_done(40.0, 2))  # 20 ms per request of one worker
     assert rate.per_request_ns == 20 * MS
-    # 6 queued + 2 in service on 2 workers: 4 rounds, then its own: 100 ms
-    assert rate.expected_ns(6, 2, 2) == 100 * MS
-    assert rate.refusal(0, 100 * MS, 6, 2, 2) is None
-    reason = rate.refusal(0, 99 * MS, 6, 2, 2)
+    # 6 queued + 2 half-done in service on 2 workers: 3.5 rounds, then its own: 90 ms
+    assert rate.expected_ns(6, 2, 2) == 90 * MS
+    assert rate.refusal(0, 90 * MS, 6, 2, 2) is None
+    reason = rate.refusal(0, 89 * MS, 6, 2, 2)
     assert reason is not None and "cannot be served within its deadline" in reason
     assert "6 requests queued ahead" in reason and "2 workers" in reason
     assert rate.expected_ns(6, 2, 0) == rate.expected_ns(6, 2, 1)  # no worker: as if one
