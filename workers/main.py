@@ -221,6 +221,8 @@ class WorkerLoop:
             if plan.claim:
                 self.claimed_ns = now
                 n = min(plan.claim, self.limit())
+                if oldest is not None:
+                    n = self.policy.fit(n, now, oldest[1])
                 lead = self.policy.expected_ns(n)
                 claims = self.queue.claim_batch(self.slot, n, now, lead)
                 if claims:
