@@ -129,6 +129,7 @@ class Acceptor:
         self._ids = itertools.count(1)
         self._malformed = Throttle("malformed_frame", burst=5, window=60.0)
         self._decoding: set[asyncio.Task[None]] = set()
+        self.converting = [0] * wire.PRIORITIES  # images in the decode pool, by priority
         self._lingering: set[asyncio.Task[None]] = set()
         self._pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="scratchd-decode")
         self._server: asyncio.AbstractServer | None = None
@@ -342,6 +343,7 @@ class Acceptor:
         is refused; lent only while free slots abound, so that is a reserved-share case)."""
         queue, limits, priority = self.queue, self.config.queue, flight.priority
         ahead, queued, workers = queue.load_ahead(priority)
+        ahead += sum(self.converting[priority:])  # decoding now, queued before this one
         in_service = max(0, len(self.dispatcher.pending) - queued)
         now = time.monotonic_ns()
         refusal = self.dispatcher.service.refusal(
@@ -373,6 +375,12 @@ class Acceptor:
         )
         self._decoding.add(task)
         task.add_done_callback(self._decoding.discard)
+        self.converting[flight.priority] += 1  # ahead of later requests once submitted
+
+        def converted(_: object, priority: int = flight.priority) -> None:
+            self.converting[priority] -= 1
+
+        task.add_done_callback(converted)
         flight.conn.converting += 1
         task.add_done_callback(flight.conn.converted)
 

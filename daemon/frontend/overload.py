@@ -7,11 +7,11 @@ is known and before a slot is reserved, both pure arithmetic on numbers the queu
 ``overloaded`` at the door when the work queued ahead of it cannot be done before its
 deadline: with ``s`` the measured service time per request of one worker (an EWMA of each
 result's batch compute time over its batch size, :meth:`ServiceRate.observe`), ``W`` the
-serving workers, ``A`` the requests queued at its priority or higher (a claim takes those
-first) and ``C`` those being computed now (half done, on average, when a request arrives),
-it would finish about ``now + ((A + C / 2) / W + 1) * s``. Before anything is measured
-nothing is refused this way (a daemon that has served nothing yet must not refuse
-everything); the two checks behind
+serving workers, ``A`` the requests queued (or being decoded, to be queued before it) at
+its priority or higher (a claim takes those first) and ``C`` those being computed now
+(half done, on average, when a request arrives), it would finish about
+``now + ((A + C / 2) / W + 1) * s``. Before anything is measured nothing is refused this
+way (a daemon that has served nothing yet must not refuse everything); the two checks behind
 admission keep the deadline anyway: a worker does not start a request that its batch would
 finish late (``claim_batch``'s ``lead_ns``), and a result that arrives late is answered
 ``timeout``, never ``ok`` (``daemon/frontend/dispatch.py``).
