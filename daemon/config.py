@@ -101,6 +101,14 @@ class QueueConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     """How long a worker that runs out of work spins (watching the queue's ready counts) before
     it sleeps on its eventfd: a request arriving within it skips a process wake-up (tens of
     µs). Costs at most this much CPU per idle transition; 0 turns spinning off."""
+    reserved_priority: Priority = 4
+    """Requests of this priority or higher may take the reserved slots (``reserved_share``),
+    and a full queue sheds a queued request of lower priority to make room for one
+    (``daemon/frontend/overload.py``)."""
+    reserved_share: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.125
+    """The share of ``slots`` (rounded up, at most all but one) that requests below
+    ``reserved_priority`` cannot take: a normal-class flood leaves them free for the safety
+    class. 0: no reservation (shedding still protects the higher priorities)."""
 
 
 class WorkersConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

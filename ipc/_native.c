@@ -511,7 +511,11 @@ static PyObject *claim_tuple(Core *c, int32_t i) {
         (long long)F(c, i, int64_t, d_claim_ns), (unsigned long)F(c, i, uint32_t, d_attempt));
 }
 
-static PyObject *claim_body(Core *c, long slot, long pid, long max_n, long long now) {
+/* Claim up to max_n in scheduling order. A request whose deadline is <= now + lead is not
+ * started (it could not finish in time: lead is the batch's expected compute) but finished
+ * EXPIRED, answered TIMEOUT. */
+static PyObject *claim_body(Core *c, long slot, long pid, long max_n, long long now,
+                            long long lead) {
     if (slot < 0 || slot >= c->max_workers) return PyErr_Format(PyExc_IndexError, "slot %ld", slot);
     if (W(c, slot, uint8_t, w_state) != ACTIVE || W(c, slot, int32_t, w_pid) != pid) Py_RETURN_NONE;
     PyObject *claimed = PyList_New(0);
@@ -522,7 +526,7 @@ static PyObject *claim_body(Core *c, long slot, long pid, long max_n, long long 
         if (!LINK_OK(c, i)) goto fail_corrupt;
         if (ready_remove(c, i) < 0 || wheel_remove(c, i) < 0 || reach(c, "claim.unlinked") < 0)
             goto fail;
-        if (DEADLINE(c, i) <= now) {
+        if (DEADLINE(c, i) <= now + lead) {
             finish(c, i, EXPIRED, now);
             expired++;
             continue;
@@ -671,9 +675,10 @@ static PyObject *Core_claim(Core *c, PyObject *args) {
     CORE_OPEN(c);
     int held;
     long slot, pid, max_n;
-    long long now;
-    if (!PyArg_ParseTuple(args, "plllL", &held, &slot, &pid, &max_n, &now)) return NULL;
-    LOCKED(c, held, claim_body(c, slot, pid, max_n, now));
+    long long now, lead = 0;
+    if (!PyArg_ParseTuple(args, "plllL|L", &held, &slot, &pid, &max_n, &now, &lead)) return NULL;
+    if (lead < 0) return PyErr_Format(PyExc_ValueError, "lead %lld is negative", lead);
+    LOCKED(c, held, claim_body(c, slot, pid, max_n, now, lead));
 }
 
 static PyObject *Core_complete(Core *c, PyObject *args) {

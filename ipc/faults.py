@@ -23,6 +23,7 @@ point                       lock   where
 ``complete.flipped``        held   state flipped to DONE, doorbell not yet rung
 ``submit.linked``           held   (main) descriptor linked, state still WRITTEN
 ``expire.unlinked``         held   (main) due descriptors unlinked, not yet EXPIRED
+``shed.unlinked``           held   (main) the shed descriptor unlinked, still QUEUED
 ==========================  =====  ==================================================
 """
 
@@ -41,6 +42,7 @@ POINTS = frozenset(
         "complete.flipped",
         "submit.linked",
         "expire.unlinked",
+        "shed.unlinked",
     }
 )
 

@@ -3,9 +3,10 @@
 Used by the daemon's main process only (the creator, ``RequestQueue.create``): the acceptor
 reserves a descriptor, writes the image into its input slot and submits it; the dispatcher
 collects finished requests, expires due ones and frees both; a client's disconnect abandons
-its requests. The main process is the only one that moves descriptors to or from FREE, so its
-free list lives in its own memory (``QueueCore.free_list``). The order of writes of submit,
-collect and expiry is in ``ipc/queue.py``'s docstring, and so is the handshake that lets
+its requests; a full queue sheds its newest lowest-priority request for a more urgent one.
+The main process is the only one that moves descriptors to or from FREE, so its free list
+lives in its own memory (``QueueCore.free_list``). The order of writes of submit, collect
+and expiry is in ``ipc/queue.py``'s docstring, and so is the handshake that lets
 ``wait_for_completions`` spin without missing a completion.
 """
 
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from scratchd.ipc._native import Contended
-from scratchd.ipc.core import DONE, EXPIRED, FREE, QUEUED, WRITTEN, QueueCore
+from scratchd.ipc.core import ACTIVE, DONE, EXPIRED, FREE, QUEUED, WRITTEN, QueueCore
 from scratchd.ipc.layout import PRIORITIES
 from scratchd.ipc.records import (
     Completion,
@@ -98,6 +99,39 @@ class MainSide:
         """Give back a WRITTEN descriptor that will not be submitted."""
         self._core.expect(h, WRITTEN)
         self._core.make_free(h.index)
+
+    def shed(self, below_priority: int, reason: str) -> Completion | None:
+        """Make room for a request of ``below_priority``: the newest queued (not claimed)
+        request of the lowest priority under it is taken out of the queue and freed; its
+        Completion (OVERLOADED, ``reason``) is the caller's to answer. None when every queued
+        request has at least that priority: a request is never shed for one of its own
+        priority or lower.
+
+        Under the lock, and only a QUEUED descriptor: a claimed one is a worker's, and a
+        worker killed at any point of a claim leaves its descriptor either QUEUED (the
+        repair that this lock hold runs first re-links it) or CLAIMED (reclaimed later),
+        never both, so the shed request is answered exactly once, by this Completion.
+        """
+        core = self._core
+        with core.mutex:
+            dn = core.seg.descs
+            queued = np.flatnonzero((dn["state"] == QUEUED) & (dn["priority"] < below_priority))
+            if not queued.size:
+                return None
+            priorities = dn["priority"][queued]
+            lowest = queued[priorities == priorities.min()]
+            i = int(lowest[np.argmax(dn["seq"][lowest])])  # the newest: the last to be served
+            core.native.unlink(i)
+            if core.faulty:
+                core.fault.reach("shed.unlinked")
+            row = core.native.finished(i)
+            core.make_free(i)
+        _, gen, _, _, rid, conn, enqueued, part, _, _, prio, _, _, _, _ = row
+        return Completion(
+            handle=Handle(i, gen), request_id=rid, conn_id=conn, part_class=part, priority=prio,
+            status=Status.OVERLOADED, result=None, enqueue_ns=enqueued, claim_ns=0, done_ns=0,
+            worker=-1, error=reason,
+        )  # fmt: skip
 
     def abandon_connection(self, conn_id: int) -> int:
         """The client left: its queued requests are freed now, its claimed and finished ones
@@ -199,6 +233,14 @@ class MainSide:
         """FREE descriptors now (a lock-free snapshot; counts_by_state's FREE entry without
         the other states: the acceptor asks it per large frame)."""
         return int(np.count_nonzero(self._core.seg.descs["state"] == FREE))
+
+    def load_ahead(self, priority: int) -> tuple[int, int, int]:
+        """``(queued at priority >= priority, queued in all, ACTIVE workers)``: what admission
+        weighs a new request's deadline against (lock-free snapshots, one look each)."""
+        seg = self._core.seg
+        counts = seg.ready_count
+        workers = int(np.count_nonzero(seg.workers["state"] == ACTIVE))
+        return int(counts[priority:].sum()), int(counts.sum()), workers
 
     def counts_by_state(self) -> dict[DescState, int]:
         """Descriptors per state (a lock-free snapshot)."""

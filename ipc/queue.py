@@ -8,7 +8,7 @@ that calls it, all over one shared :class:`~scratchd.ipc.core.QueueCore` (layout
 - ``ipc/core.py``, every process: the views onto the segment, the mutex, the index (ready
   lists, timing wheel, done stack), the doorbells and the small steps all operations use;
 - ``ipc/main_side.py``, the **main process** (``create``; acceptor and dispatcher):
-  ``reserve``/``payload``/``submit``/``release``, ``collect_completed``,
+  ``reserve``/``payload``/``submit``/``release``, ``shed``, ``collect_completed``,
   ``wait_for_completions``, ``expire_due``, ``abandon_connection``, and the queue's views.
   It is the only process that moves descriptors to or from FREE, so its free list lives in
   its own memory;
@@ -57,8 +57,9 @@ ones (DONE / EXPIRED / FAILED) into a fresh done stack (``ipc/core.py``).
 - claim:    [lock] unlink from ready list and wheel → worker, pid, claim_ns, attempt →
             state = CLAIMED [unlock]. Killed before the state write: still QUEUED, repair
             re-links it. Killed after: CLAIMED by a dead pid, ``reclaim_worker`` requeues it.
-            A claim that meets a passed deadline pushes the descriptor on the done stack
-            and marks it EXPIRED instead (never computed).
+            A claim that meets a deadline passed, or nearer than the batch's expected
+            compute (``lead_ns``), pushes the descriptor on the done stack and marks it
+            EXPIRED instead (never computed).
 - complete: result row and mask (unlocked, the worker owns its CLAIMED descriptor) →
             [lock] re-check ownership → done_ns → push on the done stack → state = DONE
             [unlock] → ring if ``completion_armed``. Killed before the flip: still CLAIMED,
@@ -170,6 +171,7 @@ class RequestQueue:
         self.payload = main.payload
         self.submit = main.submit
         self.release = main.release
+        self.shed = main.shed
         self.abandon_connection = main.abandon_connection
         self.collect_completed = main.collect_completed
         self.wait_for_completions = main.wait_for_completions
@@ -178,6 +180,7 @@ class RequestQueue:
         self.depth_by_priority = main.depth_by_priority
         self.counters = main.counters
         self.free_count = main.free_count
+        self.load_ahead = main.load_ahead
         self.counts_by_state = main.counts_by_state
         # workers (ipc/worker_side.py)
         self.adopt_work_fd = worker.adopt_work_fd

@@ -6,9 +6,10 @@
     WRITTEN  → FREE      release                                    main     queue.py
     WRITTEN  → QUEUED    submit                                     main     queue.py
     QUEUED   → CLAIMED   claim_batch                                worker   claims.py
-    QUEUED   → EXPIRED   claim_batch meets a passed deadline        worker   claims.py
+    QUEUED   → EXPIRED   claim_batch: deadline within the lead      worker   claims.py
     QUEUED   → FREE      expire_due (answered TIMEOUT at once),     main     queue.py
-                         abandon_connection
+                         abandon_connection, shed (answered
+                         OVERLOADED at once)
     CLAIMED  → DONE      complete                                   worker   claims.py
     CLAIMED  → QUEUED    reclaim_worker: owner died, deadline ahead main     claims.py
     CLAIMED  → EXPIRED   reclaim_worker: owner died, deadline past  main     claims.py

@@ -115,18 +115,22 @@ class WorkerSide:
             core.waiting[0] = int(core.waiting[0]) & ~bit
         return core.native.ready_total() >= min_ready
 
-    def claim_batch(self, slot: int, max_n: int, now_ns: int) -> list[Claim]:
-        """Take up to ``max_n`` requests in scheduling order; late ones become EXPIRED.
+    def claim_batch(self, slot: int, max_n: int, now_ns: int, lead_ns: int = 0) -> list[Claim]:
+        """Take up to ``max_n`` requests in scheduling order. One whose deadline is no later
+        than ``now_ns + lead_ns`` is not started but becomes EXPIRED (answered TIMEOUT):
+        ``lead_ns`` is the batch's expected compute, so a request that could only finish
+        after its deadline costs no compute and takes no place in the batch.
 
         Raises QueueError if this process is not the worker registered in ``slot`` (e.g. it
         was reclaimed): such a worker must exit, not claim.
         """
         core = self._core
         pid = os.getpid()
+        args = (slot, pid, max_n, now_ns, lead_ns)
         # [lock] per request: unlink, ownership, state = CLAIMED (or EXPIRED) [unlock]
-        taken = core.native.claim(False, slot, pid, max_n, now_ns)
+        taken = core.native.claim(False, *args)
         if isinstance(taken, Contended):
-            taken = core.contended(taken, core.native.claim, slot, pid, max_n, now_ns)
+            taken = core.contended(taken, core.native.claim, *args)
         if taken is None:
             raise QueueError(f"pid {pid} is not the worker registered in slot {slot}")
         rows, expired = taken

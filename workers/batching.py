@@ -12,6 +12,11 @@ batch to fill (a batch of 8 costs far less than 8 batches of 1 on any backend). 
   enqueued, and never past the moment when that request's deadline, less the estimated
   compute time of the batch, would be missed (its *slack*).
 
+A batch is no larger than its best request's remaining time allows (``fit``: that request
+waits for its whole batch), and a claim does not start a request whose deadline is nearer
+than the batch's expected compute (``expected_ns``): it could only be answered late, so it
+is answered ``timeout`` at once and costs the device nothing.
+
 The policy is pure arithmetic on numbers the queue reports (`oldest_ready`, the ready count):
 the worker loop asks :meth:`BatchPolicy.plan` and then either claims or sleeps on its
 doorbell until the returned time, waking early when a new request arrives.
@@ -77,6 +82,20 @@ class BatchPolicy:
         if wake_ns <= now_ns:
             return Plan(claim=target, wake_ns=None)
         return Plan(claim=0, wake_ns=wake_ns)
+
+    def expected_ns(self, batch_size: int) -> int:
+        """The expected compute time of a batch of ``batch_size`` (0 before any was timed):
+        a claim does not start a request with less time than this left before its deadline
+        (it could only be answered late; ``claim_batch``'s ``lead_ns``)."""
+        return int(self.per_image_ns * batch_size)
+
+    def fit(self, batch_size: int, now_ns: int, deadline_ns: int) -> int:
+        """The largest batch, at most ``batch_size``, whose expected compute still ends by
+        ``deadline_ns`` (the best ready request's: it is claimed first and waits for its whole
+        batch), at least 1: an urgent request does not wait for neighbours it cannot afford."""
+        if self.per_image_ns <= 0.0:
+            return batch_size
+        return max(1, min(batch_size, int((deadline_ns - now_ns) // self.per_image_ns)))
 
     def observe(self, batch_size: int, compute_ns: int) -> None:
         """Fold a finished batch's compute time into the per-image estimate."""

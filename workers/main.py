@@ -218,9 +218,10 @@ class WorkerLoop:
             ready = self.queue.ready_count()
             oldest = self.queue.oldest_ready() if ready else None
             plan = self.policy.plan(now, ready, oldest, idle=self.device_idle(now))
-            if plan.claim:
+            if plan.claim and oldest is not None:  # a claim: requests are ready
                 self.claimed_ns = now
-                claims = self.queue.claim_batch(self.slot, min(plan.claim, self.limit()), now)
+                n = self.policy.fit(min(plan.claim, self.limit()), now, oldest[1])
+                claims = self.queue.claim_batch(self.slot, n, now, self.policy.expected_ns(n))
                 if claims:
                     self.take(claims)
                     continue

@@ -14,7 +14,11 @@ Per frame (see ``scratchd.protocol.wire`` for the format), in this order:
    usual; the log gets a throttled ``malformed_frame`` warning, never a traceback;
 3. resolve the part class (``daemon/frontend/admission.py``) and check the image's declared size
    (``invalid`` with a reason; ``daemon/frontend/images.py``);
-4. ``reserve()`` a descriptor; none free → ``overloaded`` at once (backpressure);
+4. weigh the request against the load (``daemon/frontend/overload.py``): ``overloaded``
+   at once (backpressure, with the reason) when its deadline cannot be met behind the work
+   queued ahead of it, or when no slot is left that its priority may take and no queued
+   request of lower priority can be shed for it; else ``reserve()`` a descriptor (after
+   shedding one, answered ``overloaded``, when that was needed);
 5. write the image into the reserved payload slot as raw greyscale: raw grey pixels are copied
    on the loop, from the frame's buffer (one memcpy: the only copy the daemon makes of
    them); encoded images (PNG/BMP/JPEG, ``decode_image``) and raw RGB (copied out of the
@@ -62,7 +66,7 @@ from typing import Final
 import msgspec
 
 from scratchd.daemon.config import Config
-from scratchd.daemon.frontend import raw_frames
+from scratchd.daemon.frontend import overload, raw_frames
 from scratchd.daemon.frontend.access import AccessGate, AccessPolicy
 from scratchd.daemon.frontend.admission import Admission, PartClasses, Refused
 from scratchd.daemon.frontend.connection import BufferPool, Connection, SlotLoan
@@ -127,6 +131,7 @@ class Acceptor:
         self._ids = itertools.count(1)
         self._malformed = Throttle("malformed_frame", burst=5, window=60.0)
         self._decoding: set[asyncio.Task[None]] = set()
+        self.converting = [0] * wire.PRIORITIES  # images in the decode pool, by priority
         self._lingering: set[asyncio.Task[None]] = set()
         self._pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="scratchd-decode")
         self._server: asyncio.AbstractServer | None = None
@@ -227,7 +232,8 @@ class Acceptor:
         self.connections.pop(conn.id, None)
         self.dispatcher.forget_connection(conn)
         self.queue.abandon_connection(conn.id)
-        self.regions.release(conn)
+        if isinstance(conn, Connection):  # only a Unix-socket client registers regions
+            self.regions.release(conn)
 
     def frame(self, conn: Connection, body: memoryview, received_ns: int) -> None:
         try:
@@ -332,13 +338,11 @@ class Acceptor:
                 raise
             self.dispatcher.reject(flight, exc.status, str(exc))
             return
-        handle = self.queue.reserve() if lent is None else lent
+        flight.deadline_ns = received_ns + admission.deadline_ms * NS_PER_MS
+        handle = self._take_slot(flight, lent)
         if handle is None:
-            slots = self.config.queue.slots
-            self.dispatcher.reject(flight, "overloaded", f"queue full: all {slots} slots in use")
             return
         flight.handle = handle
-        flight.deadline_ns = received_ns + admission.deadline_ms * NS_PER_MS
         try:
             if request.encoded is None and request.channels == 1:
                 if lent is None:
@@ -356,6 +360,36 @@ class Acceptor:
             return
         self._start_conversion(flight, admission, request)  # its task releases the slot now
 
+    def _take_slot(self, flight: InFlight, lent: Handle | None) -> Handle | None:
+        """A slot for an admitted request, or None when it was refused ``overloaded`` here
+        (daemon/frontend/overload.py): its deadline cannot be met behind the work queued
+        ahead of it, or no slot is left that its priority may take and no request of lower
+        priority is queued to shed. ``lent``: the slot it was received into (kept, unless it
+        is refused; lent only while free slots abound, so that is a reserved-share case)."""
+        queue, limits, priority = self.queue, self.config.queue, flight.priority
+        ahead, queued, workers = queue.load_ahead(priority)
+        ahead += sum(self.converting[priority:])  # decoding now, queued before this one
+        in_service = max(0, len(self.dispatcher.pending) - queued)
+        now = time.monotonic_ns()
+        refusal = self.dispatcher.service.refusal(
+            now, flight.deadline_ns, ahead, in_service, workers
+        )
+        if refusal is None and lent is not None:
+            if overload.place(priority, queue.free_count() + 1, limits):
+                return lent
+            refusal = overload.full_reason(priority, limits)
+        if refusal is None:
+            handle, shed = overload.take_slot(queue, priority, limits)
+            if shed is not None:
+                self.dispatcher.shed(shed)
+            if handle is not None:
+                return handle
+            refusal = overload.full_reason(priority, limits)
+        if lent is not None:
+            queue.release(lent)
+        self.dispatcher.reject(flight, "overloaded", refusal)
+        return None
+
     def _start_conversion(
         self, flight: InFlight, admission: Admission, request: wire.InferFrame
     ) -> None:
@@ -366,6 +400,12 @@ class Acceptor:
         )
         self._decoding.add(task)
         task.add_done_callback(self._decoding.discard)
+        self.converting[flight.priority] += 1  # ahead of later requests once submitted
+
+        def converted(_: object, priority: int = flight.priority) -> None:
+            self.converting[priority] -= 1
+
+        task.add_done_callback(converted)
         flight.conn.converting += 1
         task.add_done_callback(flight.conn.converted)
 

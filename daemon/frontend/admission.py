@@ -6,8 +6,8 @@ class's. What cannot be served as sent is
 :class:`~scratchd.daemon.frontend.images.Invalid`, which the
 acceptor turns into ``Refused("invalid", message)`` (the message goes back to the client in
 an ``invalid`` reply); its other refusals at the door (draining, the per-connection limit)
-are :class:`Refused` with status ``overloaded``. A full queue is not one of them: the
-acceptor answers that itself when ``reserve()`` finds no free slot.
+are :class:`Refused` with status ``overloaded``. The load is not one of them: the
+acceptor weighs that when it takes a slot (``daemon/frontend/overload.py``).
 """
 
 from __future__ import annotations

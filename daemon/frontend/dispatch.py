@@ -14,6 +14,11 @@ Every request the acceptor enqueues is recorded here under its queue handle
   timer is always due by the earliest deadline; a worker's completion can only make the
   earliest deadline later, so the doorbell's ``collect`` never takes the queue lock to ask.
 
+Deadlines hold: a result that reaches the dispatcher after its request's deadline is
+answered ``timeout`` ("finished … ms after its deadline"), never ``ok``; the check and the
+reply's ``total_ms`` read the same clock reading, and the reply is written in the same turn.
+The accountant tells such a reply by its completion's status (``OK``) and counts it apart.
+
 Exactly once: a reply is sent only by :meth:`Dispatcher.answer`, and a queued request only
 after its entry is *popped* from the table, so a completion that shows up twice (say, from
 both a reclaim and a collect) or for a connection already gone is dropped, never re-sent.
@@ -30,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Protocol
 
+from scratchd.daemon.frontend.overload import ServiceRate
 from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Completion, Handle, RequestQueue, Status
 from scratchd.protocol import wire
@@ -93,6 +99,7 @@ class Dispatcher:
         self.account = account
         self.worker_name = worker_name
         self.pending: dict[Handle, InFlight] = {}
+        self.service = ServiceRate()  # what admission weighs deadlines against (overload.py)
         self.idle = asyncio.Event()
         self.idle.set()
         self._loop = asyncio.get_running_loop()
@@ -130,6 +137,11 @@ class Dispatcher:
         flight.conn.in_queue.add(flight.handle)
         self.idle.clear()
         self._arm_at(flight.deadline_ns)
+
+    def shed(self, completion: Completion) -> None:
+        """Answer a request the queue shed (``RequestQueue.shed``: already out of the queue)."""
+        self._finish(completion)
+        self._note_idle()
 
     def forget_connection(self, conn: Peer) -> int:
         """A client left: drop its entries (the queue frees their slots). Returns how many."""
@@ -176,6 +188,7 @@ class Dispatcher:
         self._timer = self._loop.call_at(self._loop.time() + (at - now) / 1e9, self._on_timer)
 
     def _finish(self, completion: Completion) -> None:
+        self.service.observe(completion)
         flight = self.pending.pop(completion.handle, None)
         if flight is None:
             return  # its client left (abandoned) or it was answered already
@@ -195,6 +208,12 @@ class Dispatcher:
         # out still records its dead owner's slot).
         worker = self.worker_name(c.worker) if result is not None and c.worker >= 0 else None
         status = STATUS_NAMES.get(c.status, "error")
+        if status == "ok" and now > flight.deadline_ns:
+            late_ms = (now - flight.deadline_ns) / NS_PER_MS
+            reason = f"finished {late_ms:.1f} ms after its deadline"
+            return wire.Reply(
+                id=flight.request_id, status="timeout", timings=timings, worker=worker, error=reason
+            )
         if status != "ok" or result is None:
             reason = (result.error if result is not None else "") or c.error or _REASONS[status]
             return wire.Reply(

@@ -13,6 +13,7 @@ main process with the result:
 | name                                  | type      | labels              | source            |
 |---------------------------------------|-----------|---------------------|-------------------|
 | scratchd_requests_total               | counter   | part_class, status  | observe_reply     |
+| scratchd_late_results_total           | counter   | part_class          | observe_late (7)  |
 | scratchd_request_duration_seconds     | histogram | part_class          | observe_reply (1) |
 | scratchd_request_p99_seconds          | gauge     | part_class          | sliding window (2)|
 | scratchd_queue_wait_seconds           | histogram | priority            | observe_reply (3) |
@@ -41,6 +42,10 @@ main process with the result:
 (6) Always 1: the package version and the model version the workers serve (it changes
     with a reload), to join on (``* on (instance) group_left(model) scratchd_build_info``).
     The ``process_*`` series are the client library's standard ones for the main process.
+(7) Requests a worker computed that reached the dispatcher after their deadline: answered
+    ``timeout`` (never a late ``ok``), so also in scratchd_requests_total{status="timeout"};
+    this tells computed-but-late ones (the device's work wasted) from those that expired
+    while queued.
 
 Label values are bounded so a hostile client cannot grow the registry: `part_class` is one
 of the configured classes or `other`, `status` one of the five reply statuses, `priority`
@@ -296,6 +301,11 @@ class Metrics:
             "scratchd_requests_total", "Requests answered, by part class and reply status.",
             ["part_class", "status"], registry=r,
         )  # fmt: skip
+        self.late = Counter(
+            "scratchd_late_results_total",
+            "Requests computed but finished after their deadline (answered timeout).",
+            ["part_class"], registry=r,
+        )  # fmt: skip
         self.duration = Histogram(
             "scratchd_request_duration_seconds",
             "Time from accept to reply of requests that went through the queue.",
@@ -321,6 +331,7 @@ class Metrics:
         self._request_children: dict[tuple[str, str], Counter] = {
             (c, s): self.requests.labels(c, s) for c in self.part_classes for s in STATUSES
         }
+        self._late_children = {c: self.late.labels(c) for c in self.part_classes}
         self._wait_children = {p: self.queue_wait.labels(str(p)) for p in range(PRIORITIES)}
         self._batch_children: dict[str, tuple[Histogram, Histogram]] = {}  # by device
         for device in devices:
@@ -357,6 +368,10 @@ class Metrics:
             self._latency[label].add(now, total_s)
         if queue_wait_s is not None and priority is not None and 0 <= priority < PRIORITIES:
             self._wait_children[priority].observe(max(queue_wait_s, 0.0))
+
+    def observe_late(self, part_class: str) -> None:
+        """A request computed but finished after its deadline (its reply: ``timeout``)."""
+        self._late_children[self.class_label(part_class)].inc()
 
     def observe_batch(
         self, *, worker: str, device: str, batch_key: Hashable, batch_size: int, compute_s: float

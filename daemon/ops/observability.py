@@ -44,7 +44,7 @@ from scratchd.daemon.ops.drift import DriftMonitor, EntropyMonitor
 from scratchd.daemon.ops.health import HealthServer, Readiness, ReadinessInput
 from scratchd.daemon.ops.metrics import CONTENT_TYPE, Metrics
 from scratchd.daemon.pool.supervisor import Supervisor
-from scratchd.ipc.queue import Completion, RequestQueue
+from scratchd.ipc.queue import Completion, RequestQueue, Status
 from scratchd.model.scratchnet import ModelError, read_meta
 from scratchd.protocol import wire
 from scratchd.protocol.log import Throttle, log_event
@@ -137,6 +137,8 @@ class Observability:
         )
         if completion is None or completion.worker < 0:
             return
+        if reply.status == "timeout" and completion.status == Status.OK:
+            self.metrics.observe_late(flight.part_class)  # the dispatcher's late result
         result = completion.result
         if result is None:
             return

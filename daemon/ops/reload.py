@@ -61,6 +61,8 @@ LIVE_KEYS: Final = frozenset(
         "server.max_region_bytes",
         "queue.max_queue_delay_ms",
         "queue.max_batch",
+        "queue.reserved_priority",
+        "queue.reserved_share",
         "workers.cpu_max_batch",
         "workers.heartbeat_ms",
         "workers.hang_timeout_ms",

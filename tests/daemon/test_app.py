@@ -141,7 +141,8 @@ def test_a_full_queue_answers_overloaded_at_once(daemon: DaemonProcess) -> None:
         statuses[reply.status] += 1
         if reply.status == "overloaded":
             assert reply.worker is None and "queue full" in reply.error
-    assert statuses["overloaded"] > 0 and statuses["ok"] >= 16
+    # 16 slots, 2 of them reserved for priority >= 4 (queue.reserved_share): 14 for these
+    assert statuses["overloaded"] > 0 and statuses["ok"] >= 14
     assert statuses["ok"] + statuses["overloaded"] == n
     conn.close()
 
@@ -158,9 +159,11 @@ def test_requests_past_their_deadline_time_out_without_reaching_a_worker(
         conn.send(build_request(i, frame, deadline_ms=1))
     replies = [conn.receive() for _ in range(16)]
     late = {r.id: r for r in replies if isinstance(r, wire.Reply) and r.id >= 100}
-    timed_out = [r for r in late.values() if r.status == "timeout"]
-    assert len(late) == 8 and len(timed_out) >= 6
-    for reply in timed_out:
+    # answered timeout in the queue, or refused at the door once the service rate is
+    # measured (daemon/frontend/overload.py: 1 ms cannot hold the work ahead)
+    unserved = [r for r in late.values() if r.status in ("timeout", "overloaded")]
+    assert len(late) == 8 and len(unserved) >= 6
+    for reply in unserved:
         assert reply.worker is None and reply.timings.compute_ms == 0.0
         assert "deadline" in reply.error
     conn.close()
@@ -244,12 +247,14 @@ def test_clients_that_disconnect_give_their_slots_back(
     while (status := daemon.status()).queue.in_use and time.monotonic() < deadline:
         time.sleep(0.05)
     assert status.queue.in_use == 0 and status.queue.in_flight == 0
-    # all 16 slots are usable again
+    # all 16 slots are usable again (by priority 7: the reserved ones too)
     conn = RawConnection(daemon.socket)
     for i in range(16):
-        conn.send(build_request(i, np.zeros((16, 16), np.uint8)))
+        conn.send(build_request(i, np.zeros((16, 16), np.uint8), priority=7))
     replies = [conn.receive() for _ in range(16)]
-    assert {r.status for r in replies if isinstance(r, wire.Reply)} == {"ok"}
+    assert {r.status for r in replies if isinstance(r, wire.Reply)} == {"ok"}, [
+        r.error for r in replies if isinstance(r, wire.Reply)
+    ]
     conn.close()
 
 
@@ -268,7 +273,9 @@ def test_sigterm_answers_everything_accepted_then_leaves_no_shared_memory(
         d.proc.send_signal(signal.SIGTERM)
         replies = [conn.receive() for _ in images]
         assert sorted(r.id for r in replies) == list(range(len(images)))
-        assert {r.status for r in replies if isinstance(r, wire.Reply)} == {"ok"}
+        assert {r.status for r in replies if isinstance(r, wire.Reply)} == {"ok"}, [
+            r.error for r in replies if isinstance(r, wire.Reply)
+        ]
         assert d.proc.wait(60) == 0
         assert not d.shm_path.exists()
         assert not Path(d.socket).exists()

@@ -70,3 +70,21 @@ def test_a_standby_mapping_takes_a_slots_doorbell_when_handed_one(queue: Request
         assert claim.request_id == 1
     finally:
         standby.close()
+
+
+def test_a_claim_does_not_start_a_request_that_its_batch_would_finish_late(
+    queue: RequestQueue,
+) -> None:
+    """``lead_ns`` (the batch's expected compute): a request with less time left than that
+    is answered TIMEOUT at once and leaves its place in the batch to one that can make it."""
+    now = time.monotonic_ns()
+    submit(queue, 1, deadline_ns=now + 5_000_000)  # 5 ms left: less than the lead
+    submit(queue, 2, deadline_ns=now + 50_000_000)  # 50 ms left: enough
+    submit(queue, 3, deadline_ns=now + 60_000_000)
+    queue.register_worker(0, os.getpid())
+    claims = queue.claim_batch(0, 2, now, lead_ns=20_000_000)
+    assert [c.request_id for c in claims] == [2, 3]
+    (late,) = queue.collect_completed()
+    assert (late.request_id, late.status, late.result) == (1, Status.TIMEOUT, None)
+    with pytest.raises(ValueError, match="negative"):
+        queue.claim_batch(0, 1, now, lead_ns=-1)

@@ -97,3 +97,25 @@ def test_bad_parameters_are_refused() -> None:
         BatchPolicy(0, 1)
     with pytest.raises(ValueError, match="max_delay_ns"):
         BatchPolicy(1, -1)
+
+
+@given(
+    batch=st.integers(1, 16),
+    per_image_ms=st.floats(0.5, 500.0),
+    left_ms=st.floats(-100.0, 5000.0),
+)
+def test_a_batch_fits_its_best_requests_remaining_time(
+    batch: int, per_image_ms: float, left_ms: float
+) -> None:
+    """``fit``: at least one request, at most ``batch``, and more than one only while the
+    batch's expected compute still ends by the best request's deadline; ``expected_ns`` is
+    that compute (the claim's lead)."""
+    policy = BatchPolicy(max_batch=16, max_delay_ns=0)
+    assert policy.fit(batch, 0, int(left_ms * NS_PER_MS)) == batch  # nothing measured yet
+    assert policy.expected_ns(batch) == 0
+    policy.observe(1, int(per_image_ms * NS_PER_MS))
+    n = policy.fit(batch, 0, int(left_ms * NS_PER_MS))
+    assert 1 <= n <= batch
+    assert n == 1 or policy.expected_ns(n) <= left_ms * NS_PER_MS
+    if n < batch:
+        assert (n + 1) * policy.per_image_ns > int(left_ms * NS_PER_MS)  # one more would not fit

@@ -13,7 +13,7 @@ import pytest
 
 from scratchd.daemon.frontend.dispatch import Dispatcher, InFlight
 from scratchd.ipc.layout import NS_PER_MS
-from scratchd.ipc.queue import Completion, Geometry, RequestQueue
+from scratchd.ipc.queue import Completion, Geometry, RequestQueue, Result, Status
 from scratchd.protocol import wire
 
 
@@ -86,3 +86,43 @@ def test_an_earlier_deadline_queued_later_is_answered_by_its_own_deadline(
     assert deadlines[2] - NS_PER_MS <= first_at < deadlines[1]
     assert second_at >= deadlines[1]
     assert sorted(rid for rid, _, _ in accounted) == [1, 2]  # each accounted exactly once
+
+
+def test_a_result_that_arrives_after_its_deadline_is_answered_timeout_not_ok(
+    queue: RequestQueue,
+) -> None:
+    """Deadlines hold: a worker's ``ok`` that reaches the dispatcher past the request's
+    deadline goes out as ``timeout`` (saying by how much it was late); one in time as ``ok``.
+    Each is accounted once, with the worker's completion, so metrics can count it as late."""
+    accounted: list[tuple[int, str, Completion | None]] = []
+
+    async def scenario() -> FakeConn:
+        dispatcher = Dispatcher(
+            queue, NS_PER_MS, lambda f, r, c: accounted.append((f.request_id, r.status, c)),
+            lambda _: "w0",
+        )  # fmt: skip
+        dispatcher.start()
+        conn = FakeConn()
+        queue.register_worker(0, os.getpid())
+        try:
+            late_deadline = _enqueue(dispatcher, conn, 1, 50)
+            _enqueue(dispatcher, conn, 2, 60_000)
+            claims = queue.claim_batch(0, 2, time.monotonic_ns())
+            assert [c.request_id for c in claims] == [1, 2]
+            while time.monotonic_ns() <= late_deadline:  # the "compute" outlasts the deadline
+                await asyncio.sleep(0.01)
+            for c in claims:
+                assert queue.complete(0, c, Result(Status.OK, score=0.5))
+            await asyncio.wait_for(dispatcher.idle.wait(), 5.0)
+        finally:
+            dispatcher.stop()
+        return conn
+
+    conn = asyncio.run(scenario())
+    replies = {reply.id: reply for _, reply in conn.sent}
+    assert len(conn.sent) == 2
+    assert replies[1].status == "timeout" and "after its deadline" in replies[1].error
+    assert replies[1].timings.total_ms > 50  # the reply says when, the deadline was 50 ms
+    assert replies[2].status == "ok" and replies[2].timings.total_ms <= 60_000
+    statuses = {rid: (status, c.status if c else None) for rid, status, c in accounted}
+    assert statuses == {1: ("timeout", Status.OK), 2: ("ok", Status.OK)}

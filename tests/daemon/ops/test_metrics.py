@@ -17,6 +17,7 @@ from scratchd.daemon.ops.metrics import DURATION_BUCKETS, STATUSES, Metrics
 # docs/design.md, "Metrics": name -> (type, labels). The contract dashboards and alerts rely on.
 TABLE = {
     "scratchd_requests_total": ("counter", {"part_class", "status"}),
+    "scratchd_late_results_total": ("counter", {"part_class"}),
     "scratchd_request_duration_seconds": ("histogram", {"part_class"}),
     "scratchd_request_p99_seconds": ("gauge", {"part_class"}),
     "scratchd_queue_wait_seconds": ("histogram", {"priority"}),

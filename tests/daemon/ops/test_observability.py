@@ -179,6 +179,23 @@ def test_account_feeds_drift_and_entropy_from_ok_results_only(
     assert fields["drift"].samples == 2 and fields["entropy"].bits == 0.25
 
 
+def test_a_computed_result_answered_timeout_is_counted_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dispatcher answers a result past its deadline ``timeout``; its completion is
+    ``OK``: counted in ``scratchd_late_results_total`` and as a timeout, while a request
+    that expired in the queue is a timeout only."""
+    obs = _obs(monkeypatch)
+    ok = Result(Status.OK, compute_ns=2_000_000, batch_size=1)
+    timings = Timings(queue_ms=1.0, total_ms=5.0)
+    reply = Reply(id=1, status="timeout", timings=timings, worker="cpu0")
+    obs.account(_flight(1), reply, _completion(1, Status.OK, ok))
+    obs.account(_flight(2), Reply(id=2, status="timeout"), _completion(2, Status.TIMEOUT, None))
+    text = obs.metrics.exposition().decode()
+    assert 'scratchd_late_results_total{part_class="normal"} 1.0' in text
+    assert 'scratchd_requests_total{part_class="normal",status="timeout"} 2.0' in text
+
+
 def test_status_names_the_views_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
     """``model.views`` when configured, else the model file's own (read from its metadata)."""
     monkeypatch.setenv("SCRATCHD_NO_METRICS", "")

@@ -1,0 +1,123 @@
+"""Overload: which requests the queue still takes, and which it makes room for.
+
+Two rules, applied by the acceptor (``daemon/frontend/acceptor.py``) after a request's class
+is known and before a slot is reserved, both pure arithmetic on numbers the queue reports:
+
+**Deadlines that can be met** (:meth:`ServiceRate.refusal`). A request is refused
+``overloaded`` at the door when the work queued ahead of it cannot be done before its
+deadline: with ``s`` the measured service time per request of one worker (an EWMA of each
+result's batch compute time over its batch size, :meth:`ServiceRate.observe`), ``W`` the
+serving workers, ``A`` the requests queued (or being decoded, to be queued before it) at
+its priority or higher (a claim takes those first) and ``C`` those being computed now
+(half done, on average, when a request arrives), it would finish about
+``now + ((A + C / 2) / W + 1) * s``. Before anything is measured nothing is refused this
+way (a daemon that has served nothing yet must not refuse everything); the two checks behind
+admission keep the deadline anyway: a worker does not start a request that its batch would
+finish late (``claim_batch``'s ``lead_ns``), and a result that arrives late is answered
+``timeout``, never ``ok`` (``daemon/frontend/dispatch.py``).
+
+**Priority protection** (:func:`place`). The last ``reserved`` free slots
+(``ceil(queue.slots * queue.reserved_share)``, at most all but one) are only for requests of
+``queue.reserved_priority`` or higher. A request that finds no slot it may take makes room by
+shedding the newest queued (not yet claimed) request of the lowest priority below its own,
+which is answered ``overloaded`` (``RequestQueue.shed``); with none below it, it is refused
+itself. So a flood of one priority never squeezes out a higher one, and a request is never
+shed for one of its own priority or lower.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Final
+
+from scratchd.daemon.config import QueueConfig
+from scratchd.ipc.layout import NS_PER_MS
+from scratchd.ipc.queue import Completion, Handle, RequestQueue, Status
+
+SERVICE_WEIGHT: Final = 0.05
+"""The newest result's share in the service-time estimate: a batch's results all carry its
+time, so a few dozen results make the estimate (a few batches per worker)."""
+
+
+@dataclass
+class ServiceRate:
+    """The measured service time per request of one worker (ns; 0.0: nothing measured)."""
+
+    per_request_ns: float = 0.0
+
+    def observe(self, completion: Completion) -> None:
+        """Fold a computed result in (the dispatcher calls this for every completion)."""
+        result = completion.result
+        if completion.status != Status.OK or result is None or result.batch_size <= 0:
+            return
+        if result.compute_ns <= 0:
+            return
+        sample = result.compute_ns / result.batch_size
+        if self.per_request_ns == 0.0:
+            self.per_request_ns = sample
+        else:
+            self.per_request_ns += SERVICE_WEIGHT * (sample - self.per_request_ns)
+
+    def expected_ns(self, ahead: int, in_service: int, workers: int) -> int:
+        """When a request with ``ahead`` queued before it, ``in_service`` being computed and
+        ``workers`` serving would finish, from now (0 while nothing is measured)."""
+        return int(((ahead + in_service / 2) / max(1, workers) + 1) * self.per_request_ns)
+
+    def refusal(
+        self, now_ns: int, deadline_ns: int, ahead: int, in_service: int, workers: int
+    ) -> str | None:
+        """Why a request due at ``deadline_ns`` cannot be served in time, or None."""
+        if self.per_request_ns == 0.0:
+            return None
+        expected = self.expected_ns(ahead, in_service, workers)
+        if now_ns + expected <= deadline_ns:
+            return None
+        left_ms = max(0, deadline_ns - now_ns) / NS_PER_MS
+        return (
+            f"cannot be served within its deadline: {ahead} requests queued ahead and "
+            f"{in_service} in service on {max(1, workers)} workers need about "
+            f"{expected / NS_PER_MS:.0f} ms, {left_ms:.0f} ms are left"
+        )
+
+
+def reserved_slots(queue: QueueConfig) -> int:
+    """Slots only requests of ``reserved_priority`` or higher may take."""
+    return min(queue.slots - 1, math.ceil(queue.slots * queue.reserved_share))
+
+
+def place(priority: int, free: int, queue: QueueConfig) -> bool:
+    """Whether a request of ``priority`` may take one of ``free`` slots (else it must shed a
+    lower-priority request or be refused)."""
+    if priority >= queue.reserved_priority:
+        return free >= 1
+    return free > reserved_slots(queue)
+
+
+def take_slot(
+    queue: RequestQueue, priority: int, limits: QueueConfig
+) -> tuple[Handle | None, Completion | None]:
+    """A WRITTEN slot for a request of ``priority`` (None: refuse it, ``full_reason``), and
+    the request shed to make room for it, whose Completion the caller must answer."""
+    if place(priority, queue.free_count(), limits):
+        handle = queue.reserve()
+        if handle is not None:
+            return handle, None
+    shed = queue.shed(priority, shed_reason(priority))
+    if shed is None:
+        return None, None
+    return queue.reserve(), shed  # the shed request's slot is free: only this process reserves
+
+
+def shed_reason(priority: int) -> str:
+    return f"queue full: shed to make room for a priority {priority} request"
+
+
+def full_reason(priority: int, queue: QueueConfig) -> str:
+    if priority >= queue.reserved_priority:
+        return f"queue full: all {queue.slots} slots in use, none queued below priority {priority}"
+    reserved = reserved_slots(queue)
+    return (
+        f"queue full for priority {priority}: no slot free beyond the {reserved} reserved "
+        f"for priority {queue.reserved_priority} or higher, none of lower priority to shed"
+    )
