@@ -63,6 +63,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     frame_timeout_ms: Positive = 30_000
     """A frame's body must arrive within this time of its length prefix, or the connection
     is answered ``invalid`` and closed (a stalled sender must not hold memory and a slot)."""
+    receive_budget_mb: Positive = 256
+    """Memory (MiB) that frames still being received may hold, all connections together: a
+    frame's buffer grows as its bytes arrive, and beyond this budget a connection stops
+    reading until other frames finish (``daemon/frontend/buffers.py``). Read at start only."""
     http_max_connections: Positive = 64
     """Open connections at most on each of the health and metrics listeners; one more is
     answered 503 and closed (probes and scrapers need a few; a flood must not take the

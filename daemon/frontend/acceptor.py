@@ -65,7 +65,8 @@ from scratchd.daemon.config import Config
 from scratchd.daemon.frontend import raw_frames
 from scratchd.daemon.frontend.access import AccessGate, AccessPolicy
 from scratchd.daemon.frontend.admission import Admission, PartClasses, Refused
-from scratchd.daemon.frontend.connection import BufferPool, Connection, SlotLoan
+from scratchd.daemon.frontend.buffers import BufferPool, ReceiveBudget
+from scratchd.daemon.frontend.connection import Connection, SlotLoan
 from scratchd.daemon.frontend.dispatch import Dispatcher, InFlight
 from scratchd.daemon.frontend.images import (
     Invalid,
@@ -115,6 +116,7 @@ class Acceptor:
         self.max_frame = 3 * config.queue.slot_bytes + wire.MAX_FRAME_OVERHEAD
         self.frame_timeout_s = config.server.frame_timeout_ms / 1000.0
         self.pool = BufferPool()
+        self.budget = ReceiveBudget(config.server.receive_budget_mb * 1024 * 1024)
         threads = config.server.receive_threads
         self.receiver = ReceivePool(threads) if threads else None
         self.lent = 0  # payload slots lent to connections receiving pixels into them
