@@ -15,7 +15,12 @@ An image is a path (its bytes are sent encoded: PNG, BMP or JPEG), encoded ``byt
 uint8 numpy array ``(H, W)`` (grey) or ``(H, W, 3)`` (RGB) sent raw. Replies are
 ``scratchd.protocol.wire.Reply``; ``unpack_mask(reply)`` gives the mask as a 0/255 array.
 Failures of the daemon are replies with a status, not exceptions; a lost connection raises
-``ConnectionError`` for every request still in flight.
+``ConnectionError`` for every request still in flight. Both clients send a ``ping`` as they
+connect, so the daemon counts them as having spoken and never closes them to make room for
+others however long they stay idle. A reply with id 0 is addressed to the connection, not to
+a request: ``error`` refuses it (not on the allow-list, too many connections), which raises
+``ConnectionError`` with the daemon's reason at once; any other is the reason the daemon is
+about to close it, named by the ``ConnectionError`` that follows.
 
 An array's pixels are copied once on their way to the socket: ``request_frame`` encodes them
 straight from the array into the frame (a view of the array stands for ``pixels``, which
@@ -158,7 +163,9 @@ class AsyncClient:
         self._ids = itertools.count(1)
         self._spare: bytearray | None = None  # the last frame, all of it sent: reused
         self._waiting: dict[int, asyncio.Future[wire.DaemonMessage]] = {}
+        self._closed_by = f"scratchd at {path}: the connection is closed"
         self._receiver = asyncio.get_running_loop().create_task(self._receive())
+        writer.write(wire.encode_frame(wire.Ping(id=next(self._ids))))  # its pong is dropped
 
     @classmethod
     async def connect(cls, path: str | None = None, timeout: float | None = None) -> AsyncClient:
@@ -215,7 +222,7 @@ class AsyncClient:
         self, request_id: int, frame: bytearray, timeout: float | None, reuse: bool = False
     ) -> wire.DaemonMessage:
         if self._receiver.done():
-            raise ConnectionError(f"scratchd at {self.path}: the connection is closed")
+            raise ConnectionError(self._closed_by)
         future: asyncio.Future[wire.DaemonMessage] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
         try:
@@ -233,19 +240,28 @@ class AsyncClient:
 
     async def _receive(self) -> None:
         error: BaseException = ConnectionError(f"scratchd at {self.path} closed the connection")
+        said = ""  # the daemon's reason for closing, from a reply with id 0
         try:
             while True:
                 prefix = await self._reader.readexactly(wire.PREFIX_BYTES)
                 body = await self._reader.readexactly(wire.frame_length(prefix))
                 message = wire.decode_daemon_message(body)
+                if message.id == 0 and isinstance(message, Reply):  # to the connection
+                    said = f": {message.error}"
+                    error = ConnectionError(f"scratchd at {self.path} closed the connection{said}")
+                    if message.status == "error":  # refused: every call fails with the reason
+                        error = ConnectionError(f"scratchd at {self.path}{said}")
+                        return
+                    continue
                 future = self._waiting.get(message.id)
                 if future is not None and not future.done():
                     future.set_result(message)
         except (asyncio.IncompleteReadError, OSError) as exc:
-            error = ConnectionError(f"scratchd at {self.path}: connection lost: {exc}")
+            error = ConnectionError(f"scratchd at {self.path}: connection lost: {exc}{said}")
         except wire.DecodeError as exc:
             error = ConnectionError(f"scratchd at {self.path} sent an undecodable reply: {exc}")
         finally:
+            self._closed_by = str(error)
             for future in self._waiting.values():
                 if not future.done():
                     future.set_exception(error)
@@ -299,6 +315,9 @@ class Client:
         self._prefix = bytearray(wire.PREFIX_BYTES)  # the frame being read, kept across calls
         self._body: bytearray | None = None
         self._got = 0
+        self._said = ""  # the daemon's reason for closing, from a reply with id 0
+        with contextlib.suppress(OSError):  # a refusal is read by the first call
+            self._sock.sendall(wire.encode_frame(wire.Ping(id=next(self._ids))))
 
     def infer(
         self,
@@ -422,7 +441,12 @@ class Client:
             self._body, self._got = bytearray(length), 0
         self._fill(self._body, deadline)
         body, self._body, self._got = self._body, None, 0
-        return wire.decode_daemon_message(body)  # from the buffer as it is: no copy
+        message = wire.decode_daemon_message(body)  # from the buffer as it is: no copy
+        if message.id == 0 and isinstance(message, Reply):  # to the connection
+            self._said = f": {message.error}"
+            if message.status == "error":  # refused
+                raise ConnectionError(f"scratchd at {self.path}{self._said}")
+        return message
 
     def _fill(self, buf: bytearray, deadline: float | None) -> None:
         view = memoryview(buf)
@@ -433,7 +457,7 @@ class Client:
             except OSError as exc:
                 raise self._named(exc) from None
             if k == 0:
-                raise ConnectionError(f"scratchd at {self.path} closed the connection")
+                raise ConnectionError(f"scratchd at {self.path} closed the connection{self._said}")
             self._got += k
         self._got = 0
 

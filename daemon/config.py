@@ -60,6 +60,15 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_connections: Positive = 1024
     """Open client connections at most; one more gets an ``error`` reply and is closed
     (a peer opening connections in a loop must not exhaust the daemon's descriptors)."""
+    max_connections_per_uid: Positive = 512
+    """Open client connections of one user (the peer's uid) at most: one local user cannot
+    take every place (``daemon/frontend/places.py``)."""
+    max_connections_per_pid: Positive = 256
+    """Open client connections of one process (the peer's pid) at most."""
+    first_frame_timeout_ms: Positive = 1_000
+    """A connection that has sent no complete frame for this long since connecting may be
+    closed to make room, only when a newcomer finds a connection cap full (an idle gateway
+    is never closed otherwise; one that has sent a frame never)."""
     frame_timeout_ms: Positive = 30_000
     """A frame's body must arrive within this time of its length prefix, or the connection
     is answered ``invalid`` and closed (a stalled sender must not hold memory and a slot)."""

@@ -63,7 +63,7 @@ import msgspec
 
 from scratchd.daemon.config import Config
 from scratchd.daemon.frontend import raw_frames
-from scratchd.daemon.frontend.access import AccessGate, AccessPolicy
+from scratchd.daemon.frontend.access import AccessGate, AccessPolicy, peer_ids
 from scratchd.daemon.frontend.admission import Admission, PartClasses, Refused
 from scratchd.daemon.frontend.buffers import BufferPool, ReceiveBudget
 from scratchd.daemon.frontend.connection import Connection, SlotLoan
@@ -74,6 +74,7 @@ from scratchd.daemon.frontend.images import (
     convert_into,
     write_raw_grey,
 )
+from scratchd.daemon.frontend.places import UNKNOWN, Caps, Places
 from scratchd.daemon.frontend.receiver import ReceivePool
 from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Handle, RequestQueue
@@ -124,6 +125,9 @@ class Acceptor:
         self.connections: dict[int, Connection] = {}
         self.classes = PartClasses(config)
         self.gate = AccessGate.from_config(config.server.allowed_uids, config.server.allowed_gids)
+        self.places: Places[Connection] = Places(_caps(config))
+        self._full = Throttle("connections_full", burst=5, window=60.0)
+        self._evicted = Throttle("silent_connection_closed", burst=5, window=60.0)
         self._ids = itertools.count(1)
         self._malformed = Throttle("malformed_frame", burst=5, window=60.0)
         self._decoding: set[asyncio.Task[None]] = set()
@@ -182,13 +186,31 @@ class Acceptor:
 
     def opened(self, conn: Connection) -> str | None:
         """Register ``conn``; None to serve it, else why it is refused (not on the
-        allow-list, or one connection too many)."""
+        allow-list, or a connection cap is full and no silent connection makes room:
+        ``daemon/frontend/places.py``)."""
         self.connections[conn.id] = conn
         refusal = self.gate.admit(conn.socket())
-        if refusal is None:
-            limit = self.config.server.max_connections
-            refusal = self.gate.over_capacity(len(self.connections), limit)
-        return refusal
+        if refusal is not None:
+            return refusal
+        uid, pid = peer_ids(conn.socket()) or (UNKNOWN, UNKNOWN)
+        decision = self.places.open(conn, uid, pid, time.monotonic())
+        for victim in decision.evict:
+            self._evict(victim)
+        if decision.refusal is not None:
+            self.gate.over_limit += 1
+            self._full.log(logging.WARNING, uid=uid, pid=pid, limit=decision.limit)
+        return decision.refusal
+
+    def _evict(self, conn: Connection) -> None:
+        """Close a silent connection to make room (one ``error`` reply, id 0, says why)."""
+        silent_ms = self.config.server.first_frame_timeout_ms
+        reason = (
+            f"no frame within {silent_ms} ms of connecting while connections are at their "
+            "limit: closed to make room; closing the connection"
+        )
+        self._evicted.log(logging.WARNING, conn=conn.id)
+        conn.send(wire.Reply(id=0, status="error", error=reason))
+        conn.close()
 
     def refused(self, conn: Connection, reader: asyncio.StreamReader) -> None:
         """After the refusal reply: let the peer's first request arrive (``linger``),
@@ -225,10 +247,12 @@ class Acceptor:
     def closed(self, conn: Connection) -> None:
         """The client left (or was closed): drop its requests from the books."""
         self.connections.pop(conn.id, None)
+        self.places.close(conn)
         self.dispatcher.forget_connection(conn)
         self.queue.abandon_connection(conn.id)
 
     def frame(self, conn: Connection, body: memoryview, received_ns: int) -> None:
+        self.places.spoke(conn)
         try:
             self.handle_frame(conn, body, received_ns)
         except Exception as exc:
@@ -268,6 +292,7 @@ class Acceptor:
         """A frame whose pixels arrived in ``loan``'s slot and ``body`` is the rest (see
         ``raw_frames.hide_pixels``). False, touching nothing, unless it is an inference request
         whose only ``pixels`` are those; else handled as ``frame`` would, the slot with it."""
+        self.places.spoke(conn)
         try:
             message = raw_frames.decode_without_pixels(body)
             if message is None:
@@ -293,6 +318,9 @@ class Acceptor:
             return
         if isinstance(message, wire.StatusRequest):
             conn.send(self.status(message.id))
+            return
+        if isinstance(message, wire.Ping):
+            conn.send(wire.Pong(id=message.id))
             return
         self._admit(conn, message, received_ns, None)
 
@@ -412,9 +440,20 @@ class Acceptor:
         and the queue geometry do not change while running."""
         self.config = config
         self.classes = PartClasses(config)
+        self.places.caps = _caps(config)
         self.gate.policy = AccessPolicy.from_lists(
             config.server.allowed_uids, config.server.allowed_gids
         )
+
+
+def _caps(config: Config) -> Caps:
+    server = config.server
+    return Caps(
+        total=server.max_connections,
+        per_uid=server.max_connections_per_uid,
+        per_pid=server.max_connections_per_pid,
+        silent_s=server.first_frame_timeout_ms / 1000.0,
+    )
 
 
 def _clear_stale_socket(path: str) -> None:

@@ -80,6 +80,18 @@ def peer_credentials(sock: SupportsGetsockopt) -> PeerCredentials:
     return PeerCredentials(pid=pid, uid=uid, gid=gid, groups=_peer_groups(sock))
 
 
+def peer_ids(sock: SupportsGetsockopt | None) -> tuple[int, int] | None:
+    """(uid, pid) of a connected Unix socket's peer (``SO_PEERCRED`` alone), None if unknown."""
+    if sock is None:
+        return None
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    except OSError:
+        return None
+    pid, uid, _gid = _UCRED.unpack(raw)
+    return None if uid == _INVALID_ID else (uid, pid)
+
+
 def _peer_groups(sock: SupportsGetsockopt) -> tuple[int, ...]:
     # SO_PEERGROUPS (Linux 4.13) fails with ERANGE when the buffer is too small; grow once
     # to the kernel's maximum rather than loop on a size it does not report through Python.
@@ -154,9 +166,8 @@ class AccessGate:
     def __init__(self, policy: AccessPolicy) -> None:
         self.policy = policy
         self.refused = 0
-        self.over_limit = 0
+        self.over_limit = 0  # refused for a full connection cap (the acceptor counts them)
         self._log = Throttle("access_refused", burst=20, window=60.0)
-        self._full_log = Throttle("connections_full", burst=5, window=60.0)
 
     @classmethod
     def from_config(cls, uids: Iterable[int], gids: Iterable[int]) -> AccessGate:
@@ -176,15 +187,6 @@ class AccessGate:
         self._log.log(logging.WARNING, **ids, reason=decision.reason)
         who = f" for uid={peer.uid} gid={peer.gid}" if peer else ""
         return f"access denied{who}: not on this daemon's allow-list"
-
-    def over_capacity(self, open_now: int, limit: int) -> str | None:
-        """None while ``open_now`` (this one included) is within ``limit``, else the reason
-        the newcomer is told; counted and logged (throttled)."""
-        if open_now <= limit:
-            return None
-        self.over_limit += 1
-        self._full_log.log(logging.WARNING, open=open_now, limit=limit)
-        return f"too many connections (limit {limit}); retry later"
 
     @staticmethod
     async def linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
