@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import mmap
 import struct
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import pytest
@@ -437,7 +436,7 @@ def test_a_slot_frame_not_taken_returns_its_slot_even_if_no_body_buffer_can_be_h
     async def run() -> None:
         handler = Lender(take=False)
 
-        def no_memory(n: int) -> mmap.mmap:
+        def no_memory(n: int) -> NoReturn:
             raise MemoryError
 
         handler.pool.take = no_memory  # type: ignore[method-assign]
