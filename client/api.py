@@ -14,20 +14,18 @@ This is what ``scratchd infer`` / ``scratchd status`` use and what a PLC gateway
 An image is a path (its bytes are sent encoded: PNG, BMP or JPEG), encoded ``bytes``, or a
 uint8 numpy array ``(H, W)`` (grey) or ``(H, W, 3)`` (RGB) sent raw; with ``zero_copy=True``
 (the default) an array goes through a memfd ring shared with the daemon instead, or in the
-frame when that cannot be used (``client/regions.py``: how, and the ownership rules). Replies are
+frame when that cannot be used (``client/regions.py``: how, and the ownership rules; how a
+frame is built without extra copies: ``client/frames.py``). Replies are
 ``scratchd.protocol.wire.Reply``; ``unpack_mask(reply)`` gives the mask as a 0/255 array.
 Failures of the daemon are replies with a status, not exceptions; a lost connection raises
-``ConnectionError`` for every request still in flight.
-
-An array's pixels are copied once on their way to the socket: ``request_frame`` encodes them
-straight from the array into the frame (a view of the array stands for ``pixels``, which
-msgpack encodes as the same bin as the ``bytes`` would be), instead of ``tobytes`` and then a
-zero-filled frame buffer and a second copy into it; the bytes sent are the same as
-``wire.encode_frame(build_request(...))``'s. A connection also reuses its last frame's buffer
-for the next one once the socket has taken all of it (``Client``: always; ``AsyncClient``:
-when the transport kept none of it, so it holds no reference): a fresh megabyte buffer a
-request costs its page faults again whenever malloc has handed the last one back to the
-kernel (docs/benchmarks.md, front end).
+``ConnectionError`` for every request still in flight. Both clients send a ``ping`` as they
+connect, so the daemon counts them as having spoken and never closes them to make room for
+others however long they stay idle. A reply with id 0 is addressed to the connection, not to
+a request: ``error`` refuses it (not on the allow-list, too many connections), which raises
+``ConnectionError`` with the daemon's reason at once; any other is the reason the daemon is
+about to close it, named by the ``ConnectionError`` that follows. A connection reuses its last
+frame's buffer once the socket has taken all of it (``AsyncClient``: when the transport kept
+none of it): a fresh megabyte buffer costs its page faults again (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ from typing import Final
 
 import numpy as np
 
-from scratchd.client.frames import ImageInput, build_request, request_frame
+from scratchd.client.frames import ImageInput, build_request, request_frame, widen_send_buffer
 from scratchd.client.regions import SlotRing, accept_registration, place, send_descriptor
 from scratchd.protocol import wire
 from scratchd.protocol.defaults import socket_path
@@ -62,16 +60,6 @@ __all__ = [
 ]
 
 MAX_REPLY_BYTES: Final = 256 * 1024 * 1024
-SEND_BUFFER_BYTES: Final = 4 * 1024 * 1024
-
-
-def _widen_send_buffer(sock: socket.socket | None) -> None:
-    """Let a whole 1 MiB frame sit in the daemon's receive queue (the kernel caps this at
-    ``net.core.wmem_max``): the daemon then reads a frame in one or two ``recv`` calls
-    instead of one per ~200 KiB (the default send buffer), and wakes up that much less."""
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
 
 
 class AsyncClient:
@@ -99,7 +87,9 @@ class AsyncClient:
         self._ids = itertools.count(1)
         self._spare: bytearray | None = None  # the last frame, all of it sent: reused
         self._waiting: dict[int, asyncio.Future[wire.DaemonMessage]] = {}
+        self._closed_by = f"scratchd at {path}: the connection is closed"
         self._receiver = asyncio.get_running_loop().create_task(self._receive())
+        writer.write(wire.encode_frame(wire.Ping(id=next(self._ids))))  # its pong is dropped
 
     @classmethod
     async def connect(
@@ -116,7 +106,7 @@ class AsyncClient:
             named = type(exc)(f"scratchd at {where}: {exc}")
             named.errno = exc.errno
             raise named from None
-        _widen_send_buffer(writer.get_extra_info("socket"))
+        widen_send_buffer(writer.get_extra_info("socket"))
         return cls(reader, writer, where, timeout, zero_copy)
 
     async def infer(
@@ -191,7 +181,7 @@ class AsyncClient:
         while self._gate is not None and not gated:
             await asyncio.shield(self._gate)
         if self._receiver.done():
-            raise ConnectionError(f"scratchd at {self.path}: the connection is closed")
+            raise ConnectionError(self._closed_by)
         future: asyncio.Future[wire.DaemonMessage] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
         try:
@@ -214,21 +204,30 @@ class AsyncClient:
 
     async def _receive(self) -> None:
         error: BaseException = ConnectionError(f"scratchd at {self.path} closed the connection")
+        said = ""  # the daemon's reason for closing, from a reply with id 0
         try:
             while True:
                 prefix = await self._reader.readexactly(wire.PREFIX_BYTES)
                 body = await self._reader.readexactly(wire.frame_length(prefix))
                 message = wire.decode_daemon_message(body)
+                if message.id == 0 and isinstance(message, Reply):  # to the connection
+                    said = f": {message.error}"
+                    error = ConnectionError(f"scratchd at {self.path} closed the connection{said}")
+                    if message.status == "error":  # refused: every call fails with the reason
+                        error = ConnectionError(f"scratchd at {self.path}{said}")
+                        return
+                    continue
                 if self.ring is not None:  # answered: the daemon reads its slot no more
                     self.ring.release(message.id)
                 future = self._waiting.get(message.id)
                 if future is not None and not future.done():
                     future.set_result(message)
         except (asyncio.IncompleteReadError, OSError) as exc:
-            error = ConnectionError(f"scratchd at {self.path}: connection lost: {exc}")
+            error = ConnectionError(f"scratchd at {self.path}: connection lost: {exc}{said}")
         except wire.DecodeError as exc:
             error = ConnectionError(f"scratchd at {self.path} sent an undecodable reply: {exc}")
         finally:
+            self._closed_by = str(error)
             for future in self._waiting.values():
                 if not future.done():
                     future.set_exception(error)
@@ -281,7 +280,7 @@ class Client:
         except OSError as exc:
             self._sock.close()
             raise self._named(exc) from None
-        _widen_send_buffer(self._sock)
+        widen_send_buffer(self._sock)
         self._ids = itertools.count(1)
         self._spare: bytearray | None = None  # the last frame (sendall sent it): reused
         self._pending: set[int] = set()  # sent, reply not yet handed to a caller
@@ -289,6 +288,9 @@ class Client:
         self._prefix = bytearray(wire.PREFIX_BYTES)  # the frame being read, kept across calls
         self._body: bytearray | None = None
         self._got = 0
+        self._said = ""  # the daemon's reason for closing, from a reply with id 0
+        with contextlib.suppress(OSError):  # a refusal is read by the first call
+            self._sock.sendall(wire.encode_frame(wire.Ping(id=next(self._ids))))
 
     def infer(
         self,
@@ -442,6 +444,10 @@ class Client:
         self._fill(self._body, deadline)
         body, self._body, self._got = self._body, None, 0
         message = wire.decode_daemon_message(body)  # from the buffer as it is: no copy
+        if message.id == 0 and isinstance(message, Reply):  # to the connection
+            self._said = f": {message.error}"
+            if message.status == "error":  # refused
+                raise ConnectionError(f"scratchd at {self.path}{self._said}")
         if self.ring is not None:  # answered: the daemon reads its slot no more
             self.ring.release(message.id)
         return message
@@ -455,7 +461,7 @@ class Client:
             except OSError as exc:
                 raise self._named(exc) from None
             if k == 0:
-                raise ConnectionError(f"scratchd at {self.path} closed the connection")
+                raise ConnectionError(f"scratchd at {self.path} closed the connection{self._said}")
             self._got += k
         self._got = 0
 

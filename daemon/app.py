@@ -2,9 +2,10 @@
 
 Lifecycle: daemon/lifecycle.py's enum, transitions only through :meth:`Daemon.transition`.
 
-Start (:func:`run_daemon`): create the shared-memory queue ``/scratchd-<instance>``
-(instance: a hash of the socket path, so two daemons on different sockets never collide,
-and a crashed previous run on the same socket is found and replaced) and build the daemon's
+Start (:func:`run_daemon`): create the shared-memory queue
+``/scratchd-<uid>-<hash of the socket path>-<64 random bits>`` (created with ``O_EXCL``, so no
+other user can take or pre-empt the name; the dead segments of a crashed previous run on the
+same socket are found by the prefix and removed: ``ipc/shm.py``) and build the daemon's
 parts around it, all at once (:class:`Daemon`); then start the dispatcher (completion
 doorbell), spawn the workers and wait for all READY, then open the socket.
 
@@ -60,10 +61,11 @@ EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
 
 
-def queue_name(socket_path: str) -> str:
-    """The shared-memory name for the daemon serving ``socket_path``."""
+def queue_prefix(socket_path: str) -> str:
+    """The start of the shared-memory name for the daemon serving ``socket_path`` (the rest
+    is random: ``RequestQueue.create_unique``)."""
     digest = hashlib.sha1(os.path.abspath(socket_path).encode()).hexdigest()[:12]
-    return f"/scratchd-{os.getuid()}-{digest}"
+    return f"/scratchd-{os.getuid()}-{digest}-"
 
 
 class Daemon:
@@ -366,12 +368,13 @@ async def run_daemon(
     """Create the queue, build a :class:`Daemon` around it and run it; the queue is closed
     (and, its creator being us, unlinked) however the daemon ends."""
     placement = placement or place(config)
-    name = queue_name(config.server.socket)
     q = config.queue
     geometry = Geometry(slots=q.slots, slot_bytes=q.slot_bytes, tick_ms=q.tick_ms)
-    queue = RequestQueue.create(name, geometry, worker_spin_us=q.worker_spin_us)
+    queue = RequestQueue.create_unique(
+        queue_prefix(config.server.socket), geometry, worker_spin_us=q.worker_spin_us
+    )
     try:
-        daemon = Daemon(config, queue, name, placement, read_config)
+        daemon = Daemon(config, queue, queue.name, placement, read_config)
         return await daemon.run()
     finally:
         queue.close()

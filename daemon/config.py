@@ -60,9 +60,22 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_connections: Positive = 1024
     """Open client connections at most; one more gets an ``error`` reply and is closed
     (a peer opening connections in a loop must not exhaust the daemon's descriptors)."""
+    max_connections_per_uid: Positive = 512
+    """Open client connections of one user (the peer's uid) at most: one local user cannot
+    take every place (``daemon/frontend/places.py``)."""
+    max_connections_per_pid: Positive = 256
+    """Open client connections of one process (the peer's pid) at most."""
+    first_frame_timeout_ms: Positive = 1_000
+    """A connection that has sent no complete frame for this long since connecting may be
+    closed to make room, only when a newcomer finds a connection cap full (an idle gateway
+    is never closed otherwise; one that has sent a frame never)."""
     frame_timeout_ms: Positive = 30_000
     """A frame's body must arrive within this time of its length prefix, or the connection
     is answered ``invalid`` and closed (a stalled sender must not hold memory and a slot)."""
+    receive_budget_mb: Positive = 256
+    """Memory (MiB) that frames still being received may hold, all connections together: a
+    frame's buffer grows as its bytes arrive, and beyond this budget a connection stops
+    reading until other frames finish (``daemon/frontend/buffers.py``). Read at start only."""
     http_max_connections: Positive = 64
     """Open connections at most on each of the health and metrics listeners; one more is
     answered 503 and closed (probes and scrapers need a few; a flood must not take the

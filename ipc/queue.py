@@ -207,7 +207,19 @@ class RequestQueue:
 
         ``worker_spin_us``: how long a worker that finds no work spins before it sleeps on
         its eventfd (stored in the header, so every worker uses the same; 0: never spin)."""
-        seg = Segment.create(name, geometry)
+        return cls._around(Segment.create(name, geometry), geometry, worker_spin_us)
+
+    @classmethod
+    def create_unique(
+        cls, prefix: str, geometry: Geometry, *, worker_spin_us: int = DEFAULT_WORKER_SPIN_US
+    ) -> RequestQueue:
+        """``create`` under a name nobody can predict: ``prefix`` and random digits, created
+        with ``O_EXCL`` after this user's dead segments under ``prefix`` are removed
+        (``ipc/shm.py``); ``name`` is the one drawn."""
+        return cls._around(Segment.create_unique(prefix, geometry), geometry, worker_spin_us)
+
+    @classmethod
+    def _around(cls, seg: Segment, geometry: Geometry, worker_spin_us: int) -> RequestQueue:
         work = [Doorbell.create() for _ in range(geometry.max_workers)]
         q = cls(seg, Doorbell.create(), work)
         q._core.initialize(worker_spin_us)

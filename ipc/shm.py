@@ -13,6 +13,14 @@ alive, naming its pid. Liveness is an exclusive
 ``flock`` the owner holds on the segment's file for its whole life: the kernel drops it when
 the owner dies, so no pid-reuse guesswork is involved. :meth:`Segment.attach` maps an
 existing segment after checking magic, version and size.
+
+The daemon does not use a name anyone can predict: :meth:`Segment.create_unique` appends 64
+random bits to a prefix and creates that name with ``O_EXCL`` (never opening what is there),
+so no other user can create it first, flock it or hand the daemon a segment of theirs; the
+workers are given the name. Dead segments under the prefix are removed first
+(:func:`remove_dead`): only those owned by this user, whose flock is free and whose header is
+whole (a segment being created has no magic yet), so another user's files and a live daemon's
+segment are never touched.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ import contextlib
 import fcntl
 import mmap
 import os
+import secrets
+import stat
 import time
 
 import numpy as np
@@ -96,25 +106,45 @@ class Segment:
     def create(cls, name: str, geometry: Geometry) -> Segment:
         """Create ``name`` (mode 0600), replacing a stale one; refuse a live owner's."""
         geometry.validate()
-        offsets = layout(geometry)
         for _ in range(3):
-            try:
-                shm = posix_ipc.SharedMemory(
-                    name, posix_ipc.O_CREX, mode=0o600, size=offsets["total_bytes"]
-                )
-            except posix_ipc.ExistentialError:
-                _remove_if_stale(name)
-                continue
-            fd = os.dup(shm.fd)  # ours to keep open (and flocked) for the owner's lifetime
-            shm.close_fd()
-            # Liveness first: hold the flock before anything else can look at the segment.
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.fchmod(fd, 0o600)  # independent of the umask
-            _check_room(name, fd, offsets["total_bytes"])
-            mm = mmap.mmap(fd, offsets["total_bytes"])
-            _write_header(mm, geometry, offsets)
-            return cls(name, mm, lock_fd=fd)
+            segment = cls._create_new(name, geometry)
+            if segment is not None:
+                return segment
+            _remove_if_stale(name)
         raise SegmentError(f"shared memory {name}: could not create it (raced with another owner)")
+
+    @classmethod
+    def create_unique(cls, prefix: str, geometry: Geometry) -> Segment:
+        """Create ``prefix`` + 16 random hex digits (mode 0600, ``O_EXCL``), after removing
+        this user's dead segments under ``prefix``; whatever else exists is left alone."""
+        geometry.validate()
+        remove_dead(prefix)
+        for _ in range(8):
+            segment = cls._create_new(prefix + secrets.token_hex(8), geometry)
+            if segment is not None:
+                return segment
+        raise SegmentError(f"shared memory {prefix}*: every random name drawn already exists")
+
+    @classmethod
+    def _create_new(cls, name: str, geometry: Geometry) -> Segment | None:
+        """Create ``name`` with ``O_EXCL`` and own it; None if it exists."""
+        offsets = layout(geometry)
+        try:
+            shm = posix_ipc.SharedMemory(
+                name, posix_ipc.O_CREX, mode=0o600, size=offsets["total_bytes"]
+            )
+        except posix_ipc.ExistentialError:
+            return None
+        fd = os.dup(shm.fd)  # ours to keep open (and flocked) for the owner's lifetime
+        shm.close_fd()
+        # Liveness first: hold the flock before the header says it is a segment. Blocking:
+        # remove_dead may hold it for an instant (and leaves a segment without magic alone).
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.fchmod(fd, 0o600)  # independent of the umask
+        _check_room(name, fd, offsets["total_bytes"])
+        mm = mmap.mmap(fd, offsets["total_bytes"])
+        _write_header(mm, geometry, offsets)
+        return cls(name, mm, lock_fd=fd)
 
     @classmethod
     def attach(cls, name: str) -> Segment:
@@ -227,3 +257,40 @@ def _remove_if_stale(name: str) -> None:
         posix_ipc.unlink_shared_memory(name)
     finally:
         shm.close_fd()
+
+
+SHM_DIR = "/dev/shm"
+
+
+def remove_dead(prefix: str) -> list[str]:
+    """Unlink this user's segments whose names start with ``prefix`` and whose owner is gone
+    (flock free, header whole); returns their names. Others' files, live segments and
+    segments still being created are left alone."""
+    removed = []
+    stem = prefix.lstrip("/")
+    with contextlib.suppress(OSError):
+        entries = [e for e in os.listdir(SHM_DIR) if e.startswith(stem)]
+        for entry in entries:
+            if _is_dead_segment(os.path.join(SHM_DIR, entry)):
+                with contextlib.suppress(posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+                    posix_ipc.unlink_shared_memory("/" + entry)
+                    removed.append("/" + entry)
+    return removed
+
+
+def _is_dead_segment(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False  # not ours to open, or gone
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # a live owner holds it
+        return _header_problem(fd, st.st_size) is None
+    finally:
+        os.close(fd)  # drops the flock too

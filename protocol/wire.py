@@ -7,9 +7,12 @@ Framing (both directions)::
     +----------------------+-----------------------------------+
 
 The receiver checks `length` against its frame cap *before* reading the body. Bodies are
-tagged unions (the ``type`` key): a client sends :class:`InferRequest` or
-:class:`StatusRequest`; the daemon answers each with exactly one :class:`Reply` or
-:class:`StatusReply` carrying the same ``id``. Connections are pipelined: a client may have
+tagged unions (the ``type`` key): a client sends :class:`InferRequest`,
+:class:`StatusRequest` or :class:`Ping`; the daemon answers each with exactly one
+:class:`Reply`, :class:`StatusReply` or :class:`Pong` carrying the same ``id``. A
+:class:`Reply` with ``id`` 0 is addressed to the connection itself: ``error`` refuses it
+(allow-list, a full connection cap), ``invalid`` ends a stream that cannot be trusted; the
+daemon then closes it. Connections are pipelined: a client may have
 many requests in flight and replies come back in completion order, matched by ``id``
 (ids are the client's business; the daemon never interprets them beyond echoing).
 
@@ -137,6 +140,20 @@ class RegisterRegion(msgspec.Struct, frozen=True, tag="register_region", tag_fie
 
 class SendDescriptor(msgspec.Struct, frozen=True, tag="send_descriptor", tag_field="type"):
     """The daemon waits for the descriptor of :class:`RegisterRegion` ``id`` (one byte)."""
+
+    id: int
+
+
+class Ping(msgspec.Struct, frozen=True, tag="ping", tag_field="type"):
+    """The cheapest frame: answered with a :class:`Pong`. A client that sends one as it
+    connects has spoken, so the daemon never closes it to make room for others (a silent
+    connection may be, when the connection caps are full: ``daemon/frontend/places.py``)."""
+
+    id: RequestId
+
+
+class Pong(msgspec.Struct, frozen=True, tag="pong", tag_field="type"):
+    """The answer to a :class:`Ping`, with its ``id``."""
 
     id: int
 
@@ -296,9 +313,9 @@ class StatusReply(msgspec.Struct, frozen=True, tag="status_reply", tag_field="ty
     reload applied nothing; ``reload_error`` says so)."""
 
 
-ClientMessage = InferRequest | StatusRequest | RegisterRegion
-ClientFrame = InferFrame | StatusRequest | RegisterRegion
-DaemonMessage = Reply | StatusReply | SendDescriptor | RegionReply
+ClientMessage = InferRequest | StatusRequest | RegisterRegion | Ping
+ClientFrame = InferFrame | StatusRequest | RegisterRegion | Ping
+DaemonMessage = Reply | StatusReply | SendDescriptor | RegionReply | Pong
 
 _encoder: Final = msgspec.msgpack.Encoder()
 _client_decoder: Final = msgspec.msgpack.Decoder(ClientMessage)

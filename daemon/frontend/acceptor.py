@@ -67,9 +67,10 @@ import msgspec
 
 from scratchd.daemon.config import Config
 from scratchd.daemon.frontend import overload, raw_frames
-from scratchd.daemon.frontend.access import AccessGate, AccessPolicy
+from scratchd.daemon.frontend.access import AccessGate, AccessPolicy, peer_ids
 from scratchd.daemon.frontend.admission import Admission, PartClasses, Refused
-from scratchd.daemon.frontend.connection import BufferPool, Connection, SlotLoan
+from scratchd.daemon.frontend.buffers import BufferPool, ReceiveBudget
+from scratchd.daemon.frontend.connection import Connection, SlotLoan
 from scratchd.daemon.frontend.dispatch import Dispatcher, InFlight, Peer
 from scratchd.daemon.frontend.images import (
     Invalid,
@@ -77,8 +78,10 @@ from scratchd.daemon.frontend.images import (
     convert_into,
     write_raw_grey,
 )
+from scratchd.daemon.frontend.places import UNKNOWN, Caps, Places
 from scratchd.daemon.frontend.receiver import ReceivePool
 from scratchd.daemon.frontend.regions import RegionDesk
+from scratchd.daemon.frontend.socket_file import clear_stale_socket
 from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Handle, RequestQueue
 from scratchd.protocol import wire
@@ -120,6 +123,7 @@ class Acceptor:
         self.max_frame = 3 * config.queue.slot_bytes + wire.MAX_FRAME_OVERHEAD
         self.frame_timeout_s = config.server.frame_timeout_ms / 1000.0
         self.pool = BufferPool()
+        self.budget = ReceiveBudget(config.server.receive_budget_mb * 1024 * 1024)
         threads = config.server.receive_threads
         self.receiver = ReceivePool(threads) if threads else None
         self.lent = 0  # payload slots lent to connections receiving pixels into them
@@ -128,11 +132,13 @@ class Acceptor:
         self.classes = PartClasses(config)
         self.gate = AccessGate.from_config(config.server.allowed_uids, config.server.allowed_gids)
         self.regions = RegionDesk(lambda: self.config.server)
+        self.places: Places[Connection] = Places(Caps.of(config.server))
+        self._full = Throttle("connections_full", burst=5, window=60.0)
+        self._evicted = Throttle("silent_connection_closed", burst=5, window=60.0)
         self._ids = itertools.count(1)
         self._malformed = Throttle("malformed_frame", burst=5, window=60.0)
         self._decoding: set[asyncio.Task[None]] = set()
         self.converting = [0] * wire.PRIORITIES  # images in the decode pool, by priority
-        self._lingering: set[asyncio.Task[None]] = set()
         self._pool = ThreadPoolExecutor(DECODE_THREADS, thread_name_prefix="scratchd-decode")
         self._server: asyncio.AbstractServer | None = None
         self._path: str | None = None
@@ -147,7 +153,7 @@ class Acceptor:
             return Connection(next(self._ids), self)
 
         if sock is None:
-            _clear_stale_socket(path)
+            clear_stale_socket(path)
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._server = await loop.create_unix_server(connection, path=path)
             os.chmod(path, self.config.server.socket_mode)
@@ -187,30 +193,37 @@ class Acceptor:
 
     def opened(self, conn: Connection) -> str | None:
         """Register ``conn``; None to serve it, else why it is refused (not on the
-        allow-list, or one connection too many)."""
+        allow-list, or a connection cap is full and no silent connection makes room:
+        ``daemon/frontend/places.py``)."""
         self.connections[conn.id] = conn
         refusal = self.gate.admit(conn.socket())
-        if refusal is None:
-            limit = self.config.server.max_connections
-            refusal = self.gate.over_capacity(len(self.connections), limit)
-        return refusal
+        if refusal is not None:
+            return refusal
+        uid, pid = peer_ids(conn.socket()) or (UNKNOWN, UNKNOWN)
+        decision = self.places.open(conn, uid, pid, time.monotonic())
+        for victim in decision.evict:
+            self._evict(victim)
+        if decision.refusal is not None:
+            self.gate.over_limit += 1
+            self._full.log(logging.WARNING, uid=uid, pid=pid, limit=decision.limit)
+        return decision.refusal
+
+    def _evict(self, conn: Connection) -> None:
+        """Close a silent connection to make room (one ``error`` reply, id 0, says why)."""
+        silent_ms = self.config.server.first_frame_timeout_ms
+        reason = (
+            f"no frame within {silent_ms} ms of connecting while connections are at their "
+            "limit: closed to make room; closing the connection"
+        )
+        self._evicted.log(logging.WARNING, conn=conn.id)
+        conn.send(wire.Reply(id=0, status="error", error=reason))
+        conn.close()
 
     def refused(self, conn: Connection, reader: asyncio.StreamReader) -> None:
-        """After the refusal reply: let the peer's first request arrive (``linger``),
-        then close."""
+        """After the refusal reply: let the peer's first request arrive, then close."""
         assert conn.transport is not None
-        loop = asyncio.get_running_loop()
-        writer = asyncio.StreamWriter(conn.transport, conn, reader, loop)
-
-        async def linger() -> None:
-            try:
-                await self.gate.linger(reader, writer)
-            finally:
-                conn.close()
-
-        task = loop.create_task(linger())
-        self._lingering.add(task)
-        task.add_done_callback(self._lingering.discard)
+        writer = asyncio.StreamWriter(conn.transport, conn, reader, asyncio.get_running_loop())
+        self.gate.close_after_linger(reader, writer, conn.close)
 
     def oversized(self, conn: Connection, length: int) -> None:
         self._close_stream(conn, f"frame of {length} bytes exceeds the limit of {self.max_frame}")
@@ -232,10 +245,12 @@ class Acceptor:
         self.connections.pop(conn.id, None)
         self.dispatcher.forget_connection(conn)
         self.queue.abandon_connection(conn.id)
-        if isinstance(conn, Connection):  # only a Unix-socket client registers regions
+        if isinstance(conn, Connection):  # a Unix-socket client: its place and its regions
+            self.places.close(conn)
             self.regions.release(conn)
 
     def frame(self, conn: Connection, body: memoryview, received_ns: int) -> None:
+        self.places.spoke(conn)
         try:
             self.handle_frame(conn, body, received_ns)
         except Exception as exc:
@@ -273,6 +288,7 @@ class Acceptor:
         """A frame whose pixels arrived in ``loan``'s slot and ``body`` is the rest (see
         ``raw_frames.hide_pixels``). False, touching nothing, unless it is an inference request
         whose only ``pixels`` are those; else handled as ``frame`` would, the slot with it."""
+        self.places.spoke(conn)
         try:
             message = raw_frames.decode_without_pixels(body)
             if message is None:
@@ -298,6 +314,9 @@ class Acceptor:
             return
         if isinstance(message, wire.StatusRequest):
             conn.send(self.status(message.id))
+            return
+        if isinstance(message, wire.Ping):
+            conn.send(wire.Pong(id=message.id))
             return
         if isinstance(message, wire.RegisterRegion):
             self.regions.register(conn, message)
@@ -474,24 +493,7 @@ class Acceptor:
         and the queue geometry do not change while running."""
         self.config = config
         self.classes = PartClasses(config)
+        self.places.caps = Caps.of(config.server)
         self.gate.policy = AccessPolicy.from_lists(
             config.server.allowed_uids, config.server.allowed_gids
         )
-
-
-def _clear_stale_socket(path: str) -> None:
-    """Remove a socket file left by a dead daemon; refuse to steal a live one's."""
-    if not os.path.exists(path):
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        return
-    except OSError as exc:
-        raise OSError(f"socket {path} exists and cannot be probed: {exc}") from None
-    finally:
-        probe.close()
-    raise OSError(f"socket {path} is in use by a running daemon")

@@ -33,7 +33,7 @@ import errno
 import logging
 import socket
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,6 +78,18 @@ def peer_credentials(sock: SupportsGetsockopt) -> PeerCredentials:
         # What the kernel reports for a socket with no peer (unconnected, or not AF_UNIX).
         raise OSError(errno.ENOTCONN, "socket has no peer credentials")
     return PeerCredentials(pid=pid, uid=uid, gid=gid, groups=_peer_groups(sock))
+
+
+def peer_ids(sock: SupportsGetsockopt | None) -> tuple[int, int] | None:
+    """(uid, pid) of a connected Unix socket's peer (``SO_PEERCRED`` alone), None if unknown."""
+    if sock is None:
+        return None
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    except OSError:
+        return None
+    pid, uid, _gid = _UCRED.unpack(raw)
+    return None if uid == _INVALID_ID else (uid, pid)
 
 
 def _peer_groups(sock: SupportsGetsockopt) -> tuple[int, ...]:
@@ -154,9 +166,9 @@ class AccessGate:
     def __init__(self, policy: AccessPolicy) -> None:
         self.policy = policy
         self.refused = 0
-        self.over_limit = 0
+        self.over_limit = 0  # refused for a full connection cap (the acceptor counts them)
         self._log = Throttle("access_refused", burst=20, window=60.0)
-        self._full_log = Throttle("connections_full", burst=5, window=60.0)
+        self._lingering: set[asyncio.Task[None]] = set()
 
     @classmethod
     def from_config(cls, uids: Iterable[int], gids: Iterable[int]) -> AccessGate:
@@ -177,14 +189,20 @@ class AccessGate:
         who = f" for uid={peer.uid} gid={peer.gid}" if peer else ""
         return f"access denied{who}: not on this daemon's allow-list"
 
-    def over_capacity(self, open_now: int, limit: int) -> str | None:
-        """None while ``open_now`` (this one included) is within ``limit``, else the reason
-        the newcomer is told; counted and logged (throttled)."""
-        if open_now <= limit:
-            return None
-        self.over_limit += 1
-        self._full_log.log(logging.WARNING, open=open_now, limit=limit)
-        return f"too many connections (limit {limit}); retry later"
+    def close_after_linger(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, close: Callable[[], None]
+    ) -> None:
+        """After the refusal reply: :meth:`linger` in a task of its own, then ``close``."""
+
+        async def run() -> None:
+            try:
+                await self.linger(reader, writer)
+            finally:
+                close()
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._lingering.add(task)
+        task.add_done_callback(self._lingering.discard)
 
     @staticmethod
     async def linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -21,8 +21,10 @@ Reading is a small state machine (:class:`ReadState`); what is lent in each stat
            (``raw_frames.locate_pixels``) that a  slot:  │ pixels ...................│ first
            slot lent by the handler holds: those bytes go straight into the slot, then the
            few after them into ``head`` behind the body's start with the pixels taken out
-    BODY   body[got:length] (from the acceptor's  any other frame too big for ``head``: the
-           BufferPool, returned when it is done)  part already in ``head`` is moved over first
+    BODY   body[got:granted] (from the           any other frame too big for ``head``: the
+           acceptor's BufferPool, returned when   part already in ``head`` is moved over first;
+           it is done)                            ``granted`` grows as bytes arrive, within the
+                                                  daemon's ReceiveBudget (``buffers.py``)
     CLOSED nothing more is handled (a scratch buffer is lent; what arrives is dropped)
 
 The length prefix is checked against the frame cap before a byte of the body is read
@@ -77,12 +79,14 @@ import contextlib
 import enum
 import functools
 import logging
+import mmap
 import time
 from dataclasses import dataclass
 from typing import Final, Protocol, cast
 
 from scratchd.daemon.frontend import raw_frames
 from scratchd.daemon.frontend.access import LINGER_BYTES, SupportsGetsockopt
+from scratchd.daemon.frontend.buffers import BODY_ROUND, BufferPool, ReceiveBudget
 from scratchd.daemon.frontend.receiver import ReceiveJob, ReceivePool
 from scratchd.ipc.queue import Handle
 from scratchd.protocol import wire
@@ -91,9 +95,6 @@ from scratchd.protocol.log import log_event
 HEAD_BYTES: Final = 64 * 1024
 SCAN_BYTES: Final = 1024
 """How much of a large frame's body is awaited (and searched) for where its pixels lie."""
-BODY_ROUND: Final = 64 * 1024
-"""Body buffers are sized in multiples of this, so frames of nearly one size share them."""
-POOL_KEEP: Final = 8
 SLOT_READ_BYTES: Final = 64 * 1024
 """SLOT with a receive pool: the most pixels one read on the loop takes, so that a burst that
 piled up while the loop was busy goes to a thread after the first 64 KiB of it."""
@@ -122,6 +123,7 @@ class FrameHandler(Protocol):
     """What the acceptor does for a connection (see ``daemon/frontend/acceptor.py``)."""
 
     pool: BufferPool
+    budget: ReceiveBudget
     receiver: ReceivePool | None  # None: SLOT frames are received on the loop
     max_frame: int
     frame_timeout_s: float
@@ -151,30 +153,6 @@ class FrameHandler(Protocol):
     def closed(self, conn: Connection) -> None: ...
 
 
-class BufferPool:
-    """Body buffers for frames larger than a connection's head, reused across connections.
-
-    Only frames being received hold one, so idle connections hold none; at most
-    ``POOL_KEEP`` spare buffers are kept.
-    """
-
-    def __init__(self, keep: int = POOL_KEEP) -> None:
-        self.keep = keep
-        self._free: list[bytearray] = []
-
-    def take(self, n: int) -> bytearray:
-        fits = [b for b in self._free if len(b) >= n]
-        if fits:
-            buf = min(fits, key=len)
-            self._free.remove(buf)
-            return buf
-        return bytearray(-(-n // BODY_ROUND) * BODY_ROUND)
-
-    def give(self, buf: bytearray) -> None:
-        if len(self._free) < self.keep:
-            self._free.append(buf)
-
-
 class Connection(asyncio.BufferedProtocol):
     """One client: its transport, its read state, whether it is gone, and its requests
     still in the queue (``in_queue``) or in the decode pool (``converting``)."""
@@ -192,9 +170,10 @@ class Connection(asyncio.BufferedProtocol):
         self._head = bytearray(HEAD_BYTES)
         self._head_view = memoryview(self._head)
         self._have = 0  # bytes of head in use, from its start
-        self._body: bytearray | None = None
+        self._body: mmap.mmap | None = None
         self._length = 0  # the current body's length (BODY, SLOT), or 0
         self._got = 0  # bytes of it received
+        self._granted = 0  # BODY: bytes of it the budget lets it receive so far
         self._loan: SlotLoan | None = None  # SLOT: where the pixels go
         self._at: raw_frames.PixelsAt | None = None  # SLOT: where they lie in the body
         self._job: ReceiveJob | None = None  # SLOT: a receive thread is filling the slot
@@ -273,7 +252,10 @@ class Connection(asyncio.BufferedProtocol):
             return self._head_view[at.hidden_end + self._got - end : at.hidden_length(self._length)]
         if self.state is ReadState.BODY:
             assert self._body is not None
-            return memoryview(self._body)[self._got : self._length]
+            # Reading is paused while nothing is granted; a read that comes anyway is taken
+            # (and counted in buffer_updated), never lost.
+            stop = self._granted if self._granted > self._got else self._got + mmap.PAGESIZE
+            return memoryview(self._body)[self._got : min(stop, self._length)]
         if self.state is ReadState.CLOSED:
             return self._head_view
         if self._peek and self._have < PEEK_BYTES:
@@ -295,8 +277,13 @@ class Connection(asyncio.BufferedProtocol):
             return
         if self.state is ReadState.BODY:
             self._got += nbytes
+            if self._got > self._granted:
+                self.handler.budget.force(self, self._got - self._granted)
+                self._granted = self._got
             if self._got == self._length:
                 self._finish_body()
+            elif self._got == self._granted:
+                self._ask_budget()
             return
         self._have += nbytes
         self._parse_head()
@@ -438,8 +425,27 @@ class Connection(asyncio.BufferedProtocol):
         self._body[: self._got] = already
         self._have = 0
         self._enter(ReadState.BODY)
+        self._granted = self._got  # already received: granted unasked (at most a head's)
+        self.handler.budget.force(self, self._got)
         if self._got == length:
             self._finish_body()
+        else:
+            self._ask_budget()
+
+    def _ask_budget(self) -> None:
+        """BODY, all granted received: ask for the next chunk (twice the last grant, up to
+        the frame's end); reading pauses until it is granted (``budget_granted``)."""
+        want = min(self._length, max(2 * self._granted, self._got + BODY_ROUND)) - self._granted
+        if self.handler.budget.ask(self, want):
+            self._granted += want
+        elif self.transport is not None:
+            self.transport.pause_reading()
+
+    def budget_granted(self, nbytes: int) -> None:
+        """The chunk this BODY frame waited for (the budget calls back)."""
+        self._granted += nbytes
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
 
     def _finish_body(self) -> None:
         body, length = self._body, self._length
@@ -448,7 +454,7 @@ class Connection(asyncio.BufferedProtocol):
         self._enter(ReadState.HEAD)
         self._handle_pooled(body, length, time.monotonic_ns())
 
-    def _handle_pooled(self, buf: bytearray, length: int, received_ns: int) -> None:
+    def _handle_pooled(self, buf: mmap.mmap, length: int, received_ns: int) -> None:
         """Hand the frame in ``buf[:length]`` (a pool buffer) to the handler; the buffer goes
         back to the pool whatever happens."""
         try:
@@ -470,6 +476,9 @@ class Connection(asyncio.BufferedProtocol):
     def _enter(self, state: ReadState) -> None:
         if state is not ReadState.HEAD:
             self._have = 0
+        if self.state is ReadState.BODY and state is not ReadState.BODY:
+            self.handler.budget.release(self)  # the frame is done or gone: its grant goes
+            self._granted = 0
         if state is ReadState.CLOSED:
             self._disarm()
             if self._body is not None and self.state is ReadState.BODY:

@@ -253,8 +253,11 @@ class Echo:
             while True:
                 prefix = await reader.readexactly(wire.PREFIX_BYTES)
                 body = await reader.readexactly(wire.frame_length(prefix))
-                self.frames.append(prefix + body)
                 request = wire.decode_client_message(body)
+                if isinstance(request, wire.Ping):  # what a client sends as it connects
+                    writer.write(wire.encode_frame(wire.Pong(id=request.id)))
+                    continue
+                self.frames.append(prefix + body)
                 assert isinstance(request, wire.InferRequest)
                 tasks.add(asyncio.create_task(answer(request)))
         except asyncio.IncompleteReadError:
@@ -293,7 +296,7 @@ def test_frames_reusing_a_buffer_each_arrive_as_built(tmp_path: Path, loop: str)
 
         sent = [*images, *images[:3]]
         assert [r.score for r in replies] == [float(i.sum()) for i in sent]
-        ids = [*range(1, 13), 1, 2, 3]
+        ids = [*range(2, 14), 2, 3, 4]  # id 1: each client's ping
         expected = [
             bytes(wire.encode_frame(build_request(k, i))) for k, i in zip(ids, sent, strict=True)
         ]

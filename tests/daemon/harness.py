@@ -18,7 +18,7 @@ from pathlib import Path
 from types import TracebackType
 
 from scratchd.client.api import Client
-from scratchd.daemon.app import queue_name
+from scratchd.protocol.log import parse_line
 from scratchd.protocol.wire import StatusReply
 
 SERVE = [sys.executable, "-c", "from scratchd.daemon.cli import main; main()", "serve"]
@@ -62,7 +62,12 @@ class DaemonProcess:
 
     @property
     def shm_path(self) -> Path:
-        return Path("/dev/shm") / queue_name(self.socket).lstrip("/")
+        """The daemon's segment (its name is random: the ``ready`` line names it)."""
+        for line in self.log().splitlines():
+            fields = parse_line(line) if "event=ready" in line else {}
+            if fields.get("event") == "ready":
+                return Path("/dev/shm") / fields["queue"].lstrip("/")
+        raise AssertionError(f"no ready line in the log:\n{self.log()}")
 
     def start(self, wait: bool = True) -> DaemonProcess:
         with self.log_path.open("wb") as log:

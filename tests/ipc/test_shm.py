@@ -6,6 +6,8 @@ import contextlib
 import os
 import signal
 import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import posix_ipc
@@ -13,7 +15,7 @@ import pytest
 
 from scratchd.ipc.layout import HEADER_BYTES, Geometry
 from scratchd.ipc.queue import RequestQueue
-from scratchd.ipc.shm import Segment, SegmentError
+from scratchd.ipc.shm import Segment, SegmentError, remove_dead
 
 SMALL = Geometry(slots=4, slot_bytes=100, tick_ms=2, max_workers=2, wheel_ticks=32)
 
@@ -99,3 +101,77 @@ def test_a_segment_larger_than_dev_shm_is_a_clear_error_not_a_later_sigbus(name:
     with pytest.raises(SegmentError, match=r"needs \d+ bytes but /dev/shm has \d+ free"):
         RequestQueue.create(name, Geometry(slots=2, slot_bytes=slot_bytes, max_workers=1))
     assert not os.path.exists(dev_shm(name))
+
+
+SQUAT = """
+import fcntl, os, sys
+import posix_ipc
+if os.geteuid() == 0:
+    os.setuid(65534)  # as another user, where the test may
+held = []
+for name in sys.argv[1:]:  # created first, world-writable, flocked for as long as it runs
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o666, size=4096)
+    fcntl.flock(shm.fd, fcntl.LOCK_EX)
+    held.append(shm)
+print("squatting", flush=True)
+sys.stdin.read()
+"""
+
+DIE_OWNING = """
+import sys
+from scratchd.ipc.layout import Geometry
+from scratchd.ipc.queue import RequestQueue
+queue = RequestQueue.create_unique(sys.argv[1], Geometry(slots=4, slot_bytes=100, tick_ms=2,
+                                   max_workers=2, wheel_ticks=32))
+print(queue.name, flush=True)
+"""
+
+
+def test_a_unique_segment_is_never_stopped_by_squatters_and_leaves_them_alone(
+    name: str,
+) -> None:
+    prefix = name + "-"
+    squatted = [prefix + "0" * 16, name, prefix + "f" * 16]
+    squatter = subprocess.Popen(
+        [sys.executable, "-c", SQUAT, *squatted],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert squatter.stdout is not None and squatter.stdout.readline().strip() == "squatting"
+        queue = RequestQueue.create_unique(prefix, SMALL)
+        try:
+            assert queue.name.startswith(prefix) and queue.name not in squatted
+            assert stat.S_IMODE(os.stat(dev_shm(queue.name)).st_mode) == 0o600
+            assert all(os.path.exists(dev_shm(n)) for n in squatted)  # untouched
+            worker = RequestQueue.attach(queue.name)
+            worker.close()
+        finally:
+            queue.close()
+        assert not os.path.exists(dev_shm(queue.name))
+    finally:
+        assert squatter.stdin is not None
+        squatter.stdin.close()
+        squatter.wait(30)
+        for n in squatted:
+            with contextlib.suppress(posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+                posix_ipc.unlink_shared_memory(n)
+
+
+def test_only_dead_whole_segments_of_this_user_are_removed(name: str) -> None:
+    prefix = name + "-"
+    live = RequestQueue.create_unique(prefix, SMALL)
+    died = subprocess.run(  # an owner that exits without closing: its segment stays
+        [sys.executable, "-c", DIE_OWNING, prefix], capture_output=True, text=True, check=True
+    )
+    dead_name = died.stdout.strip()
+    assert os.path.exists(dev_shm(dead_name))
+    blank = posix_ipc.SharedMemory(prefix + "blank", posix_ipc.O_CREX, mode=0o600, size=4096)
+    blank.close_fd()  # no header: a segment being created looks like this
+    try:
+        assert remove_dead(prefix) == [dead_name]
+        assert os.path.exists(dev_shm(live.name)) and os.path.exists(dev_shm(prefix + "blank"))
+    finally:
+        live.close()
+        posix_ipc.unlink_shared_memory(prefix + "blank")

@@ -137,11 +137,3 @@ def test_gate_lets_listed_peers_in() -> None:
     with a, b:
         assert gate.admit(a) is None
     assert gate.refused == 0
-
-
-def test_connections_over_capacity_are_counted() -> None:
-    gate = AccessGate.from_config(uids=[], gids=[])
-    assert gate.over_capacity(8, 8) is None
-    reason = gate.over_capacity(9, 8)
-    assert reason is not None and "limit 8" in reason
-    assert gate.over_limit == 1

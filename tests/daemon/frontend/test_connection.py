@@ -11,17 +11,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import struct
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scratchd.daemon.frontend.buffers import BufferPool, ReceiveBudget
 from scratchd.daemon.frontend.connection import (
     HEAD_BYTES,
     SCAN_BYTES,
-    BufferPool,
     Connection,
     ReadState,
     SlotLoan,
@@ -36,6 +36,7 @@ class FakeTransport:
         self.written: list[bytes] = []
         self.closed = False
         self.eof_written = False
+        self.paused = False
 
     def write(self, data: bytes) -> None:
         self.written.append(bytes(data))
@@ -55,6 +56,12 @@ class FakeTransport:
     def write_eof(self) -> None:
         self.eof_written = True
 
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return default
 
@@ -64,6 +71,7 @@ class Recorder:
 
     def __init__(self, max_frame: int = 1 << 22, timeout_s: float = 30.0) -> None:
         self.pool = BufferPool()
+        self.budget = ReceiveBudget(1 << 40)
         self.receiver: ReceivePool | None = None  # these tests' fake transport has no socket
         self.max_frame = max_frame
         self.frame_timeout_s = timeout_s
@@ -428,7 +436,7 @@ def test_a_slot_frame_not_taken_returns_its_slot_even_if_no_body_buffer_can_be_h
     async def run() -> None:
         handler = Lender(take=False)
 
-        def no_memory(n: int) -> bytearray:
+        def no_memory(n: int) -> NoReturn:
             raise MemoryError
 
         handler.pool.take = no_memory  # type: ignore[method-assign]

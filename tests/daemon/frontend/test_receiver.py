@@ -14,7 +14,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import uvloop
@@ -294,7 +294,7 @@ def test_a_frame_that_fails_after_its_receive_closes_the_connection_and_returns_
     async def main() -> None:
         handler = Counting(2, take=False)
 
-        def no_memory(n: int) -> bytearray:
+        def no_memory(n: int) -> NoReturn:
             raise MemoryError
 
         handler.pool.take = no_memory  # type: ignore[method-assign]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from scratchd.client.api import build_request
-from scratchd.daemon.app import queue_name
+from scratchd.daemon.app import queue_prefix
 from scratchd.daemon.config import load_config
 from scratchd.daemon.pool.supervisor import PoolHalted, Supervisor, WorkerState
 from scratchd.ipc.queue import Geometry, RequestQueue, Status
@@ -88,11 +88,12 @@ def test_a_worker_that_cannot_boot_halts_the_pool_with_the_reason(tmp_path: Path
     broken = tmp_path / "broken.npz"
     broken.write_bytes(b"this is not a model")
     config = load_config(None, {"workers.cpu_workers": 2, "model.path": str(broken)}, environ={})
-    name = queue_name(f"/tmp/halt-{os.getpid()}.sock")
+    prefix = queue_prefix(f"/tmp/halt-{os.getpid()}.sock")
 
     async def scenario() -> tuple[str, int]:
-        queue = RequestQueue.create(name, Geometry(slots=8, slot_bytes=1 << 16, max_workers=8))
-        sup = Supervisor(config, queue, name, "cpu", 2, lambda report: None)
+        geometry = Geometry(slots=8, slot_bytes=1 << 16, max_workers=8)
+        queue = RequestQueue.create_unique(prefix, geometry)
+        sup = Supervisor(config, queue, queue.name, "cpu", 2, lambda report: None)
         try:
             with pytest.raises(PoolHalted) as halted:
                 await sup.start()
@@ -112,12 +113,13 @@ def test_rolling_restart_replaces_every_worker_while_requests_flow() -> None:
     model = os.environ.get("SCRATCHD_TEST_MODEL", "")
     if model:
         config = load_config(None, {"model.path": model, "workers.cpu_workers": 2}, environ={})
-    name = queue_name(f"/tmp/rolling-{os.getpid()}.sock")
+    prefix = queue_prefix(f"/tmp/rolling-{os.getpid()}.sock")
 
     async def scenario() -> tuple[list[Status], set[int], set[int]]:
-        queue = RequestQueue.create(name, Geometry(slots=32, slot_bytes=1 << 16, max_workers=8))
+        geometry = Geometry(slots=32, slot_bytes=1 << 16, max_workers=8)
+        queue = RequestQueue.create_unique(prefix, geometry)
         done: list[Status] = []
-        sup = Supervisor(config, queue, name, "cpu", 2, lambda report: None)
+        sup = Supervisor(config, queue, queue.name, "cpu", 2, lambda report: None)
         loop = asyncio.get_running_loop()
         loop.add_reader(
             queue.completion_fd, lambda: done.extend(c.status for c in queue.collect_completed())
@@ -233,8 +235,10 @@ def test_workers_leave_with_a_killed_daemon_and_the_next_one_replaces_its_leftov
         while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert all(_gone(pid) for pid in pids)
-        assert d.shm_path.exists() and Path(d.socket).exists()  # what a crash leaves behind
-        d.start()  # same socket, same segment name: both are found stale and replaced
+        left = d.shm_path
+        assert left.exists() and Path(d.socket).exists()  # what a crash leaves behind
+        d.start()  # same socket: both are found stale; the dead segment is removed
+        assert not left.exists() and d.shm_path != left  # a fresh random name
         conn = RawConnection(d.socket)
         conn.send(build_request(1, _frames(1)[0]))
         reply = conn.receive()
