@@ -41,13 +41,23 @@ def test_a_full_queue_is_503_and_unavailable(data_dir: Path) -> None:
             time.sleep(0.02)
 
 
-def test_a_deadline_passed_in_the_queue_is_504_and_deadline_exceeded(data_dir: Path) -> None:
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_a_deadline_passed_in_the_queue_is_504_and_deadline_exceeded(
+    data_dir: Path, transport: str
+) -> None:
     # One worker serves a batch two images at a time; the last of eight waits several
-    # forward passes, far past a 1 ms deadline, and is answered `timeout` unserved.
+    # forward passes, far past a 1 ms deadline, and is answered `timeout` unserved. A fresh
+    # daemon each: once it has measured its service rate, the door refuses a deadline that
+    # short (`overloaded`, 503) instead of queueing it (daemon/frontend/overload.py).
     batch = np.stack(fixture_images(data_dir, 8))
     with KServeDaemon(workers=1, slots=16, slot_bytes=1 << 18) as d:
-        statuses = _errors(d, batch, parameters={"deadline_ms": 1})
-        assert statuses == ("504", "StatusCode.DEADLINE_EXCEEDED")
+        with pytest.raises(InferenceServerException) as error:
+            if transport == "http":
+                d.http().infer("scratchnet", [http_input(batch)], parameters={"deadline_ms": 1})
+            else:
+                d.grpc().infer("scratchnet", [grpc_input(batch)], parameters={"deadline_ms": 1})
+        want = "504" if transport == "http" else "StatusCode.DEADLINE_EXCEEDED"
+        assert str(error.value.status()) == want
 
 
 def test_a_request_that_kills_its_workers_is_500_and_internal(data_dir: Path) -> None:
