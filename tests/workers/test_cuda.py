@@ -156,7 +156,7 @@ def test_frames_read_straight_from_registered_shared_memory(gpu, data_dir: Path)
         for i, f in enumerate(frames):
             region[i, : f.size] = f.reshape(-1)
         views = [region[i, : SIZE[0] * SIZE[1]].reshape(SIZE) for i in range(3)]
-        ptr = gpu._host_ptr(views[0], 0, views[0].nbytes)
+        ptr = gpu.host.source(views[0], 0, views[0].nbytes)
         assert ptr == views[0].ctypes.data  # no staging copy
         got = gpu.infer(views, [False] * 3)
         want = gpu.infer([f.copy() for f in frames], [False] * 3)  # the staged path
