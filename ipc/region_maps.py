@@ -11,10 +11,11 @@ checked here again against the size published, in Python's unbounded integers (t
 process checked it at admission too), so a worker never reads outside the region.
 
 Mappings are dropped when their row is no longer live under the cached generation
-(:meth:`RegionMaps.forget_released`, called on every claim): the main process releases a row
-only once no request names it, so no claim this worker holds, nor a batch it has in flight,
-reads a mapping being dropped. ``on_map`` / ``on_unmap`` let a GPU backend page-lock each
-mapping once and unlock it before it goes (``workers/cuda.py``).
+(:meth:`RegionMaps.forget_released`, which the worker loop calls every turn, so at least once a
+heartbeat): the main process releases a row only once no request names it, so no claim this
+worker holds, nor a batch it has in flight, reads a mapping being dropped. ``on_map`` /
+``on_unmap`` let a GPU backend page-lock each mapping once and unlock it before it goes
+(``workers/cuda.py``).
 """
 
 from __future__ import annotations

@@ -135,7 +135,6 @@ class WorkerSide:
         rows, expired = taken
         if expired:
             core.ring_completion()
-        self.regions.forget_released()
         claims = [Claim(Handle(row[0], row[1]), *row[2:]) for row in rows]
         if core.faulty:
             core.fault.reach("claim.returned")

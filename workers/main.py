@@ -220,6 +220,7 @@ class WorkerLoop:
                 return ExitCode.PARENT_GONE
             now = time.monotonic_ns()
             self.queue.heartbeat(self.slot, now)
+            self.queue.region_maps.forget_released()  # regions whose last request is answered
             self.report_memory(now)
             ready = self.queue.ready_count()
             oldest = self.queue.oldest_ready() if ready else None

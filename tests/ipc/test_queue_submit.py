@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import os
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
