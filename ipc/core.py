@@ -108,6 +108,7 @@ class QueueCore:
             on_stuck=functools.partial(on_stuck, self) if seg.owner else None,
         )  # fmt: skip
         self.stuck_kills = 0  # workers this process killed for sitting on the lock
+        self.on_close: list[Callable[[], None]] = []  # parts that drop their views of seg
         # The hot critical sections (submit, claim, complete, collect), the index (ready
         # lists, wheel) that every section uses, and the spins.
         fault = self.fault.reach if self.faulty else None
@@ -149,6 +150,8 @@ class QueueCore:
         for bell in [*self.work, *([self.completion] if self.completion else [])]:
             bell.close()
         self.mutex.close()
+        for drop_views in self.on_close:
+            drop_views()
         for attr in ("d", "r", "waiting", "done_head", "inputs_ro", "w_pid", "w_state"):
             setattr(self, attr, None)
         self.seg.close()

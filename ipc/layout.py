@@ -20,6 +20,9 @@ daemon's main process, mapped by every worker. Every region starts on a 64-byte 
     ├──────────────────────────────────────────────────────────────────────────┤
     │ worker table       max_workers × WORKER_DTYPE  pid, heartbeat, counters  │
     ├──────────────────────────────────────────────────────────────────────────┤
+    │ region table       MAX_REGIONS × REGION_DTYPE  clients' mapped regions   │
+    │                    (fd in the main process, inode, size, generation)     │
+    ├──────────────────────────────────────────────────────────────────────────┤
     │ queue index        int32: ready head[8] · ready tail[8] · ready count[8] │
     │                    · wheel bucket head[wheel_ticks]                      │
     ├──────────────────────────────────────────────────────────────────────────┤
@@ -45,6 +48,9 @@ Who writes what (``ipc/queue.py``'s docstring gives the order of writes inside t
   CLAIMED by it, *before* it flips the state to DONE under the mutex.
 - a worker row's heartbeat, counters and ``vram_frag``: that worker only (single writer, no
   lock); its ``pid``/``state``: ``register_worker`` and ``reclaim_worker`` under the mutex.
+- a region row (``ipc/region_table.py``): the main process only, without the lock; a row
+  changes only while no request names it (its fields first, then ``generation``, then
+  ``live``), so a worker reading the row of a request it has claimed sees it whole.
 - header ``worker_spin_ns``: the creator, once. ``completion_armed``: the main process only,
   without the lock (a store/fence/load handshake with the workers, ``ipc/queue.py``).
   ``main_cpu`` / ``worker_cpu``: the main process / any worker while it spins, without the
@@ -68,13 +74,14 @@ from scratchd.ipc.lock import MUTEX_BYTES
 from scratchd.protocol.wire import PRIORITIES
 
 MAGIC = b"SCRATCHQ"
-LAYOUT_VERSION = 5  # raised with every change to the layout: a process never maps another's
+LAYOUT_VERSION = 6  # raised with every change to the layout: a process never maps another's
 MAX_BOXES = 64
 HISTOGRAM_BINS = 64  # input intensities (kernels/postprocess.py): bin i holds values 4i..4i+3
 NS_PER_MS = 1_000_000  # the queue's clock is time.monotonic_ns; config and replies count ms
 NS_PER_S = 1_000_000_000
 ERROR_BYTES = 200
 NIL = -1  # "no descriptor" in every link and list head
+MAX_REGIONS = 256  # rows of the region table: client regions mapped at once, all connections
 
 HEADER_BYTES = 512
 MUTEX_OFFSET = 448  # last 64 bytes of the header, 64-byte aligned
@@ -93,6 +100,7 @@ HEADER_DTYPE = np.dtype(
         ("desc_off", "<u8"),
         ("result_off", "<u8"),
         ("worker_off", "<u8"),
+        ("region_off", "<u8"),
         ("index_off", "<u8"),
         ("input_off", "<u8"),
         ("mask_off", "<u8"),
@@ -132,6 +140,11 @@ DESC_DTYPE = np.dtype(
         ("want_mask", "u1"),
         ("abandoned", "u1"),  # client gone: free instead of completing
         ("kills", "u1"),  # workers that died holding this request
+        # Where the pixels are: 0, the input slot; else row region - 1 of the region table,
+        # as registered under region_gen, at byte region_offset (ipc/region_table.py).
+        ("region", "<u4"),
+        ("region_gen", "<u4"),
+        ("region_offset", "<u8"),
         # Lifecycle (under the lock, except FREE <-> WRITTEN by the main process).
         ("state", "u1"),  # DescState
         ("generation", "<u4"),  # bumped on every move to FREE (so on every reuse)
@@ -152,7 +165,7 @@ DESC_DTYPE = np.dtype(
     ],
     align=True,
 )
-REQUEST_FIELDS = ("request_id", "kills")  # first and last field of the request block
+REQUEST_FIELDS = ("request_id", "region_offset")  # first and last field of the request block
 
 RESULT_DTYPE = np.dtype(
     [
@@ -172,6 +185,18 @@ RESULT_DTYPE = np.dtype(
     align=True,
 )
 RESULT_FIELDS = ("status", "compute_ns")  # the fixed-size scalars, one struct call
+
+REGION_DTYPE = np.dtype(
+    [
+        ("generation", "<u4"),  # bumped each time a region is published into the row
+        ("live", "u1"),  # 1 while published; 0 once released (the row is free)
+        ("fd", "<i4"),  # the region's descriptor in the main process (workers open it there)
+        ("size", "<u8"),  # bytes a worker may map and read
+        ("dev", "<u8"),  # st_dev, st_ino of the memfd: a worker checks what it opened
+        ("ino", "<u8"),
+    ],
+    align=True,
+)
 
 WORKER_DTYPE = np.dtype(
     [
@@ -278,6 +303,7 @@ def layout(g: Geometry) -> dict[str, int]:
         ("desc_off", g.slots * DESC_DTYPE.itemsize, 64),
         ("result_off", g.slots * RESULT_DTYPE.itemsize, 64),
         ("worker_off", g.max_workers * WORKER_DTYPE.itemsize, 64),
+        ("region_off", MAX_REGIONS * REGION_DTYPE.itemsize, 64),
         ("index_off", (3 * PRIORITIES + g.wheel_ticks) * 4, 64),
         ("input_off", g.slots * g.slot_bytes, 4096),
         ("mask_off", g.slots * mask_bytes(g.slot_bytes), 4096),

@@ -29,6 +29,7 @@ from scratchd.ipc.records import (
     Status,
     read_result,
 )
+from scratchd.ipc.region_table import RegionTable
 
 if TYPE_CHECKING:  # a type the stub names (ipc/_native.pyi), not a runtime attribute
     from scratchd.ipc._native import FinishedRow
@@ -37,10 +38,12 @@ _TIMEOUT_REASON = "deadline passed while queued"
 
 
 class MainSide:
-    """The main process's operations, over its :class:`QueueCore`."""
+    """The main process's operations, over its :class:`QueueCore`; ``regions`` is the region
+    table's main-process side (whose pins follow the descriptors freed here)."""
 
-    def __init__(self, core: QueueCore) -> None:
+    def __init__(self, core: QueueCore, regions: RegionTable) -> None:
         self._core = core
+        self._regions = regions
 
     # ---------------------------------------------------------------- requests in
     def reserve(self) -> Handle | None:
@@ -67,8 +70,11 @@ class MainSide:
     def submit(
         self, h: Handle, *, request_id: int, conn_id: int, priority: int, part_class: int,
         deadline_ns: int, height: int, width: int, want_mask: bool,
+        region: tuple[int, int, int] | None = None,
     ) -> None:  # fmt: skip
-        """Publish a WRITTEN descriptor whose input slot holds ``height × width`` pixels."""
+        """Publish a WRITTEN descriptor whose input slot holds ``height × width`` pixels, or,
+        with ``region`` = ``(row, generation, offset)``, whose pixels lie at ``offset`` of that
+        published region (``ipc/region_table.py``; pinned until the descriptor is freed)."""
         core = self._core
         core.expect(h, WRITTEN)
         if not 0 <= priority < PRIORITIES:
@@ -78,16 +84,20 @@ class MainSide:
                 f"image {height}x{width} does not fit a {core.geometry.slot_bytes} B slot"
             )
         i = h.index
+        row, generation, offset = (-1, 0, 0) if region is None else region
         try:
             core.seg.request_block.pack(
                 i, request_id, conn_id, time_ns(), deadline_ns, part_class, height, width,
                 priority, 1 if want_mask else 0, 0, 0,  # abandoned, kills
+                row + 1, generation, offset,
             )  # fmt: skip
         except struct.error as exc:  # nothing was written; the descriptor stays WRITTEN
             raise ValueError(
                 f"request field out of range (request_id and conn_id are u64, part_class "
-                f"i32, deadline_ns i64): {exc}"
+                f"i32, deadline_ns i64, region offset u64): {exc}"
             ) from exc
+        if region is not None:
+            self._regions.pin(i, row)
         # [lock] attempt, seq, ready list, wheel, state = QUEUED, take a waiting worker [unlock]
         wake = core.native.submit(False, i)
         if isinstance(wake, Contended):
@@ -145,13 +155,16 @@ class MainSide:
         with core.mutex:
             dn = core.seg.descs
             mine = np.flatnonzero((dn["conn_id"] == conn_id) & (dn["state"] >= QUEUED)).tolist()
+            freed = []
             for i in mine:
                 if d.state[i] == QUEUED:
                     core.native.unlink(i)
                     core.make_free(i)
+                    freed.append(i)
                 else:
                     d.abandoned[i] = 1
             core.seg.header["abandoned"] += len(mine)
+        self._regions.unpin(freed)
         return len(mine)
 
     # ---------------------------------------------------------------- answers out
@@ -172,7 +185,9 @@ class MainSide:
         # FREE but not reused before we return (only this process reserves): read unlocked.
         out = [self._completion_of(row) for row in finished if not row[3]]  # 3: abandoned
         if core.seg.owner:
-            core.free_list.extend([row[0] for row in finished])
+            freed = [row[0] for row in finished]
+            core.free_list.extend(freed)
+            self._regions.unpin(freed)
         return out
 
     def wait_for_completions(self, timeout_s: float | None, spin_us: int = 0) -> bool:
@@ -209,6 +224,7 @@ class MainSide:
             out = [self._completion_of(core.native.finished(i)) for i in due]
             for i in due:
                 core.make_free(i)
+        self._regions.unpin(due)
         return out
 
     def next_deadline_ns(self) -> int | None:

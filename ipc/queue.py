@@ -137,6 +137,8 @@ from scratchd.ipc.records import (
     WorkerRow,
     WorkerSlotState,
 )
+from scratchd.ipc.region_maps import RegionMaps
+from scratchd.ipc.region_table import RegionTable, workers_can_open
 from scratchd.ipc.shm import Segment
 from scratchd.ipc.supervisor_side import SupervisorSide, kill_stuck_holder, repair
 from scratchd.ipc.worker_side import WorkerSide
@@ -165,7 +167,12 @@ class RequestQueue:
         core = QueueCore(seg, completion, work, repair=repair, on_stuck=kill_stuck_holder)
         self._core = core
         self.geometry = core.geometry
-        main, worker, supervisor = MainSide(core), WorkerSide(core), SupervisorSide(core)
+        owner_pid = int(seg.header["owner_pid"])
+        self.regions = RegionTable(seg.regions, seg.owner and workers_can_open())
+        self.region_maps = RegionMaps(seg.regions, owner_pid)
+        main, supervisor = MainSide(core, self.regions), SupervisorSide(core)
+        worker = WorkerSide(core, self.region_maps)
+        core.on_close += [self.region_maps.close, self.regions.close]
         # main process (ipc/main_side.py)
         self.reserve = main.reserve
         self.payload = main.payload

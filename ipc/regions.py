@@ -15,14 +15,18 @@ the mapping must never fault and never leave the region:
   read of a page past the new end would kill the daemon with ``SIGBUS``. A shrink seal cannot
   be removed, so one check at registration holds for the region's life (growing is harmless:
   only the announced size is mapped).
-- **The mapping**: ``PROT_READ``, ``MAP_SHARED``, exactly the announced size. The descriptor
-  is closed once mapped (the mapping keeps the memory); nothing is ever written through it.
+- **The mapping**: ``PROT_READ``, ``MAP_SHARED``, exactly the announced size; nothing is ever
+  written through it. The daemon keeps its own duplicate of the descriptor (close-on-exec)
+  while the region is registered: workers open the same memfd through
+  ``/proc/<daemon pid>/fd/<n>`` (:func:`open_published`) and map it read-only in turn,
+  after the same checks and one more: that what they opened is the inode the daemon
+  published (``st_dev``, ``st_ino``), so a descriptor number reused meanwhile is refused.
 - **Every read** (:meth:`Region.view`): ``0 ≤ offset`` and ``offset + nbytes ≤ size``, checked
   in Python's unbounded integers before any view exists, so no sum can wrap.
 
-A :class:`Region` is unmapped by :meth:`Region.close`; while a view of it is still alive (an
-image conversion still reading it), the mapping stays until that view is dropped: the memory is
-never unmapped under a reader.
+A :class:`Region` is unmapped (and its descriptor closed) by :meth:`Region.close`; while a
+view of it is still alive (an image conversion still reading it), the mapping stays until that
+view is dropped: the memory is never unmapped under a reader.
 """
 
 from __future__ import annotations
@@ -82,13 +86,41 @@ def _kind(mode: int) -> str:
     return "special file"
 
 
+def open_published(owner_pid: int, fd: int, size: int, dev: int, ino: int) -> mmap.mmap:
+    """A worker's read-only mapping of the region the main process ``owner_pid`` holds as
+    descriptor ``fd``: reopened through ``/proc``, refused unless it is the inode ``(dev,
+    ino)`` published, then checked and mapped as :func:`map_region` does."""
+    path = f"/proc/{owner_pid}/fd/{fd}"
+    try:
+        own = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RegionError(f"region descriptor {path} cannot be opened: {exc.strerror}") from None
+    try:
+        st = os.fstat(own)
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            raise RegionError(f"{path} is no longer the region published (descriptor reused)")
+        return map_region(own, size)
+    finally:
+        os.close(own)
+
+
 @dataclass(eq=False)
 class Region:
-    """One registered region: its id (per connection), size and read-only mapping."""
+    """One registered region: its id (per connection), size, read-only mapping and the
+    daemon's descriptor of it (``fd``, ``dev``, ``ino``: what workers open,
+    ``ipc/region_table.py``).
+
+    ``row`` and ``generation`` name it in the region table once published there (None: not
+    published, its grey pixels are copied into the queue's slots instead)."""
 
     id: int
     size: int
     mapping: mmap.mmap
+    fd: int = -1
+    dev: int = 0
+    ino: int = 0
+    row: int | None = None
+    generation: int = 0
     _view: memoryview = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -96,8 +128,11 @@ class Region:
 
     @classmethod
     def from_descriptor(cls, region_id: int, fd: int, size: int) -> Region:
-        """Map ``fd`` (checked by :func:`map_region`); the caller still closes ``fd``."""
-        return cls(region_id, size, map_region(fd, size))
+        """Map ``fd`` (checked by :func:`map_region`) and keep a close-on-exec duplicate of it;
+        the caller still closes ``fd``."""
+        mapping = map_region(fd, size)
+        st = os.fstat(fd)
+        return cls(region_id, size, mapping, os.dup(fd), st.st_dev, st.st_ino)
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         """The ``nbytes`` at ``offset``, read-only; :class:`RegionError` if any lies outside."""
@@ -109,7 +144,11 @@ class Region:
         return self._view[offset : offset + nbytes]
 
     def close(self) -> None:
-        """Unmap now, or, while a view handed out is still alive, once the last one is dropped."""
+        """Close the descriptor; unmap now, or, while a view handed out is still alive, once
+        the last one is dropped."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         with contextlib.suppress(BufferError):  # a view still reads: the mmap's dealloc unmaps
             self._view.release()
             self.mapping.close()

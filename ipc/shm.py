@@ -42,7 +42,9 @@ from scratchd.ipc.layout import (
     HEADER_DTYPE,
     LAYOUT_VERSION,
     MAGIC,
+    MAX_REGIONS,
     PRIORITIES,
+    REGION_DTYPE,
     REQUEST_FIELDS,
     RESULT_DTYPE,
     RESULT_FIELDS,
@@ -87,6 +89,9 @@ class Segment:
         self.result_block = Block(mm, int(h["result_off"]), RESULT_DTYPE, RESULT_FIELDS)
         self.workers = np.ndarray(
             (g.max_workers,), WORKER_DTYPE, buffer=mm, offset=int(h["worker_off"])
+        )
+        self.regions = np.ndarray(
+            (MAX_REGIONS,), REGION_DTYPE, buffer=mm, offset=int(h["region_off"])
         )
         index = np.ndarray(
             (3 * PRIORITIES + g.wheel_ticks,), np.int32, buffer=mm, offset=int(h["index_off"])
@@ -172,9 +177,9 @@ class Segment:
 
     def close(self) -> None:
         """Unmap (views must be dropped first; the caller owns that) and drop the flock."""
-        for attr in ("header", "descs", "results", "workers", "inputs", "masks", "d", "r"):
+        for attr in ("header", "descs", "results", "workers", "regions", "inputs", "masks"):
             setattr(self, attr, None)
-        for attr in ("ready_head", "ready_tail", "ready_count", "wheel_head"):
+        for attr in ("d", "r", "ready_head", "ready_tail", "ready_count", "wheel_head"):
             setattr(self, attr, None)
         # A caller may still hold a payload view: then the mapping goes with the last view.
         with contextlib.suppress(BufferError):

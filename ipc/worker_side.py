@@ -40,13 +40,16 @@ from scratchd.ipc.core import ACTIVE, QueueCore
 from scratchd.ipc.doorbell import Doorbell
 from scratchd.ipc.layout import NIL
 from scratchd.ipc.records import Claim, Handle, QueueError, Result, write_result
+from scratchd.ipc.region_maps import RegionMaps
 
 
 class WorkerSide:
-    """A worker's operations, over its own mapping's :class:`QueueCore`."""
+    """A worker's operations, over its own mapping's :class:`QueueCore`; ``regions`` are its
+    mappings of the client regions claims name (``ipc/region_maps.py``)."""
 
-    def __init__(self, core: QueueCore) -> None:
+    def __init__(self, core: QueueCore, regions: RegionMaps) -> None:
         self._core = core
+        self.regions = regions
 
     def adopt_work_fd(self, work_fd: int) -> None:
         """Take a worker slot's work doorbell on a mapping attached without one: a warm
@@ -142,9 +145,16 @@ class WorkerSide:
         return claims
 
     def input_view(self, c: Claim) -> np.ndarray:
-        """Read-only ``(height, width)`` uint8 view of the claim's input slot (zero-copy)."""
+        """Read-only ``(height, width)`` uint8 view of the claim's pixels (zero-copy): its input
+        slot, or the client region its descriptor names (``ipc/region_maps.py``; raises
+        :class:`~scratchd.ipc.regions.RegionError` when that region cannot be read)."""
+        i, d = c.handle.index, self._core.d
+        region = d.region[i]
+        if region:
+            offset = d.region_offset[i]
+            return self.regions.image(region - 1, d.region_gen[i], offset, c.height, c.width)
         n = c.height * c.width
-        return self._core.inputs_ro[c.handle.index, :n].reshape(c.height, c.width)
+        return self._core.inputs_ro[i, :n].reshape(c.height, c.width)
 
     def input_region(self) -> np.ndarray:
         """All input payload slots, ``[slots, slot_bytes]`` uint8 over the mapping: what a

@@ -12,10 +12,11 @@ with a worker that computes nothing, so the main process's own cost is what is m
         --json docs/bench/frontend-zero-copy.json  # frames vs a registered region, alternating
 
 ``--paths``: ``socket`` sends each frame's pixels through the socket; ``region`` registers a
-memfd ring per client connection (``client/regions.py``) and each request names its slot, the
-acceptor copying the pixels from there into the payload slot. With several paths and
-``--repeats`` the runs alternate (socket, region, socket, ...) so that a change in the
-machine's load falls on both; the summary gives each path's median, min and max.
+memfd ring per client connection (``client/regions.py``) and each request names its slot; the
+acceptor queues it naming the region (workers read grey pixels in place), copying nothing.
+With several paths and ``--repeats`` the runs alternate (socket, region, socket, ...) so that
+a change in the machine's load falls on both; the summary gives each path's median, min and
+max.
 
 This process runs the front end exactly as the daemon wires it (``Acceptor`` +
 ``Dispatcher`` + ``RequestQueue`` on uvloop) and nothing else, so its CPU time

@@ -5,8 +5,9 @@ answers a batch with ``infer``. Two capabilities are separate Protocols, because
 backends have them and a backend without one must not carry no-op stand-ins for it:
 
 - :class:`DeviceMemory`: the backend computes in memory of its own (a GPU's arena). It
-  page-locks the queue's input slots for zero-copy uploads, limits a claim to what that
-  memory holds now, and reports the memory's fragmentation into its worker row.
+  page-locks the queue's input slots and the client regions it maps for zero-copy uploads,
+  limits a claim to what that memory holds now, and reports the memory's fragmentation into
+  its worker row.
 - :class:`AsyncBackend`: the backend computes asynchronously, in the steps the pipelined
   worker loop overlaps (``submit``, ``start``, ``collect``, ``finish_each``), and says how
   long a started batch has left on the device.
@@ -49,6 +50,14 @@ class DeviceMemory(Protocol):
 
     def register_host(self, region: np.ndarray) -> None:
         """Page-lock ``region`` (the queue's input slots) so uploads read it directly."""
+        ...
+
+    def register_region(self, pixels: np.ndarray) -> None:
+        """Page-lock a client region's read-only mapping when the worker maps it."""
+        ...
+
+    def unregister_region(self, pixels: np.ndarray) -> None:
+        """Undo :meth:`register_region` before the worker unmaps the region."""
         ...
 
     def batch_limit(self) -> int:

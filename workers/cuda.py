@@ -22,8 +22,11 @@ ordering by events::
 ``k`` alternates between the graph's two input buffers, so the worker loop can upload batch
 k+1 while batch k computes (workers/main.py's pipelined loop); before an input buffer is
 written again, the copy stream waits for the event recorded after the launch that read it.
-Frames that are not in the registered region (a standby that has not attached yet, tests)
-go through one pinned staging buffer instead — same streams, one extra host copy.
+Frames in a client's region (``ipc/region_maps.py``) are uploaded straight from the worker's
+read-only mapping of it, page-locked once when first mapped (``register_region``). Frames
+that are not in registered memory (tests, a device that cannot page-lock read-only memory) go
+through one pinned staging buffer instead — same streams, one extra host copy
+(``workers/host_memory.py``).
 
 GPU compute time per batch is the start → end event interval, carried in every reply's
 ``compute_ns``. The same time, per graph (an EWMA in ``graph_ms`` of the batches that ran
@@ -66,6 +69,7 @@ from scratchd.workers.gpu_memory import (
     pin_near,
     split_batch,
 )
+from scratchd.workers.host_memory import PinnedHost
 from scratchd.workers.results import error_result, ok_result
 
 H2D: Final = 1  # cudaMemcpyHostToDevice
@@ -148,8 +152,7 @@ class CudaBackend:
         self.sizer = BatchSizer(BUCKETS, max_batch, 0, lambda: self.arena.stats().largest_free)
         self.graphs: dict[tuple[int, int, int], Any] = {}
         self.copy_stream = cp.cuda.Stream(non_blocking=True)
-        self._registered: list[tuple[int, int]] = []  # (ptr, nbytes) registered with CUDA
-        self._staging: Any = None  # pinned host buffer for frames outside registered memory
+        self.host = PinnedHost(cp, self.copy_stream)  # what uploads read (host_memory.py)
         self._next_k: dict[tuple[int, int, int], int] = {}
         # (bucket, height, width) → the graph's device ms (CUDA events; EWMA of batches):
         # what submit's split weighs (gpu_memory.split_batch)
@@ -204,17 +207,21 @@ class CudaBackend:
 
     def register_host(self, region: np.ndarray) -> None:
         """Page-lock ``region`` (the queue's input slots) so uploads DMA straight from it."""
-        ptr, nbytes = int(region.ctypes.data), int(region.nbytes)
         t0 = time.perf_counter()
-        self.cp.cuda.runtime.hostRegister(ptr, nbytes, 0)
-        self._registered.append((ptr, nbytes))
+        self.host.register(region)
         self.boot_ms["host_register"] = _ms(t0)
 
+    def register_region(self, pixels: np.ndarray) -> None:
+        """Page-lock a client region's read-only mapping (``ipc/region_maps.py``), once."""
+        self.host.register(pixels, read_only=True)
+
+    def unregister_region(self, pixels: np.ndarray) -> None:
+        """Undo :meth:`register_region` (before the worker unmaps the region)."""
+        self.host.unregister(pixels)
+
     def unregister_host(self) -> None:
-        """Undo :meth:`register_host` (before the region is unmapped)."""
-        for ptr, _ in self._registered:
-            self.cp.cuda.runtime.hostUnregister(ptr)
-        self._registered.clear()
+        """Undo every page-locking (before the memory is unmapped)."""
+        self.host.unregister_all()
 
     def close(self) -> None:
         """Unregister host memory and give CuPy its previous allocator back (the arena's
@@ -457,30 +464,12 @@ class CudaBackend:
         base = int(dst.data.ptr)
         frame_bytes = int(dst[0].nbytes)
         for j, img in enumerate(c.frames):
-            src = self._host_ptr(img, j, frame_bytes)
+            src = self.host.source(img, j, frame_bytes)
             cp.cuda.runtime.memcpyAsync(
                 base + j * frame_bytes, src, frame_bytes, H2D, self.copy_stream.ptr
             )
         c.uploaded = cp.cuda.Event(disable_timing=True)
         c.uploaded.record(self.copy_stream)
-
-    def _host_ptr(self, img: np.ndarray, j: int, nbytes: int) -> int:
-        """A page-locked address holding ``img``: the frame itself if it lies in registered
-        memory (and is contiguous), else a copy in the pinned staging buffer."""
-        ptr = int(img.ctypes.data)
-        if img.flags.c_contiguous and any(
-            lo <= ptr and ptr + nbytes <= lo + size for lo, size in self._registered
-        ):
-            return ptr
-        # The staging buffer is reused only after the copy stream has drained it.
-        self.copy_stream.synchronize()
-        need = (j + 1) * nbytes
-        if self._staging is None or self._staging.nbytes < need:
-            import cupyx
-
-            self._staging = cupyx.empty_pinned((max(need, 16 * nbytes),), np.uint8)
-        self._staging[j * nbytes : need] = np.ascontiguousarray(img).reshape(-1)
-        return int(self._staging.ctypes.data) + j * nbytes
 
 
 def _key(g: Any) -> tuple[int, int, int]:

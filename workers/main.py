@@ -37,11 +37,15 @@ import time
 from collections.abc import Sequence
 from typing import Any, Final
 
+import numpy as np
+
 from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Claim, QueueError, RequestQueue, Result
+from scratchd.ipc.regions import RegionError
 from scratchd.protocol.log import configure, log_event
 from scratchd.workers.backend import AsyncBackend, Backend, DeviceMemory
 from scratchd.workers.batching import BatchPolicy, ewma
+from scratchd.workers.boot_log import log_boot, where
 from scratchd.workers.gpu_memory import ARENA_MB, RESERVE_MB, WARM_SIZES
 from scratchd.workers.protocol import (
     STANDBY_SLOT,
@@ -149,9 +153,11 @@ def take_slot(queue: RequestQueue, slot: int, work_fd: int) -> None:
 
 
 def share_inputs(queue: RequestQueue, backend: Backend) -> None:
-    """A backend with device memory page-locks the queue's input slots (zero-copy uploads)."""
+    """A backend with device memory page-locks the queue's input slots, and each client
+    region when this worker maps it (zero-copy uploads)."""
     if isinstance(backend, DeviceMemory):
         backend.register_host(queue.input_region())
+        queue.region_maps.set_hooks(backend.register_region, backend.unregister_region)
 
 
 def wait_readable(fds: Sequence[int], timeout_s: float) -> set[int]:
@@ -214,6 +220,7 @@ class WorkerLoop:
                 return ExitCode.PARENT_GONE
             now = time.monotonic_ns()
             self.queue.heartbeat(self.slot, now)
+            self.queue.region_maps.forget_released()  # regions whose last request is answered
             self.report_memory(now)
             ready = self.queue.ready_count()
             oldest = self.queue.oldest_ready() if ready else None
@@ -267,7 +274,9 @@ class WorkerLoop:
         return bool(self.death_poll.poll(0))
 
     def serve(self, claims: list[Claim]) -> None:
-        images = [self.queue.input_view(c) for c in claims]
+        claims, images = self.inputs(claims)
+        if not claims:
+            return
         start = time.monotonic_ns()
         try:
             results = self.backend.infer(images, [c.want_mask for c in claims])
@@ -276,6 +285,18 @@ class WorkerLoop:
         self.policy.observe(len(claims), time.monotonic_ns() - start)
         for claim, result in zip(claims, results, strict=True):
             self.complete(claim, result)
+
+    def inputs(self, claims: list[Claim]) -> tuple[list[Claim], list[np.ndarray]]:
+        """The claims whose pixels can be read, and their images; a claim whose client region
+        cannot be (``ipc/region_maps.py``) is answered ``error`` alone."""
+        kept, images = [], []
+        for c in claims:
+            try:
+                images.append(self.queue.input_view(c))
+                kept.append(c)
+            except RegionError as exc:
+                self.complete(c, error_result(f"image not readable: {exc}"))
+        return kept, images
 
     def complete(self, claim: Claim, result: Result) -> None:
         try:
@@ -295,10 +316,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         queue, backend = boot(args)
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-        log_event("worker_boot_failed", logging.ERROR, worker=_where(args.slot), reason=reason)
+        log_event("worker_boot_failed", logging.ERROR, worker=where(args.slot), reason=reason)
         _write_all(args.ready_fd, f"BOOT_ERROR {reason}\n".encode())
         return ExitCode.BOOT_ERROR
-    _log_boot(args.slot, backend)
+    log_boot(args.slot, backend)
     _write_all(args.ready_fd, ready_line(backend.device, backend.version))
     os.close(args.ready_fd)
     slot = args.slot
@@ -362,7 +383,9 @@ class PipelinedLoop(WorkerLoop):
 
     def take(self, claims: list[Claim]) -> None:
         b = self.backend
-        images = [self.queue.input_view(c) for c in claims]
+        claims, images = self.inputs(claims)
+        if not claims:
+            return
         batch = b.submit(images, [c.want_mask for c in claims])
         submitted = time.monotonic_ns()
         self._collect()
@@ -456,35 +479,6 @@ def serve(
     if code is ExitCode.OK:
         queue.close()
     return code
-
-
-def since_exec_ms() -> float:
-    """Milliseconds since this process was exec'd (``/proc/self/stat`` start time; the
-    kernel counts it in clock ticks, so ±10 ms)."""
-    with open("/proc/self/stat") as f:
-        start_ticks = int(f.read().rpartition(")")[2].split()[19])
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / ticks) * 1000.0
-
-
-def _where(slot: int) -> str:
-    """A worker as the log names it: its slot, or ``standby``."""
-    return "standby" if slot == STANDBY_SLOT else str(slot)
-
-
-def _log_boot(slot: int, backend: Backend) -> None:
-    """One line with the boot's parts in ms, ``boot_ms`` the total since exec and
-    ``boot_ms_<part>`` each part the backend measured (the CUDA backend times its own)."""
-    parts: dict[str, Any] = {f"boot_ms_{k}": round(v, 1) for k, v in backend.boot_ms.items()}
-    log_event(
-        "worker_booted",
-        worker=_where(slot),
-        pid=os.getpid(),
-        device=backend.device,
-        version=backend.version,
-        boot_ms=round(since_exec_ms()),
-        **parts,
-    )
 
 
 def _write_all(fd: int, data: bytes) -> None:

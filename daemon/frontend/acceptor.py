@@ -23,21 +23,17 @@ Per frame (see ``scratchd.protocol.wire`` for the format), in this order:
    on the loop, from the frame's buffer (one memcpy: the only copy the daemon makes of
    them); encoded images (PNG/BMP/JPEG, ``decode_image``) and raw RGB (copied out of the
    frame first: the buffer is reused by the next frame) are converted in a thread pool
-   straight into the slot, never on the loop;
+   straight into the slot, never on the loop; raw grey pixels in a client's published region
+   (``daemon/frontend/regions.py``) are not copied at all: the request names them and its
+   worker reads them in place;
 6. ``submit()`` and record the request in the dispatcher's in-flight table.
 
-Large raw frames skip the copy of step 5: the connection asks for a slot (``lend_slot``) as
-soon as it has read where the frame's pixels lie, and the kernel writes them straight into
-it (those that arrived in the connection's head with the frame's start, up to ``HEAD_BYTES``,
-are copied from there once); the frame then arrives through ``slot_frame`` with steps 1-6
-as above, 4 already done (and, for raw grey, 5). Lending cannot change this frame's reply:
-no slot is lent when draining, nor to a connection at its in-flight limit, nor for more
-pixels than a slot holds (the frame then takes the usual path, which answers as before).
-With ``[server] receive_threads`` > 0 the kernel's copy into the slot runs in this acceptor's
-receive threads (``daemon/frontend/receiver.py``), not on the loop's thread.
-While lent (at most ``lend_limit`` = ``max(1, slots // 4)`` at once, each for up to
-``frame_timeout_ms``) a slot is not available to other frames, which may be answered
-``queue full`` sooner; so a slot is lent only while more than ``lend_limit`` are free, and
+Large raw frames skip the copy of step 5: once the connection has read where a frame's pixels
+lie it asks for a slot (``lend_slot``) and the kernel writes them straight into it (in the
+receive threads with ``[server] receive_threads`` > 0, ``daemon/frontend/receiver.py``); the
+frame then arrives through ``slot_frame``. Lending cannot change a frame's reply: no slot is
+lent when draining, at the in-flight limit, or for more pixels than a slot holds, and at most
+``lend_limit`` = ``max(1, slots // 4)`` at once, only while more than that are free, so
 clients that stall mid-frame cannot take the last free slots from complete frames.
 
 No slot leaks: a reserved descriptor is either submitted or released on every path
@@ -84,18 +80,12 @@ from scratchd.daemon.frontend.regions import RegionDesk
 from scratchd.daemon.frontend.socket_file import clear_stale_socket
 from scratchd.ipc.layout import NS_PER_MS
 from scratchd.ipc.queue import Handle, RequestQueue
+from scratchd.ipc.regions import Region
 from scratchd.protocol import wire
 from scratchd.protocol.image import ImageError
 from scratchd.protocol.log import Throttle, log_event
 
-__all__ = [
-    "Acceptor",
-    "Admission",
-    "Connection",
-    "Invalid",
-    "check_image",
-    "convert_into",
-]
+__all__ = ["Acceptor"]
 
 DECODE_THREADS: Final = 2
 
@@ -131,7 +121,7 @@ class Acceptor:
         self.connections: dict[int, Connection] = {}
         self.classes = PartClasses(config)
         self.gate = AccessGate.from_config(config.server.allowed_uids, config.server.allowed_gids)
-        self.regions = RegionDesk(lambda: self.config.server)
+        self.regions = RegionDesk(lambda: self.config.server, queue.regions)
         self.places: Places[Connection] = Places(Caps.of(config.server))
         self._full = Throttle("connections_full", burst=5, window=60.0)
         self._evicted = Throttle("silent_connection_closed", burst=5, window=60.0)
@@ -321,14 +311,15 @@ class Acceptor:
         if isinstance(message, wire.RegisterRegion):
             self.regions.register(conn, message)
             return
+        region = None
         if message.region:  # zero-copy: the pixels are read from the client's region
             try:
-                message = self.regions.resolve(conn, message)
+                message, region = self.regions.resolve(conn, message)
             except Invalid as exc:
                 flight = InFlight(conn, message.id, "unknown", 0, received_ns, message.want_mask)
                 self.dispatcher.reject(flight, "invalid", str(exc))
                 return
-        self._admit(conn, message, received_ns, None)
+        self._admit(conn, message, received_ns, None, region)
 
     def new_peer_id(self) -> int:
         """A connection id no Unix-socket connection has: for another front end's peers."""
@@ -343,10 +334,13 @@ class Acceptor:
             self._answer_bug(peer, request.id, received_ns, exc)
 
     def _admit(
-        self, conn: Peer, request: wire.InferFrame, received_ns: int, lent: Handle | None
-    ) -> None:
+        self, conn: Peer, request: wire.InferFrame, received_ns: int, lent: Handle | None,
+        region: Region | None = None,
+    ) -> None:  # fmt: skip
         """Queue ``request`` or answer it. ``lent``: the slot its pixels were received into
-        (``request.pixels`` is a view of it); submitted or released here, whatever happens."""
+        (``request.pixels`` is a view of it); submitted or released here, whatever happens.
+        ``region``: the client region ``request.pixels`` lie in; grey ones are queued naming
+        it when it is published (``ipc/region_table.py``), never copied."""
         flight = InFlight(conn, request.id, "unknown", 0, received_ns, request.want_mask)
         try:
             admission = self._admission(request, flight)
@@ -364,11 +358,12 @@ class Acceptor:
         flight.handle = handle
         try:
             if request.encoded is None and request.channels == 1:
-                if lent is None:
+                shape, named = (request.height, request.width), None
+                if region is not None and region.row is not None:  # read in place by workers
+                    named = (region.row, region.generation, request.offset)
+                elif lent is None:
                     shape = write_raw_grey(self.queue.payload(handle), request)
-                else:  # received in place
-                    shape = request.height, request.width
-                self._submit(flight, admission, shape)
+                self._submit(flight, admission, shape, named)
                 return
             if request.pixels is not None and not request.region:  # raw RGB: off the frame
                 # buffer (or slot) it is in; a region's pixels stay put (regions.py)
@@ -473,7 +468,10 @@ class Acceptor:
             if not submitted:
                 self.queue.release(handle)
 
-    def _submit(self, flight: InFlight, admission: Admission, shape: tuple[int, int]) -> None:
+    def _submit(
+        self, flight: InFlight, admission: Admission, shape: tuple[int, int],
+        region: tuple[int, int, int] | None = None,
+    ) -> None:  # fmt: skip
         assert flight.handle is not None
         self.queue.submit(
             flight.handle,
@@ -485,6 +483,7 @@ class Acceptor:
             height=shape[0],
             width=shape[1],
             want_mask=flight.want_mask,
+            region=region,
         )
         self.dispatcher.enqueued(flight)
 

@@ -24,13 +24,17 @@ whatever happens (extra ones included), and all of them are received close-on-ex
 leaks into a worker started later.
 
 Ownership: a region belongs to the connection that registered it and is found only through it
-(ids count from 1 per connection, so naming another connection's region finds nothing). The
-daemon reads a request's pixels while admitting it, before the request is queued: raw grey ones
-are copied into the request's payload slot on the loop (one memcpy, the same copy a socket
-frame's pixels take from the receive buffer), raw RGB ones converted from the region in the
-decode pool. The client must still not write a slot before its request's reply, which is the
-contract that lets the daemon read later. When the connection closes its regions are unmapped;
-a conversion still reading one keeps that mapping until it is done (``Region.close``).
+(ids count from 1 per connection, so naming another connection's region finds nothing). A
+registered region is published in the queue's region table (``ipc/region_table.py``): a raw
+grey request naming it is queued naming it too, and the worker that claims the request reads
+the pixels in place; the main process copies nothing. Raw RGB ones are converted from the
+region into the request's slot in the decode pool. (When the table is full, or workers could
+not open the daemon's descriptors, a region is not published and its grey pixels are copied
+into the slot on the loop.) The client must not write a slot before its request's reply:
+workers read it until then. When the connection closes its regions are retired: each stays
+mapped, in the daemon and in the table, until the last request naming it is answered or
+dropped, then is unmapped; a conversion still reading one keeps the daemon's mapping until it
+is done (``Region.close``).
 """
 
 from __future__ import annotations
@@ -50,7 +54,9 @@ import msgspec
 
 from scratchd.daemon.config import ServerConfig
 from scratchd.daemon.frontend.connection import Connection
+from scratchd.daemon.frontend.dispatch import Peer
 from scratchd.daemon.frontend.images import Invalid
+from scratchd.ipc.region_table import RegionTable
 from scratchd.ipc.regions import Region, RegionError
 from scratchd.protocol import wire
 from scratchd.protocol.log import log_event
@@ -66,6 +72,7 @@ class _Handshake:
     """A registration waiting for its descriptor byte."""
 
     message: wire.RegisterRegion
+    conn: Connection
     sock: socket.socket  # a duplicate of the connection's socket, watched for the byte
     timer: asyncio.TimerHandle | None = None
 
@@ -83,12 +90,22 @@ class RegionDesk:
     """Every connection's registered regions, the bytes mapped, and the handshakes in flight.
 
     ``server`` gives the current ``[server]`` section (a reload changes the limits for the
-    registrations that follow)."""
+    registrations that follow); ``table`` is the queue's region table, where registered
+    regions are published for the workers."""
 
-    def __init__(self, server: Callable[[], ServerConfig]) -> None:
+    def __init__(self, server: Callable[[], ServerConfig], table: RegionTable) -> None:
         self._server = server
+        self._table = table
         self._conns: dict[int, _Regions] = {}
-        self.mapped_bytes = 0  # registered and reserved (handshakes in flight), all connections
+        self._reserved = 0  # bytes of handshakes in flight
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes of client regions mapped (registered, or retired but still named by a
+        request) and reserved by handshakes in flight, all connections: what
+        ``max_region_bytes`` limits."""
+        registered = sum(r.size for c in self._conns.values() for r in c.by_id.values())
+        return registered + self._reserved + self._table.retiring_bytes()
 
     def registered(self, conn: Connection) -> int:
         """How many regions ``conn`` has registered."""
@@ -111,9 +128,9 @@ class RegionDesk:
             return
         assert conn.transport is not None
         loop = asyncio.get_running_loop()
-        handshake = _Handshake(message, sock)
+        handshake = _Handshake(message, conn, sock)
         regions.handshake = handshake
-        self.mapped_bytes += message.size  # reserved until registered or given up
+        self._reserved += message.size  # until registered or given up
         conn.transport.pause_reading()  # the byte is this handshake's to read, not the loop's
         loop.add_reader(sock.fileno(), self._readable, conn, regions)
         timeout = self._server().frame_timeout_ms / 1000.0
@@ -157,7 +174,7 @@ class RegionDesk:
             data, ancillary, flags = b"", [], 0  # the loop meets the error itself on resume
         fds = _descriptors(ancillary)
         try:
-            self._finish(conn, regions)
+            self._finish(regions)
             message = handshake.message
             if not data:  # EOF or error: the transport, reading again, sees it and closes
                 return
@@ -177,32 +194,33 @@ class RegionDesk:
         except RegionError as exc:
             conn.send(wire.RegionReply(id=message.id, status="invalid", error=str(exc)))
             return
-        self.mapped_bytes += region.size  # _finish gave the reservation back
         regions.by_id[region.id] = region
+        published = self._table.publish(region)
         log_event("region_registered", logging.DEBUG, conn=conn.id, region=region.id,
-                  size=region.size)  # fmt: skip
+                  size=region.size, published=published)  # fmt: skip
         conn.send(wire.RegionReply(id=message.id, status="ok", region=region.id))
 
     def _timed_out(self, conn: Connection, regions: _Regions) -> None:
         handshake = regions.handshake
         if handshake is not None:
-            self._finish(conn, regions)
+            self._finish(regions)
             timeout_ms = self._server().frame_timeout_ms
             reason = f"no descriptor byte within {timeout_ms} ms of SendDescriptor"
             self._abort(conn, handshake.message.id, reason)
 
-    def _finish(self, conn: Connection, regions: _Regions) -> None:
+    def _finish(self, regions: _Regions) -> None:
         """End the handshake in progress: stop watching, give back the reserved bytes,
         let the transport read again."""
         handshake, regions.handshake = regions.handshake, None
         if handshake is None:
             return
-        self.mapped_bytes -= handshake.message.size
+        self._reserved -= handshake.message.size
         if handshake.timer is not None:
             handshake.timer.cancel()
         with contextlib.suppress(Exception):  # the loop may be closing
             asyncio.get_running_loop().remove_reader(handshake.sock.fileno())
         handshake.sock.close()
+        conn = handshake.conn
         if conn.transport is not None and not conn.closed:
             conn.transport.resume_reading()
 
@@ -215,9 +233,10 @@ class RegionDesk:
 
     # ---- use and release --------------------------------------------------------------
 
-    def resolve(self, conn: Connection, request: wire.InferFrame) -> wire.InferFrame:
+    def resolve(self, conn: Connection, request: wire.InferFrame) -> tuple[wire.InferFrame, Region]:
         """``request`` with ``pixels`` a read-only view of the bytes it names in one of
-        ``conn``'s regions; :class:`Invalid` if it names none or bytes outside it."""
+        ``conn``'s regions, and that region; :class:`Invalid` if it names none or bytes
+        outside it."""
         regions = self._conns.get(conn.id)
         region = None if regions is None else regions.by_id.get(request.region)
         if region is None:
@@ -231,18 +250,18 @@ class RegionDesk:
             view = region.view(request.offset, h * w * c)
         except RegionError as exc:
             raise Invalid(str(exc)) from None
-        return msgspec.structs.replace(request, pixels=view)
+        return msgspec.structs.replace(request, pixels=view), region
 
-    def release(self, conn: Connection) -> None:
-        """``conn`` is gone: end its handshake and unmap its regions (a conversion still
-        reading one keeps it until done)."""
+    def release(self, conn: Peer) -> None:
+        """``conn`` is gone: end its handshake and retire its regions (each unmapped once no
+        request names it, ``ipc/region_table.py``; a conversion still reading one keeps the
+        daemon's mapping until done)."""
         regions = self._conns.pop(conn.id, None)
         if regions is None:
             return
-        self._finish(conn, regions)
+        self._finish(regions)
         for region in regions.by_id.values():
-            self.mapped_bytes -= region.size
-            region.close()
+            self._table.retire(region)
 
 
 def _descriptors(ancillary: list[tuple[int, int, bytes]]) -> list[int]:

@@ -37,6 +37,10 @@ async def _burst(
     return list(replies), client
 
 
+def _maps_a_region(pid: int) -> bool:
+    return pid > 0 and "memfd:scratchd-region" in Path(f"/proc/{pid}/maps").read_text()
+
+
 def _each_answered_once(replies: list[wire.Reply]) -> None:
     assert sorted(r.id for r in replies) == sorted({r.id for r in replies})
     assert len(replies) == N
@@ -51,6 +55,9 @@ def test_kill9_reload_and_drain_lose_no_zero_copy_request(tmp_path: Path, data_d
         async def scenario() -> None:
             baseline, client = await _burst(daemon, images, None)
             assert client.ring is not None, client.zero_copy_error
+            status = await client.status()
+            readers = [w.pid for w in status.workers if _maps_a_region(w.pid)]
+            assert readers, "no worker read the pixels from the client's region in place"
             expected = [(r.verdict, r.score) for r in baseline]
             await client.close()
             for during in (signal.SIGKILL, signal.SIGHUP):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,7 +42,7 @@ def test_out_of_range_request_fields_are_refused_and_nothing_is_written(
     now = time.monotonic_ns()
     bad: list[dict[str, int]] = [{"request_id": -1}, {"conn_id": 2**64}, {"priority": 8}]
     for fields in bad:
-        args = {"request_id": 1, "conn_id": 1, "priority": 0, **fields}
+        args: dict[str, Any] = {"request_id": 1, "conn_id": 1, "priority": 0, **fields}
         with pytest.raises(ValueError):
             queue.submit(
                 h, part_class=0, deadline_ns=now, height=1, width=1, want_mask=False, **args

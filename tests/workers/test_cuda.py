@@ -5,6 +5,7 @@ All gpu-marked: they skip cleanly on a machine without CUDA (tests/conftest.py).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 from scratchd.ipc.queue import Geometry, RequestQueue, Result, Status
+from scratchd.ipc.regions import Region
 from scratchd.protocol.image import decode_image
 from scratchd.workers.cuda import REMEASURE_S
 
@@ -156,13 +158,61 @@ def test_frames_read_straight_from_registered_shared_memory(gpu, data_dir: Path)
         for i, f in enumerate(frames):
             region[i, : f.size] = f.reshape(-1)
         views = [region[i, : SIZE[0] * SIZE[1]].reshape(SIZE) for i in range(3)]
-        ptr = gpu._host_ptr(views[0], 0, views[0].nbytes)
+        ptr = gpu.host.source(views[0], 0, views[0].nbytes)
         assert ptr == views[0].ctypes.data  # no staging copy
         got = gpu.infer(views, [False] * 3)
         want = gpu.infer([f.copy() for f in frames], [False] * 3)  # the staged path
         assert [r.score for r in got] == [r.score for r in want]
     finally:
         gpu.unregister_host()
+        q.close()
+
+
+def test_frames_read_straight_from_a_client_region(gpu, data_dir: Path) -> None:
+    """A request naming a client region: the worker maps it read-only, page-locks the mapping
+    once (read-only registration), uploads from it with no staging copy, and unlocks it
+    before unmapping once the region is released."""
+    frames = real_frames(data_dir, 3)
+    n = SIZE[0] * SIZE[1]
+    fd = os.memfd_create("scratchd-region-gpu-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 3 * n)
+    os.pwrite(fd, b"".join(f.tobytes() for f in frames), 0)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    region = Region.from_descriptor(1, fd, 3 * n)
+    os.close(fd)
+    q = RequestQueue.create(
+        f"/scratchd-test-cuda-region-{os.getpid()}", Geometry(slots=4, slot_bytes=n)
+    )
+    w = RequestQueue.attach(q.name, completion_fd=q.completion_fd)
+    before = len(gpu.host.ranges)
+    try:
+        w.region_maps.set_hooks(gpu.register_region, gpu.unregister_region)
+        w.register_worker(0, os.getpid())
+        assert q.regions.publish(region) and region.row is not None
+        for i in range(3):
+            h = q.reserve()
+            assert h is not None
+            q.submit(
+                h, request_id=i, conn_id=1, priority=0, part_class=0, deadline_ns=2**62,
+                height=SIZE[0], width=SIZE[1], want_mask=False,
+                region=(region.row, region.generation, i * n),
+            )  # fmt: skip
+        claims = w.claim_batch(0, 3, time.monotonic_ns())
+        views = [w.input_view(c) for c in claims]
+        assert len(gpu.host.ranges) == before + 1  # page-locked once for the three frames
+        assert gpu.host.source(views[1], 1, n) == views[1].ctypes.data  # no staging copy
+        got = gpu.infer(views, [False] * 3)
+        want = gpu.infer([f.copy() for f in frames], [False] * 3)  # the staged path
+        assert [r.score for r in got] == [r.score for r in want]
+        for c, r in zip(claims, got, strict=True):
+            w.complete(0, c, r)
+        q.collect_completed()
+        q.regions.retire(region)
+        del views
+        w.region_maps.forget_released()
+        assert len(gpu.host.ranges) == before  # unlocked before unmapping
+    finally:
+        w.close()
         q.close()
 
 

@@ -253,11 +253,11 @@ def test_a_boot_failure_is_one_error_line(queue: RequestQueue, tmp_path: Path) -
 
 
 def test_boot_time_is_measured_from_exec() -> None:
-    from scratchd.workers.main import since_exec_ms
+    from scratchd.workers.boot_log import since_exec_ms
 
     child = subprocess.run(
         [sys.executable, "-c", "import time; time.sleep(0.3)\n"
-         "from scratchd.workers.main import since_exec_ms; print(since_exec_ms())"],
+         "from scratchd.workers.boot_log import since_exec_ms; print(since_exec_ms())"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert 300 <= float(child.stdout) < 60_000  # the sleep counts: the clock starts at exec

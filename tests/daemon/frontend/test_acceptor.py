@@ -25,9 +25,10 @@ from PIL import Image
 
 from scratchd.daemon.config import Config, QueueConfig, ServerConfig
 from scratchd.daemon.frontend import raw_frames
-from scratchd.daemon.frontend.acceptor import Acceptor, Invalid, check_image, convert_into
+from scratchd.daemon.frontend.acceptor import Acceptor
 from scratchd.daemon.frontend.connection import HEAD_BYTES, SCAN_BYTES, Connection, SlotLoan
 from scratchd.daemon.frontend.dispatch import Dispatcher
+from scratchd.daemon.frontend.images import Invalid, check_image, convert_into
 from scratchd.ipc.queue import DescState, Geometry, RequestQueue, Result, Status
 from scratchd.protocol import wire
 from scratchd.protocol.image import ImageError

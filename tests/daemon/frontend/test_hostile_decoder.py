@@ -16,7 +16,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scratchd.daemon.frontend.acceptor import Invalid, check_image
+from scratchd.daemon.frontend.images import Invalid, check_image
 from scratchd.protocol import wire
 
 SLOT_BYTES = 4096

@@ -257,10 +257,14 @@ def test_a_client_that_dies_with_requests_in_flight_leaves_nothing_mapped(
     os.close(fd)
     status = daemon.wait_settled()
     assert (status.queue.in_use, status.queue.in_flight) == (0, 0)
+    workers = [w.pid for w in status.workers if w.pid > 0]
     end = time.monotonic() + 20
-    while _region_mappings(pid) > before and time.monotonic() < end:
+    while time.monotonic() < end and any(
+        _region_mappings(p) > (before if p == pid else 0) for p in [pid, *workers]
+    ):
         time.sleep(0.05)
     assert _region_mappings(pid) == before
+    assert [_region_mappings(p) for p in workers] == [0] * len(workers)  # workers let go too
 
 
 def test_a_shrink_attempt_after_registration_fails_and_the_daemon_serves_on(
