@@ -44,6 +44,12 @@ def capture(stream: Any, enqueue: Callable[[], object]) -> Any:
     an upload into a graph input, could overtake them: a forward on weights not yet
     copied, or results and frames zeroed after they were written."""
     cu.cupy().cuda.Device().synchronize()
+    return record_and_capture(stream, enqueue)
+
+
+def record_and_capture(stream: Any, enqueue: Callable[[], object]) -> Any:
+    """:func:`capture` without its device synchronisation first: the caller orders whatever
+    the launches read before them (``scripts/stress_forward.py`` times the race without)."""
     with stream, cu.recording() as steps:
         enqueue()
     stream.synchronize()

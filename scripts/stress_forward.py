@@ -30,7 +30,7 @@ import json
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -76,28 +76,11 @@ class Case:
         cu.cupy().cuda.Device().synchronize()
 
 
-def unsynchronised_capture(stream: Any, enqueue: Callable[[], object]) -> Any:
-    """``cuda_graph.capture`` as it was before the fix: no device synchronisation first."""
-    with stream, cu.recording() as steps:
-        enqueue()
-    stream.synchronize()
-    with stream:
-        stream.begin_capture()
-        try:
-            for step in steps:
-                step()
-        finally:
-            graph = stream.end_capture()
-    graph.upload(stream)
-    stream.synchronize()
-    return graph
-
-
 @contextmanager
 def capture_as(pre_fix: bool) -> Iterator[None]:
     fixed = cuda_graph.capture
     if pre_fix:
-        cuda_graph.capture = serve_graph.capture = unsynchronised_capture
+        cuda_graph.capture = serve_graph.capture = cuda_graph.record_and_capture
     try:
         yield
     finally:

@@ -17,10 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from scratchd.model.net import NetConfig, count_params, random_weights
-from scratchd.model.scratchnet import ModelMeta, ScratchNet
-
-from ..kernels.cuda_helpers import cupy, fresh_rng
+from ..kernels.cuda_helpers import cupy, fresh_rng, random_model
 
 PROB_ATOL = 2e-2
 SPIN_SOURCE = r"""
@@ -30,16 +27,6 @@ extern "C" __global__ void spin(unsigned long long ns) {
     do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
 }
 """
-
-
-def _model(seed: int) -> ScratchNet:
-    cfg = NetConfig()
-    meta = ModelMeta(
-        version="test", architecture=cfg.to_json(), mean=0.45, std=0.22, threshold=0.5,
-        min_area=8, score_window=5, histogram=[1 / 64] * 64, val_metrics={},
-        train_data_sha256="", params=count_params(cfg),
-    )  # fmt: skip
-    return ScratchNet(random_weights(cfg, seed), meta)
 
 
 def _poison_pool(byte: int, nbytes: int = 256 << 20) -> None:
@@ -77,7 +64,7 @@ def test_a_graph_waits_for_the_weights_and_buffers_made_on_the_default_stream(
     from scratchd.gpu.cuda_scratchnet import CudaScratchNet
 
     rng, seed = fresh_rng()
-    model = _model(seed % 1000)
+    model = random_model(seed % 1000)
     images = rng.integers(0, 256, (3, 37, 50), dtype=np.uint8)
     want = model.prob(images)
     _forward(CudaScratchNet(model), images, api)  # compiles every module first
@@ -102,7 +89,7 @@ def test_fresh_graphs_over_poisoned_memory_read_nothing_stale(
     from scratchd.gpu.cuda_scratchnet import CudaScratchNet
 
     rng, seed = fresh_rng()
-    model = _model(seed % 1000)
+    model = random_model(seed % 1000)
     images = rng.integers(0, 256, shape, dtype=np.uint8)
     want = model.prob(images)
     for byte in (0xFF, 0x7E, 0x00):

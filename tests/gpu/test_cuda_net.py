@@ -19,14 +19,13 @@ from scratchd.kernels.normalize_pad import normalize_pad_ref
 from scratchd.model.net import (
     NetConfig,
     block_plan,
-    count_params,
     forward_logits,
     random_weights,
 )
-from scratchd.model.scratchnet import DEFAULT_PATH, ModelMeta, ScratchNet, load_model
+from scratchd.model.scratchnet import DEFAULT_PATH, ScratchNet, load_model
 from scratchd.protocol.image import decode_image
 
-from ..kernels.cuda_helpers import fresh_rng
+from ..kernels.cuda_helpers import fresh_rng, random_model
 
 PROB_ATOL = 2e-2
 SHIPPED = NetConfig(widths=(48, 96, 192, 384), depths=(1, 2, 2, 1), dilations=(2, 4), dec_depth=2)
@@ -76,23 +75,13 @@ def test_the_shipped_plan_splits_exactly_its_wide_blocks(monkeypatch: pytest.Mon
     assert set(plan_paths(SHIPPED).values()) == {"fused"}
 
 
-def _random_model(seed: int) -> ScratchNet:
-    cfg = NetConfig()
-    meta = ModelMeta(
-        version="test", architecture=cfg.to_json(), mean=0.45, std=0.22, threshold=0.5,
-        min_area=8, score_window=5, histogram=[1 / 64] * 64, val_metrics={},
-        train_data_sha256="", params=count_params(cfg),
-    )  # fmt: skip
-    return ScratchNet(random_weights(cfg, seed), meta)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 64, 64), (3, 37, 50), (5, 200, 200), (2, 129, 301)])
 def test_cuda_forward_matches_numpy_on_random_weights(shape: tuple[int, int, int]) -> None:
     from scratchd.gpu.cuda_scratchnet import CudaScratchNet
 
     rng, seed = fresh_rng()
-    model = _random_model(seed % 1000)
+    model = random_model(seed % 1000)
     images = rng.integers(0, 256, shape, dtype=np.uint8)
     want = model.prob(images)
     got = CudaScratchNet(model).run(images)
@@ -139,7 +128,7 @@ def test_cuda_predict_averages_test_time_views_like_numpy() -> None:
     from scratchd.gpu.cuda_scratchnet import CudaScratchNet
 
     rng = np.random.default_rng()
-    base = _random_model(11)
+    base = random_model(11)
     model = ScratchNet(base.weights, base.meta, ("identity", "flip_h", "flip_v", "transpose"))
     images = [rng.integers(0, 256, (40, 72), dtype=np.uint8) for _ in range(3)]
     want = model.predict(images)
@@ -155,7 +144,7 @@ def test_graph_replays_new_frames_and_partial_buckets() -> None:
     from scratchd.gpu.cuda_scratchnet import CudaScratchNet
 
     rng = np.random.default_rng()
-    model = _random_model(7)
+    model = random_model(7)
     net = CudaScratchNet(model)
     for n in (4, 3, 4):
         images = rng.integers(0, 256, (n, 48, 80), dtype=np.uint8)
