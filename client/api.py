@@ -196,7 +196,8 @@ class AsyncClient:
                 self._writer.write(frame)
                 if reuse and self._writer.transport.get_write_buffer_size() == 0:
                     self._spare = frame  # the socket took it all: the transport keeps none
-                await self._writer.drain()
+                with contextlib.suppress(ConnectionError):  # lost: the receiver tells why
+                    await self._writer.drain()
                 return await future
         except TimeoutError:
             raise TimeoutError(f"scratchd at {self.path}: no reply within the timeout") from None
@@ -478,8 +479,7 @@ class Client:
         self._sock.settimeout(left)
 
     def _named(self, exc: OSError) -> OSError:
-        """``exc`` as the same type, its message naming the socket and the daemon's reason
-        for closing, if it gave one (and its errno kept)."""
+        """``exc`` as the same type, naming the socket and the daemon's reason (errno kept)."""
         if isinstance(exc, TimeoutError):
             return TimeoutError(f"scratchd at {self.path}: no reply within the timeout")
         named = type(exc)(f"scratchd at {self.path}: {exc}{self._said}")

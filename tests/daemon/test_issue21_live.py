@@ -118,7 +118,8 @@ def _frame(body: bytes) -> bytes:
 
 
 def _replies(sock: socket.socket, count: int) -> list[wire.Reply]:
-    data, replies = b"", []
+    data = b""
+    replies: list[wire.Reply] = []
     while len(replies) < count:
         chunk = sock.recv(1 << 16)
         assert chunk, "closed before every reply came"
