@@ -42,6 +42,7 @@ from typing import Final
 
 import numpy as np
 
+from scratchd.client import frames
 from scratchd.client.frames import ImageInput, build_request, request_frame, widen_send_buffer
 from scratchd.client.regions import SlotRing, accept_registration, place, send_descriptor
 from scratchd.protocol import wire
@@ -195,7 +196,8 @@ class AsyncClient:
                 self._writer.write(frame)
                 if reuse and self._writer.transport.get_write_buffer_size() == 0:
                     self._spare = frame  # the socket took it all: the transport keeps none
-                await self._writer.drain()
+                with contextlib.suppress(ConnectionError):  # lost: the receiver tells why
+                    await self._writer.drain()
                 return await future
         except TimeoutError:
             raise TimeoutError(f"scratchd at {self.path}: no reply within the timeout") from None
@@ -273,6 +275,7 @@ class Client:
         self.zero_copy = zero_copy  # register a ring at the first array (one attempt)
         self.zero_copy_error = ""  # why registration was refused, if it was
         self.ring: SlotRing | None = None  # registered: arrays go through it
+        self._said = ""  # the daemon's reason for closing, from a reply with id 0
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
         try:
@@ -288,7 +291,6 @@ class Client:
         self._prefix = bytearray(wire.PREFIX_BYTES)  # the frame being read, kept across calls
         self._body: bytearray | None = None
         self._got = 0
-        self._said = ""  # the daemon's reason for closing, from a reply with id 0
         with contextlib.suppress(OSError):  # a refusal is read by the first call
             self._sock.sendall(wire.encode_frame(wire.Ping(id=next(self._ids))))
 
@@ -391,7 +393,9 @@ class Client:
         except TimeoutError:  # part of a frame may be out: the stream cannot be resumed
             self.close()
             raise TimeoutError(f"scratchd at {self.path}: send timed out; closed") from None
-        except OSError as exc:
+        except OSError as exc:  # the daemon closed: its reason may wait unread, at a frame's start
+            if not self._said and self._body is None and not self._got:
+                self._said = frames.closing_reason(self._sock)
             raise self._named(exc) from None
 
     def _collect_one(self, in_flight: dict[int, int]) -> tuple[int, Reply]:
@@ -475,10 +479,10 @@ class Client:
         self._sock.settimeout(left)
 
     def _named(self, exc: OSError) -> OSError:
-        """``exc`` as the same type, its message naming the socket (and its errno kept)."""
+        """``exc`` as the same type, naming the socket and the daemon's reason (errno kept)."""
         if isinstance(exc, TimeoutError):
             return TimeoutError(f"scratchd at {self.path}: no reply within the timeout")
-        named = type(exc)(f"scratchd at {self.path}: {exc}")
+        named = type(exc)(f"scratchd at {self.path}: {exc}{self._said}")
         named.errno = exc.errno
         return named
 

@@ -114,3 +114,26 @@ def widen_send_buffer(sock: socket.socket | None) -> None:
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+
+
+def closing_reason(sock: socket.socket) -> str:
+    """``": <reason>"`` from the reply with id 0 among the whole frames ``sock`` holds now,
+    read without waiting (a daemon that closed the connection said why last), else ``""``.
+    Only for a connection already lost, read from a frame's start: what it reads is gone."""
+    data = bytearray()
+    with contextlib.suppress(OSError):  # dry (EAGAIN), reset once drained, or closed
+        while chunk := sock.recv(1 << 16, socket.MSG_DONTWAIT):
+            data += chunk
+    said, view = "", memoryview(data)
+    while len(view) >= wire.PREFIX_BYTES:
+        end = wire.PREFIX_BYTES + wire.frame_length(view[: wire.PREFIX_BYTES])
+        if len(view) < end:
+            break
+        try:
+            message = wire.decode_daemon_message(view[wire.PREFIX_BYTES : end])
+        except wire.DecodeError:
+            break
+        if message.id == 0 and isinstance(message, wire.Reply):
+            said = f": {message.error}"
+        view = view[end:]
+    return said

@@ -4,9 +4,9 @@ protocol (``daemon/frontend/connection.py``) that reads frames straight into reu
 Per frame (see ``scratchd.protocol.wire`` for the format), in this order:
 
 1. the 4-byte length is checked against the frame cap *before* the body is read
-   (cap = 3 x ``slot_bytes`` for raw RGB + 64 KiB); an oversized frame gets one ``invalid``
-   reply (id 0: its body is never read) and the connection is closed, since the stream can
-   no longer be trusted; so is a body that does not arrive within ``frame_timeout_ms``;
+   (cap = 3 x ``slot_bytes`` for raw RGB + 64 KiB); after an oversized frame (body never read)
+   or a body not whole within ``frame_timeout_ms`` nothing more is read: the requests accepted
+   on it are answered, then one ``invalid`` (id 0), and it closes (``Connection.end``);
 2. typed msgpack decode (``wire.decode_client_frame``: raw pixels stay a view of the
    received frame); a body that fails it, however malformed (nested thousands deep, sizes
    that lie), is answered ``invalid`` with the reason (addressed to the body's ``id`` when
@@ -225,10 +225,11 @@ class Acceptor:
         )
 
     def _close_stream(self, conn: Connection, reason: str) -> None:
-        """A stream that can no longer be trusted: one ``invalid`` reply (id 0), then close."""
-        flight = InFlight(conn, 0, "unknown", 0, time.monotonic_ns())
-        self.dispatcher.reject(flight, "invalid", reason + "; closing the connection")
-        conn.close()
+        """A stream that can no longer be trusted: its requests answered, one ``invalid``
+        reply (id 0) says why, then it closes (``Connection.end``)."""
+        reply = wire.Reply(id=0, status="invalid", error=reason + "; closing the connection")
+        self.dispatcher.account(InFlight(conn, 0, "unknown", 0, time.monotonic_ns()), reply, None)
+        conn.end(reply)
 
     def closed(self, conn: Peer) -> None:
         """The client left (or was closed): drop its requests from the books."""

@@ -1,14 +1,12 @@
 """One client connection: frames read straight into reused buffers, replies written back.
 
 A :class:`Connection` is the connection's ``asyncio.BufferedProtocol``: the event loop
-``recv``\\ s into memory this class lends it (``get_buffer``). A large raw image is
-received straight into the shared-memory payload slot it will be served from: the kernel's
-copy is the only one, except for the pixels that arrived in ``head`` with the frame's start
-(up to ``HEAD_BYTES``), which ``_start_slot`` copies from there once. Any other frame is
-copied once by the kernel into a buffer that is reused, and then, if it is an image, once
-more by the acceptor into its slot. Nothing in between (no stream buffer, no ``bytes`` per
-read, no copy of the body, no copy of ``pixels`` when decoding: see
-``wire.decode_client_frame``).
+``recv``\\ s into memory this class lends it (``get_buffer``). A large raw image is received
+straight into the payload slot it will be served from (the pixels that came in ``head`` with
+the frame's start are copied from there once, by ``_start_slot``); any other frame into a
+reused buffer, then, if it is an image, once more by the acceptor into its slot. Nothing in
+between (no stream buffer, no ``bytes`` per read, no copy of the body or of ``pixels`` when
+decoding: ``wire.decode_client_frame``).
 
 Reading is a small state machine (:class:`ReadState`); what is lent in each state::
 
@@ -25,48 +23,40 @@ Reading is a small state machine (:class:`ReadState`); what is lent in each stat
            acceptor's BufferPool, returned when   part already in ``head`` is moved over first;
            it is done)                            ``granted`` grows as bytes arrive, within the
                                                   daemon's ReceiveBudget (``buffers.py``)
-    CLOSED nothing more is handled (a scratch buffer is lent; what arrives is dropped)
+    ENDING reading paused (``end``): the requests accepted are answered, then its last reply
+    CLOSED nothing more is handled. Neither holds receive memory (head, body, slot given up;
+           a read that comes anyway lands in one shared scratch buffer and is dropped)
 
 The length prefix is checked against the frame cap before a byte of the body is read
-(``FrameHandler.oversized``, then CLOSED); a body must arrive within ``frame_timeout_ms``
-of its prefix (a timer armed at the prefix, cancelled when the frame is whole;
-``FrameHandler.stalled``, then CLOSED). Each complete frame goes to
-``FrameHandler.frame(conn, body, received_ns)`` synchronously, on the loop: ``body`` is a
-view that is reused after the call returns, so the handler copies what it keeps.
+(``FrameHandler.oversized``); a body must arrive within ``frame_timeout_ms`` of its prefix
+(a timer armed at the prefix, cancelled when the frame is whole; ``FrameHandler.stalled``).
+Each complete frame goes to ``FrameHandler.frame(conn, body, received_ns)`` synchronously,
+on the loop: ``body`` is a view reused after the call returns (the handler copies what it keeps).
 
 A SLOT frame goes to ``FrameHandler.slot_frame(conn, body, loan, received_ns)`` instead
 (``body`` without its pixels, which are in ``loan.view``). A lent slot is never leaked: it
 is the connection's from ``lend_slot`` until the frame is whole, then the handler's if
 ``slot_frame`` takes it (True: it submits or releases it); otherwise (False: a body that does
-not decode, a status request, a second ``pixels`` key) the body is rebuilt as it was sent
-(``raw_frames.rebuild_body``) into a pool buffer, the slot goes back (``return_slot``) and
-the frame takes the ``frame`` path, so every reply is what it would have been. A connection
-closed or lost mid-frame returns its slot at once (or, while a receive thread is filling it,
-once the thread has let go of it: below).
+not decode, a status request, a second ``pixels`` key) the body is rebuilt as sent
+(``raw_frames.rebuild_body``) into a pool buffer, the slot goes back (``return_slot``) and the
+frame takes the ``frame`` path, so every reply is what it would have been. A connection closed
+or lost mid-frame returns its slot at once (or once a receive thread filling it let go).
 
-Off the loop (``FrameHandler.receiver``, ``[server] receive_threads`` > 0): in SLOT, when at
-least ``receiver.min_bytes`` of pixels are still to come and at least that many bytes are
-already in the socket (``ReceivePool.worth``), the transport's reading is paused and a
-receive thread (``daemon/frontend/receiver.py``) fills the rest of the slot and then the
-frame's tail
-in head (the bytes after the pixels, where SLOT's ``get_buffer`` would have put them), as far
-as the socket holds them: a thread never waits for a sender. ``_received`` goes on exactly as
-``buffer_updated`` would have with those bytes (the stall timer, ``slot_frame``). A short
-count (the socket ran dry, EOF, error) is simply fewer bytes: if a burst of the frame is
-already there again, another job takes it at once; otherwise reading resumes and the loop
-receives the rest as it arrives, at most ``SLOT_READ_BYTES`` a read, checking after each read
-whether a burst waits for a thread (so a sender slow to push its frame never holds a thread,
-and one that speeds up gets one back). The loop meets an EOF or error itself; the stall
-timer, armed throughout, cuts off a frame that stops. Closed or lost meanwhile, the
-connection cancels the job and returns the slot in ``_received``, exactly once. After a
-frame finished off the loop the next read of head asks for only ``PEEK_BYTES`` (``_peek``):
-a client that sent one large frame likely sends another, whose first 64 KiB of pixels had
-better not be copied on the loop (kernel to head, head to slot) before a thread takes over;
-once a frame in head has been dealt with, reads take all of head again.
+Off the loop (``[server] receive_threads`` > 0): in SLOT, when at least ``receiver.min_bytes``
+of pixels are still to come and already in the socket (``ReceivePool.worth``), reading is
+paused and a receive thread (``receiver.py``) fills the rest of the slot, then the frame's tail
+in head, as far as the socket holds them (a thread never waits for a sender). ``_received``
+goes on as ``buffer_updated`` would have with those bytes. A short count (socket dry, EOF,
+error) is fewer bytes: another job if a burst is there again, else reading resumes and the
+loop receives the rest, ``SLOT_READ_BYTES`` a read, checking after each whether a burst waits
+for a thread. The stall timer runs throughout. Closed or lost meanwhile, the job is cancelled
+and ``_received`` returns the slot, once. After a frame finished off the loop the next read of
+head asks only ``PEEK_BYTES`` (``_peek``): a client that sent one large frame likely sends
+another, whose first 64 KiB of pixels had better not be copied on the loop first.
 
-Replies (``send``) are queued and written together at the end of the loop's turn
-(``loop.call_soon``): a batch of completions for one client costs one ``writelines``, not a
-syscall each; ``close`` writes what is queued first.
+Replies (``send``) are queued and written together at the end of the loop's turn: a batch of
+completions costs one ``writelines``; ``close`` writes what is queued first. ``end`` stops
+reading but writes on until every request accepted on the connection is answered.
 
 A refused connection (allow-list, connection limit) is decided in ``connection_made``; it is
 then handed to ``AccessGate.linger`` through a ``StreamReader`` this protocol feeds.
@@ -81,12 +71,12 @@ import functools
 import logging
 import mmap
 import time
-from dataclasses import dataclass
 from typing import Final, Protocol, cast
 
 from scratchd.daemon.frontend import raw_frames
 from scratchd.daemon.frontend.access import LINGER_BYTES, SupportsGetsockopt
 from scratchd.daemon.frontend.buffers import BODY_ROUND, BufferPool, ReceiveBudget
+from scratchd.daemon.frontend.raw_frames import SlotLoan
 from scratchd.daemon.frontend.receiver import ReceiveJob, ReceivePool
 from scratchd.ipc.queue import Handle
 from scratchd.protocol import wire
@@ -102,21 +92,15 @@ PEEK_BYTES: Final = wire.PREFIX_BYTES + SCAN_BYTES
 """How much the read after a frame received off the loop asks for: enough to lend a slot."""
 REFUSED_FEED_BYTES: Final = LINGER_BYTES + HEAD_BYTES
 """What a refused peer may still send into ``linger``'s reader (it reads LINGER_BYTES)."""
+_DISCARD: Final = memoryview(bytearray(HEAD_BYTES))  # ENDING and CLOSED read here (dropped)
 
 
 class ReadState(enum.Enum):
     HEAD = "head"
     SLOT = "slot"
     BODY = "body"
+    ENDING = "ending"
     CLOSED = "closed"
-
-
-@dataclass(frozen=True, slots=True)
-class SlotLoan:
-    """A payload slot lent for one frame's raw pixels: ``view`` is exactly their length."""
-
-    handle: Handle
-    view: memoryview
 
 
 class FrameHandler(Protocol):
@@ -167,8 +151,7 @@ class Connection(asyncio.BufferedProtocol):
         self._fd = -1  # the transport's socket's descriptor (connection_made), -1: none
         self.state = ReadState.HEAD
         self.gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._head = bytearray(HEAD_BYTES)
-        self._head_view = memoryview(self._head)
+        self._head_view = memoryview(bytearray(HEAD_BYTES))
         self._have = 0  # bytes of head in use, from its start
         self._body: mmap.mmap | None = None
         self._length = 0  # the current body's length (BODY, SLOT), or 0
@@ -182,19 +165,20 @@ class Connection(asyncio.BufferedProtocol):
         self._refused: asyncio.StreamReader | None = None
         self._fed = 0
         self._out: list[bytearray] = []  # replies not yet written (see send)
+        self._last: wire.DaemonMessage | None = None  # ENDING: sent once all are answered
 
     # ---- bookkeeping the acceptor uses ------------------------------------------------
 
     def converted(self, _task: asyncio.Task[None]) -> None:
         self.converting -= 1
+        self._end_if_answered()
 
     def in_flight(self) -> int:
         """Accepted and not yet answered (the per-connection limit counts these)."""
         return len(self.in_queue) + self.converting
 
     def send(self, message: wire.DaemonMessage) -> None:
-        """Queue a reply; the replies queued in one turn of the loop (a batch of
-        completions, say) leave in one ``writelines`` (one syscall) when it ends."""
+        """Queue a reply; those queued in one turn of the loop leave in one ``writelines``."""
         if self.closed or self.transport is None or self.state is ReadState.CLOSED:
             return
         if not self._out:
@@ -206,6 +190,22 @@ class Connection(asyncio.BufferedProtocol):
         if self._out and not self.closed and self.transport is not None:
             self.transport.writelines(self._out)
         self._out.clear()
+        self._end_if_answered()
+
+    def end(self, last: wire.DaemonMessage) -> None:
+        """Read no more (the stream cannot be trusted); once every request accepted on it is
+        answered (or timed out, as usual), send ``last`` and close. Once only."""
+        if self.state not in (ReadState.ENDING, ReadState.CLOSED):
+            self._last = last
+            self._enter(ReadState.ENDING)
+            if self.transport is not None:
+                self.transport.pause_reading()
+            self._end_if_answered()
+
+    def _end_if_answered(self) -> None:
+        if self.state is ReadState.ENDING and self.in_flight() == 0 and self._last is not None:
+            self._out.append(wire.encode_frame(self._last))
+            self.close()
 
     def close(self) -> None:
         """Stop handling frames; what was sent is written, the acceptor forgets the
@@ -252,20 +252,19 @@ class Connection(asyncio.BufferedProtocol):
             return self._head_view[at.hidden_end + self._got - end : at.hidden_length(self._length)]
         if self.state is ReadState.BODY:
             assert self._body is not None
-            # Reading is paused while nothing is granted; a read that comes anyway is taken
-            # (and counted in buffer_updated), never lost.
+            # Paused while nothing is granted; a read that comes anyway is taken, never lost.
             stop = self._granted if self._granted > self._got else self._got + mmap.PAGESIZE
             return memoryview(self._body)[self._got : min(stop, self._length)]
-        if self.state is ReadState.CLOSED:
-            return self._head_view
+        if self.state in (ReadState.ENDING, ReadState.CLOSED):
+            return _DISCARD
         if self._peek and self._have < PEEK_BYTES:
             return self._head_view[self._have : PEEK_BYTES]
         return self._head_view[self._have :]
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self.state is ReadState.CLOSED:
+        if self.state in (ReadState.ENDING, ReadState.CLOSED):
             if self._refused is not None and self._fed < REFUSED_FEED_BYTES:
-                self._refused.feed_data(bytes(self._head_view[:nbytes]))
+                self._refused.feed_data(bytes(_DISCARD[:nbytes]))
                 self._fed += nbytes
             return
         if self.state is ReadState.SLOT:
@@ -479,7 +478,8 @@ class Connection(asyncio.BufferedProtocol):
         if self.state is ReadState.BODY and state is not ReadState.BODY:
             self.handler.budget.release(self)  # the frame is done or gone: its grant goes
             self._granted = 0
-        if state is ReadState.CLOSED:
+        if state in (ReadState.ENDING, ReadState.CLOSED):
+            self._head_view = _DISCARD[:0]  # the connection's head goes (a frame's view keeps it)
             self._disarm()
             if self._body is not None and self.state is ReadState.BODY:
                 self.handler.pool.give(self._body)

@@ -20,9 +20,19 @@ changes the wire format: it reads msgpack as any client writes it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Final, NamedTuple
 
+from scratchd.ipc.queue import Handle
 from scratchd.protocol import wire
+
+
+@dataclass(frozen=True, slots=True)
+class SlotLoan:
+    """A payload slot lent for one frame's raw pixels: ``view`` is exactly their length."""
+
+    handle: Handle
+    view: memoryview
 
 
 class PixelsAt(NamedTuple):

@@ -1,4 +1,4 @@
-"""A connection flood on the health listener of a live daemon: beyond
+"""A connection flood on the health (or the metrics) listener of a live daemon: beyond
 ``[server] http_max_connections`` a connection is answered 503 and closed, silent ones are
 closed after ``http_header_timeout_ms``, and the Unix socket serves throughout."""
 
@@ -8,6 +8,8 @@ import os
 import socket
 import time
 from pathlib import Path
+
+import pytest
 
 from ..live_daemon import daemon_config, live_daemon
 
@@ -25,11 +27,15 @@ def _get(port: int, path: str) -> bytes:
     return data
 
 
-def test_a_health_port_flood_is_capped_and_the_daemon_keeps_serving(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("listener", "path"), [("health", "/livez"), ("metrics", "/metrics")])
+def test_a_listener_flood_is_capped_and_the_daemon_keeps_serving(
+    tmp_path: Path, listener: str, path: str
+) -> None:
     config = daemon_config(server={"http_max_connections": 8, "http_header_timeout_ms": 500})
     with live_daemon(tmp_path, config) as daemon:
-        port = daemon.status().health_port
-        assert _get(port, "/livez").startswith(b"HTTP/1.1 200 ")
+        status = daemon.status()
+        port = status.health_port if listener == "health" else status.metrics_port
+        assert _get(port, path).startswith(b"HTTP/1.1 200 ")
         time.sleep(0.2)
         baseline = _open_fds(daemon.proc.pid)
         flood = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(40)]
@@ -42,7 +48,7 @@ def test_a_health_port_flood_is_capped_and_the_daemon_keeps_serving(tmp_path: Pa
             assert daemon.status().state  # the Unix socket answers meanwhile
             for sock in flood[:8]:  # the silent ones: closed after the header timeout
                 assert sock.recv(1) == b""
-            assert _get(port, "/livez").startswith(b"HTTP/1.1 200 ")
+            assert _get(port, path).startswith(b"HTTP/1.1 200 ")
         finally:
             for sock in flood:
                 sock.close()
