@@ -77,9 +77,10 @@ class WorkerSlotState(enum.IntEnum):
 Box = tuple[float, float, float, float, float]  # x0, y0, x1, y1, score
 
 
-@dataclass(frozen=True, slots=True)
-class Handle:
-    """A descriptor as of one use: index plus the generation it had when handed out."""
+class Handle(NamedTuple):
+    """A descriptor as of one use: index plus the generation it had when handed out. A tuple,
+    so hashing one (the dispatcher's in-flight table and each connection's set key on it,
+    several times per request) is C, not a generated ``__hash__``."""
 
     index: int
     generation: int
