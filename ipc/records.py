@@ -77,10 +77,9 @@ class WorkerSlotState(enum.IntEnum):
 Box = tuple[float, float, float, float, float]  # x0, y0, x1, y1, score
 
 
-class Handle(NamedTuple):
-    """A descriptor as of one use: index plus the generation it had when handed out. A tuple,
-    so hashing one (the dispatcher's in-flight table and each connection's set key on it,
-    several times per request) is C, not a generated ``__hash__``."""
+@dataclass(frozen=True, slots=True)
+class Handle:
+    """A descriptor as of one use: index plus the generation it had when handed out."""
 
     index: int
     generation: int
