@@ -840,6 +840,35 @@ static PyObject *Core_ready_total(Core *c, PyObject *unused) {
     return PyLong_FromLong(ready_total(c));
 }
 
+/* Admission's look at the load, lock-free (each count a relaxed snapshot, as in Python):
+ * (queued at priority >= p, queued in all, ACTIVE workers). One call per request, so the
+ * three counts are one C loop each, not three numpy reductions. */
+static PyObject *Core_load_ahead(Core *c, PyObject *arg) {
+    CORE_OPEN(c);
+    long p = PyLong_AsLong(arg);
+    if (p == -1 && PyErr_Occurred()) return NULL;
+    if (p < 0 || p >= PRIORITIES) return PyErr_Format(PyExc_ValueError, "priority %ld", p);
+    long ahead = 0, total = 0, active = 0;
+    for (int q = 0; q < PRIORITIES; q++) {
+        long n = __atomic_load_n(&c->ready_count[q], __ATOMIC_RELAXED);
+        total += n;
+        if (q >= p) ahead += n;
+    }
+    for (Py_ssize_t s = 0; s < c->max_workers; s++)
+        active += __atomic_load_n(&W(c, s, uint8_t, w_state), __ATOMIC_RELAXED) == ACTIVE;
+    return Py_BuildValue("(lll)", ahead, total, active);
+}
+
+/* FREE descriptors now (a lock-free snapshot: only the main process frees or reserves). */
+static PyObject *Core_free_count(Core *c, PyObject *unused) {
+    (void)unused;
+    CORE_OPEN(c);
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < c->slots; i++)
+        n += __atomic_load_n(&STATE(c, i), __ATOMIC_RELAXED) == FREE;
+    return PyLong_FromSsize_t(n);
+}
+
 /* Spin (GIL released, pause between looks) until ready_total >= min_ready (min_ready > 0)
  * or, with min_ready == 0, until the done stack is non-empty; at most spin_ns. */
 #define ESCAPE_EVERY_NS 10000000 /* 10 ms */
@@ -950,6 +979,8 @@ static PyMethodDef Core_methods[] = {
     {"finished", (PyCFunction)Core_finished, METH_O, "collect()'s row for i (lock held)"},
     {"rebuild", (PyCFunction)Core_rebuild, METH_O, "re-link the QUEUED (lock held)"},
     {"ready_total", (PyCFunction)Core_ready_total, METH_NOARGS, "queued requests, racy"},
+    {"load_ahead", (PyCFunction)Core_load_ahead, METH_O, "(ahead, queued, workers), racy"},
+    {"free_count", (PyCFunction)Core_free_count, METH_NOARGS, "FREE descriptors, racy"},
     {"spin_ready", (PyCFunction)Core_spin_ready, METH_VARARGS, "spin for queued work"},
     {"await_done", (PyCFunction)Core_await_done, METH_O, "spin for the done stack, re-arm"},
     {"completion_armed", (PyCFunction)Core_completion_armed, METH_NOARGS, "ring needed?"},

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from scratchd.ipc._native import Contended
-from scratchd.ipc.core import ACTIVE, DONE, EXPIRED, FREE, QUEUED, WRITTEN, QueueCore
+from scratchd.ipc.core import DONE, EXPIRED, FREE, QUEUED, WRITTEN, QueueCore
 from scratchd.ipc.layout import PRIORITIES
 from scratchd.ipc.records import (
     Completion,
@@ -247,16 +247,14 @@ class MainSide:
 
     def free_count(self) -> int:
         """FREE descriptors now (a lock-free snapshot; counts_by_state's FREE entry without
-        the other states: the acceptor asks it per large frame)."""
-        return int(np.count_nonzero(self._core.seg.descs["state"] == FREE))
+        the other states: the acceptor asks it per request, so it is one C loop)."""
+        return self._core.native.free_count()
 
     def load_ahead(self, priority: int) -> tuple[int, int, int]:
         """``(queued at priority >= priority, queued in all, ACTIVE workers)``: what admission
-        weighs a new request's deadline against (lock-free snapshots, one look each)."""
-        seg = self._core.seg
-        counts = seg.ready_count
-        workers = int(np.count_nonzero(seg.workers["state"] == ACTIVE))
-        return int(counts[priority:].sum()), int(counts.sum()), workers
+        weighs a new request's deadline against (lock-free snapshots, one look each; in C:
+        it is asked per request)."""
+        return self._core.native.load_ahead(priority)
 
     def counts_by_state(self) -> dict[DescState, int]:
         """Descriptors per state (a lock-free snapshot)."""

@@ -3,6 +3,7 @@ thread spends from a frame's bytes arriving to its reply being written, kernel e
 
     python scripts/bench_frontend_loop.py                          # 1024x1024 and 16x16
     python scripts/bench_frontend_loop.py --sizes 1024 --batch 1 --accounting --profile
+    python scripts/bench_frontend_loop.py --sizes 1024 --path region  # pixels in a client region
 
 ``bench_frontend.py`` measures the whole main process over a real socket, but on a machine
 shared with its own clients its numbers move with the load. This runs the same parts
@@ -13,6 +14,11 @@ does, writing every byte of the frame except the pixels: their copy is the kerne
 which buffer they land in is what the front end chooses) and the worker (it claims
 ``--batch`` requests and completes them; its time is measured apart and left out). Replies
 go to a transport that only counts them. CPU is ``time.thread_time`` of this thread.
+
+``--path region``: the connection first registers a sealed memfd through the real handshake
+(``RegisterRegion``, the descriptor over a socket pair), then every request names its pixels
+in that region (``region``, ``offset``) instead of carrying them: the zero-copy path, where
+the front end handles descriptors only.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import cProfile
 import json
 import os
 import pstats
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +37,7 @@ from typing import Any
 import bench_frontend as fe
 import numpy as np
 
+from scratchd.client.regions import create_memfd, send_descriptor
 from scratchd.daemon.config import Config, QueueConfig, ServerConfig
 from scratchd.daemon.frontend.acceptor import Acceptor
 from scratchd.daemon.frontend.connection import Connection
@@ -41,10 +49,18 @@ SLOTS = 64
 
 
 class CountingTransport:
-    """What the connection writes to: replies are counted, not sent."""
+    """What the connection writes to: replies are counted, not sent. ``sock`` is what it
+    says the connection's socket is (the region handshake reads its descriptor byte there)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sock: socket.socket | None = None) -> None:
         self.replies = 0
+        self.sock = sock
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
 
     def writelines(self, data: list[bytearray]) -> None:
         self.replies += len(data)
@@ -59,7 +75,7 @@ class CountingTransport:
         return False
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
+        return self.sock if name == "socket" and self.sock is not None else default
 
 
 def deliver(conn: Connection, frame: memoryview, pixels: tuple[int, int]) -> None:
@@ -84,6 +100,30 @@ def raw_frame(size: int) -> tuple[memoryview, tuple[int, int]]:
     return memoryview(frame), (start, start + len(pixels))
 
 
+def region_frame(size: int) -> tuple[memoryview, tuple[int, int]]:
+    """A grey request naming its pixels in region 1 (none of its bytes are pixels)."""
+    request = wire.InferRequest(id=1, height=size, width=size, region=1, offset=0)
+    frame = memoryview(bytes(wire.encode_frame(request)))
+    return frame, (len(frame), len(frame))
+
+
+async def register_region(conn: Connection, client: socket.socket, size: int) -> None:
+    """The region handshake, as a client runs it: ``RegisterRegion`` delivered, the descriptor
+    sent on the client's end, the loop turned until the desk has mapped it."""
+    register = memoryview(bytes(wire.encode_frame(wire.RegisterRegion(id=1, size=size))))
+    deliver(conn, register, (len(register), len(register)))
+    fd = create_memfd(size)
+    try:
+        send_descriptor(client, fd)
+        for _ in range(1000):
+            await asyncio.sleep(0.001)
+            if isinstance(conn.handler, Acceptor) and conn.handler.regions.registered(conn):
+                return
+    finally:
+        os.close(fd)
+    raise SystemExit("the region was not registered")
+
+
 async def measure(args: argparse.Namespace, size: int) -> dict[str, Any]:
     slot_bytes = max(64, size * size)
     config = Config(
@@ -96,9 +136,15 @@ async def measure(args: argparse.Namespace, size: int) -> dict[str, Any]:
     account = fe.daemon_accounting(config) if args.accounting else fe.no_accounting
     dispatcher = Dispatcher(queue, 1_000_000, account, lambda _: "cpu0")
     acceptor = Acceptor(config, queue, dispatcher, fe.status_reply)
-    conn, transport = Connection(1, acceptor), CountingTransport()
+    ours, client = socket.socketpair()
+    conn, transport = Connection(1, acceptor), CountingTransport(ours)
     conn.connection_made(transport)  # type: ignore[arg-type]
-    frame, pixels = raw_frame(size)
+    if args.path == "region":
+        await register_region(conn, client, size * size)
+        transport.replies = 0  # SendDescriptor and RegionReply: not requests
+        frame, pixels = region_frame(size)
+    else:
+        frame, pixels = raw_frame(size)
     histogram = np.ones(64, np.uint32)
     profile = cProfile.Profile() if args.profile else None
     rounds = max(1, args.requests // args.batch)
@@ -126,6 +172,8 @@ async def measure(args: argparse.Namespace, size: int) -> dict[str, Any]:
         conn.connection_lost(None)
         await acceptor.close_connections()
         queue.close()
+        ours.close()
+        client.close()
     requests = rounds * args.batch
     if transport.replies != requests:
         raise SystemExit(f"{transport.replies} replies to {requests} requests")
@@ -134,6 +182,7 @@ async def measure(args: argparse.Namespace, size: int) -> dict[str, Any]:
         pstats.Stats(profile).sort_stats("tottime").print_stats(20)
     return {
         "size": size,
+        "path": args.path,
         "batch": args.batch,
         "accounting": args.accounting,
         "requests": requests,
@@ -150,6 +199,8 @@ def main() -> None:
     p.add_argument("--sizes", default="1024,16")
     p.add_argument("--batch", type=int, default=4, help="requests per worker batch and loop turn")
     p.add_argument("--requests", type=int, default=4000)
+    p.add_argument("--path", choices=("socket", "region"), default="socket",
+                   help="pixels in the frame, or named in a registered client region")  # fmt: skip
     p.add_argument("--accounting", action="store_true", help="the daemon's per-reply metrics")
     p.add_argument("--profile", action="store_true", help="cProfile, top functions by own time")
     p.add_argument("--json", default=None)
@@ -157,10 +208,11 @@ def main() -> None:
     import uvloop
 
     rows = uvloop.run(run_all(args))
-    print(f"{'size':>6}{'batch':>7}{'accounting':>12}{'loop CPU us/req':>17}")
+    print(f"{'size':>6}{'path':>8}{'batch':>7}{'accounting':>12}{'loop CPU us/req':>17}")
     for r in rows:
         print(
-            f"{r['size']:>6}{r['batch']:>7}{r['accounting']!s:>12}{r['loop_cpu_us_per_request']:>17}"
+            f"{r['size']:>6}{r['path']:>8}{r['batch']:>7}{r['accounting']!s:>12}"
+            f"{r['loop_cpu_us_per_request']:>17}"
         )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

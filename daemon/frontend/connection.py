@@ -150,7 +150,8 @@ class Connection(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self._fd = -1  # the transport's socket's descriptor (connection_made), -1: none
         self.state = ReadState.HEAD
-        self.gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()  # looked up once: each look is a getpid()
+        self.gone: asyncio.Future[None] = self._loop.create_future()
         self._head_view = memoryview(bytearray(HEAD_BYTES))
         self._have = 0  # bytes of head in use, from its start
         self._body: mmap.mmap | None = None
@@ -182,7 +183,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed or self.transport is None or self.state is ReadState.CLOSED:
             return
         if not self._out:
-            asyncio.get_running_loop().call_soon(self.flush)
+            self._loop.call_soon(self.flush)
         self._out.append(wire.encode_frame(message))
 
     def flush(self) -> None:
@@ -463,9 +464,8 @@ class Connection(asyncio.BufferedProtocol):
 
     def _arm(self, length: int) -> None:
         if self._timer is None:
-            loop = asyncio.get_running_loop()
             timeout = self.handler.frame_timeout_s
-            self._timer = loop.call_later(timeout, self.handler.stalled, self, length)
+            self._timer = self._loop.call_later(timeout, self.handler.stalled, self, length)
 
     def _disarm(self) -> None:
         if self._timer is not None:

@@ -135,8 +135,10 @@ class Dispatcher:
         assert flight.handle is not None
         self.pending[flight.handle] = flight
         flight.conn.in_queue.add(flight.handle)
-        self.idle.clear()
-        self._arm_at(flight.deadline_ns)
+        if self.idle.is_set():
+            self.idle.clear()
+        if self._timer is None or self._timer_ns > flight.deadline_ns:
+            self._arm_at(flight.deadline_ns)  # else the armed timer fires first: no clock read
 
     def shed(self, completion: Completion) -> None:
         """Answer a request the queue shed (``RequestQueue.shed``: already out of the queue)."""

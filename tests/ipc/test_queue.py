@@ -240,6 +240,8 @@ class QueueModel(RuleBasedStateMachine):
         for r in self.queued.values():
             depth[r.priority] += 1
         assert self.q.depth_by_priority() == depth
+        for p in range(8):  # admission's look: ahead of p, queued in all, the two workers
+            assert self.q.load_ahead(p) == (sum(depth[p:]), len(self.queued), 2)
         earliest = min((r.deadline for r in self.queued.values()), default=None)
         assert self.q.next_deadline_ns() == earliest
 
