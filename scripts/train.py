@@ -35,6 +35,7 @@ import dataclasses
 import hashlib
 import json
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -149,6 +150,10 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"{args.resume}: architecture or recipe differ from this command")
         trainer.load_state(state)
     trainer.commands.append(shlex.join([sys.executable, *sys.argv]))
+    # SIGTERM (scripts/device_sweep.sh's budget, or a user) ends training after the step in
+    # progress; the checkpoint, the inner-split pass and the export follow as after
+    # --stop-minutes, so a lent machine's time limit does not lose the run.
+    signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_requested", True))
     data = GpuImages(fit, dev)
     probs = torch.tensor(sample_weights(fit, args.free_weight), device=dev, dtype=torch.float32)
     stop = 60 * args.stop_minutes if args.stop_minutes > 0 else float("inf")

@@ -120,6 +120,7 @@ class Trainer:
         self.log: list[dict[str, float]] = []
         self.evals: list[dict[str, Any]] = []
         self.commands: list[str] = []
+        self.stop_requested = False  # end after the step in progress (run's loop checks it)
 
     def progress(self) -> float:
         r = self.recipe
@@ -170,7 +171,9 @@ class Trainer:
     def run(
         self, data: GpuImages, probs: torch.Tensor, mean: float, std: float, stop_seconds: float
     ) -> None:
-        """Train until the schedule ends or this process has trained ``stop_seconds``.
+        """Train until the schedule ends, this process has trained ``stop_seconds``, or
+        ``stop_requested`` is set (``train.py`` sets it on SIGTERM: the step in progress ends,
+        then the checkpoint is written as after ``--stop-minutes``).
 
         The schedule's clock starts once each crop size has run twice in this process: the
         first steps of a shape pay for startup (presumably cuDNN autotuning; several times the
@@ -187,7 +190,11 @@ class Trainer:
         total = 60 * self.recipe.minutes if self.recipe.minutes > 0 else float(self.recipe.steps)
         with bar:
             task = bar.add_task("train", total=total, step=self.step, loss="-")
-            while self.progress() < 1.0 and self.seconds - start_seconds < stop_seconds:
+            while (
+                self.progress() < 1.0
+                and self.seconds - start_seconds < stop_seconds
+                and not self.stop_requested
+            ):
                 lr = self.train_step(data, probs, mean, std)
                 if self.step == warm_until:
                     self._sync()
