@@ -143,6 +143,37 @@ def test_resume_continues_the_same_run(tmp_path: Path) -> None:
         torch.testing.assert_close(a, b)
 
 
+def test_a_stop_request_ends_training_after_the_step_in_progress(tmp_path: Path) -> None:
+    # What SIGTERM sets in train.py: the run ends after the current step, and the trainer
+    # is left whole (its checkpoint resumes like any other).
+    data, loop = _mod("train_data"), _mod("train_loop")
+    from scratchd.model.net import NetConfig
+    from scratchd.model.torchnet import TorchScratchNet
+
+    cfg = NetConfig(widths=(8, 16, 16, 16), depths=(1, 1, 1, 1), dilations=(2,), dec_depth=1)
+    recipe = loop.Recipe(batch=2, minutes=0.0, steps=50, warmup=1)
+    dev = torch.device("cpu")
+    images = data.GpuImages(examples(6), dev)
+    probs = torch.full((6,), 1 / 6)
+    trainer = loop.Trainer(TorchScratchNet(cfg), recipe, dev, seed=3)
+    step = trainer.train_step
+
+    def step_then_stop(*args: Any) -> float:
+        lr = step(*args)
+        if trainer.step == 3:
+            trainer.stop_requested = True  # as the SIGTERM handler does, mid-run
+        return float(lr)
+
+    trainer.train_step = step_then_stop
+    trainer.run(images, probs, 0.2, 0.3, float("inf"))
+    assert trainer.step == 3
+    loop.save_checkpoint(tmp_path / "c.pt", trainer, {})
+    again = loop.Trainer(TorchScratchNet(cfg), recipe, dev, seed=3)
+    again.load_state(loop.load_checkpoint(tmp_path / "c.pt", dev))
+    again.run(images, probs, 0.2, 0.3, float("inf"))
+    assert again.step == 50
+
+
 def test_draw_curve_writes_a_png(tmp_path: Path) -> None:
     report = _mod("train_report")
     log = [{"step": s, "loss": 1.0 / s, "lr": 1e-3, "seconds": float(s)} for s in (1, 2, 3)]
