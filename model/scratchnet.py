@@ -41,7 +41,14 @@ from scratchd.kernels.postprocess import (
     postprocess,
 )
 from scratchd.kernels.views import VIEWS, apply_view
-from scratchd.model.net import NetConfig, Weights, check_weights, count_params, forward
+from scratchd.model.net import (
+    NetConfig,
+    Weights,
+    check_weights,
+    count_params,
+    forward,
+    random_weights,
+)
 
 DEFAULT_PATH = Path(__file__).resolve().parent / "weights" / "scratchnet.npz"
 META_KEY = "__meta__"
@@ -171,6 +178,19 @@ def _check_image(img: np.ndarray, i: int) -> None:
         raise ValueError(f"image {i}: expected a uint8 (H, W) array, got {desc}")
     if img.size == 0:
         raise ValueError(f"image {i}: empty image {img.shape}")
+
+
+def random_model(seed: int = 0, version: str = "random") -> ScratchNet:
+    """The default architecture with random weights and plain metadata: for tests and
+    benchmarks of the forward's arithmetic and cost, which do not depend on training. Never
+    a model to serve (its answers mean nothing)."""
+    cfg = NetConfig()
+    meta = ModelMeta(
+        version=version, architecture=cfg.to_json(), mean=0.45, std=0.22, threshold=0.5,
+        min_area=8, score_window=5, histogram=[1 / 64] * 64, val_metrics={},
+        train_data_sha256="", params=count_params(cfg),
+    )  # fmt: skip
+    return ScratchNet(random_weights(cfg, seed), meta)
 
 
 def save_model(path: str | Path, weights: Weights, meta: ModelMeta) -> None:

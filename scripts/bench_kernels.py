@@ -33,8 +33,7 @@ from typing import Any
 import numpy as np
 from serve_report import markers, rewrite_section
 
-from scratchd.model.net import NetConfig, count_params, random_weights
-from scratchd.model.scratchnet import DEFAULT_PATH, ModelMeta, ScratchNet, load_model
+from scratchd.model.scratchnet import DEFAULT_PATH, ScratchNet, load_model, random_model
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = [(1, 1024), (4, 1024), (16, 1024), (1, 256), (4, 256), (16, 256)]
@@ -44,13 +43,7 @@ START, END = markers("bench_kernels")  # its section of docs/benchmarks.md
 def load_bench_model() -> tuple[ScratchNet, str]:
     if DEFAULT_PATH.is_file():
         return load_model(), "shipped"
-    cfg = NetConfig()
-    meta = ModelMeta(
-        version="random", architecture=cfg.to_json(), mean=0.45, std=0.22, threshold=0.5,
-        min_area=8, score_window=5, histogram=[1 / 64] * 64, val_metrics={},
-        train_data_sha256="", params=count_params(cfg),
-    )  # fmt: skip
-    return ScratchNet(random_weights(cfg, seed=0), meta), "random"
+    return random_model(0), "random"
 
 
 def time_events(

@@ -40,8 +40,7 @@ import numpy as np
 from scratchd.gpu import cuda_graph, serve_graph
 from scratchd.gpu.cuda_scratchnet import CudaScratchNet
 from scratchd.kernels import _cuda as cu
-from scratchd.model.net import NetConfig, count_params, random_weights
-from scratchd.model.scratchnet import DEFAULT_PATH, ModelMeta, ScratchNet, load_model
+from scratchd.model.scratchnet import DEFAULT_PATH, ScratchNet, load_model, random_model
 
 PROB_ATOL = 2e-2
 DEFAULT_PHASES = "none,process,process+delay,pre-fix:process,pre-fix:process+delay"
@@ -54,16 +53,6 @@ extern "C" __global__ void spin(unsigned long long ns) {
     do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
 }
 """
-
-
-def random_model(seed: int) -> ScratchNet:
-    cfg = NetConfig()
-    meta = ModelMeta(
-        version="stress", architecture=cfg.to_json(), mean=0.45, std=0.22, threshold=0.5,
-        min_area=8, score_window=5, histogram=[1 / 64] * 64, val_metrics={},
-        train_data_sha256="", params=count_params(cfg),
-    )  # fmt: skip
-    return ScratchNet(random_weights(cfg, seed), meta)
 
 
 class Case:
@@ -191,9 +180,13 @@ def main() -> None:
     cp = cu.cupy()
     rng = np.random.default_rng(args.seed)
     cases = [
-        Case(f"random{s}", random_model(args.seed % 1000 + k), rng.integers(0, 256, s, np.uint8))
+        Case(
+            f"random{s}",
+            random_model(args.seed % 1000 + k, "stress"),
+            rng.integers(0, 256, s, np.uint8),
+        )
         for k, s in enumerate(RANDOM_SHAPES)
-    ]  # fmt: skip
+    ]
     if DEFAULT_PATH.is_file():
         shipped = load_model(views=("identity",))
         cases += [

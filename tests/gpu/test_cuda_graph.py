@@ -17,7 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ..kernels.cuda_helpers import cupy, fresh_rng, random_model
+from scratchd.model.scratchnet import random_model
+
+from ..kernels.cuda_helpers import cupy, fresh_rng
 
 PROB_ATOL = 2e-2
 SPIN_SOURCE = r"""

@@ -22,10 +22,10 @@ from scratchd.model.net import (
     forward_logits,
     random_weights,
 )
-from scratchd.model.scratchnet import DEFAULT_PATH, ScratchNet, load_model
+from scratchd.model.scratchnet import DEFAULT_PATH, ScratchNet, load_model, random_model
 from scratchd.protocol.image import decode_image
 
-from ..kernels.cuda_helpers import fresh_rng, random_model
+from ..kernels.cuda_helpers import fresh_rng
 
 PROB_ATOL = 2e-2
 SHIPPED = NetConfig(widths=(48, 96, 192, 384), depths=(1, 2, 2, 1), dilations=(2, 4), dec_depth=2)

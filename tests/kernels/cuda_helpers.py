@@ -13,9 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from scratchd.model.net import NetConfig, count_params, random_weights
-from scratchd.model.scratchnet import ModelMeta, ScratchNet
-
 REL_TOL = 1e-2
 
 
@@ -83,14 +80,3 @@ def assert_close(
     assert err.max() <= rel * scale, f"{ctx}: max error {err.max():.3g} vs scale {scale:.3g}"
     norm = max(float(np.linalg.norm(r)), 1e-12)
     assert np.linalg.norm(g - r) / norm <= rel, f"{ctx}: relative error too large"
-
-
-def random_model(seed: int) -> ScratchNet:
-    """The default architecture with random weights and plain metadata (no trained model)."""
-    cfg = NetConfig()
-    meta = ModelMeta(
-        version="test", architecture=cfg.to_json(), mean=0.45, std=0.22, threshold=0.5,
-        min_area=8, score_window=5, histogram=[1 / 64] * 64, val_metrics={},
-        train_data_sha256="", params=count_params(cfg),
-    )  # fmt: skip
-    return ScratchNet(random_weights(cfg, seed), meta)
