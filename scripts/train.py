@@ -101,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--eval-device", default="cpu", help="device of the inner-split pass")
     ap.add_argument("--inner-limit", type=int, default=0, help="evaluate only this many (smoke)")
     ap.add_argument("--version", default="scratchnet-2.0")
+    ap.add_argument("--profile-steps", type=int, default=0, help="profile this many first")
     return ap.parse_args(argv)
 
 
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     data = GpuImages(fit, dev)
     probs = torch.tensor(sample_weights(fit, args.free_weight), device=dev, dtype=torch.float32)
     stop = 60 * args.stop_minutes if args.stop_minutes > 0 else float("inf")
+    if args.profile_steps > 0:
+        trainer.profile(data, probs, mean, std, args.profile_steps, args.out / "profile.txt")
     trainer.run(data, probs, mean, std, stop)
     print(f"trained: step {trainer.step}, {trainer.seconds:.0f} s", flush=True)
     extra = {"architecture": cfg.to_json(), "recipe": _recipe_json(recipe)}

@@ -159,14 +159,44 @@ class Trainer:
 
     def _update_ema(self) -> None:
         decay = min(self.recipe.ema, (1 + self.step) / (10 + self.step))
+        pairs = list(
+            zip(self.ema.state_dict().values(), self.model.state_dict().values(), strict=True)
+        )
         with torch.no_grad():
-            for e, m in zip(
-                self.ema.state_dict().values(), self.model.state_dict().values(), strict=True
-            ):
-                if e.dtype.is_floating_point:
-                    e.lerp_(m, 1 - decay)
-                else:
+            # One fused launch for the floating tensors (weights, BN statistics) instead of one
+            # per tensor; the BN batch counters are copied.
+            floats = [(e, m) for e, m in pairs if e.dtype.is_floating_point]
+            torch._foreach_lerp_([e for e, _ in floats], [m for _, m in floats], 1 - decay)
+            for e, m in pairs:
+                if not e.dtype.is_floating_point:
                     e.copy_(m)
+
+    def profile(
+        self, data: GpuImages, probs: torch.Tensor, mean: float, std: float, steps: int,
+        path: Path,
+    ) -> None:  # fmt: skip
+        """Run ``steps`` training steps (after the warm-up shapes) under the PyTorch profiler
+        and write its per-op table to ``path``: where a step's time goes. These are real steps
+        of the schedule; their time is kept out of its clock, like the warm-up's."""
+        from torch.profiler import ProfilerActivity, profile
+
+        t0 = time.perf_counter()
+        for _ in range(2 * len(CROPS)):
+            self.train_step(data, probs, mean, std)
+        self._sync()
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        t1 = time.perf_counter()
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                self.train_step(data, probs, mean, std)
+            self._sync()
+        wall = time.perf_counter() - t1
+        sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=60)
+        path.write_text(f"{steps} steps, {wall / steps * 1e3:.1f} ms a step (wall)\n{table}")
+        self.warmup_seconds += time.perf_counter() - t0
 
     def run(
         self, data: GpuImages, probs: torch.Tensor, mean: float, std: float, stop_seconds: float

@@ -174,6 +174,43 @@ def test_a_stop_request_ends_training_after_the_step_in_progress(tmp_path: Path)
     assert again.step == 50
 
 
+def _tiny_trainer(steps: int) -> tuple[Any, Any, Any]:
+    data, loop = _mod("train_data"), _mod("train_loop")
+    from scratchd.model.net import NetConfig
+    from scratchd.model.torchnet import TorchScratchNet
+
+    cfg = NetConfig(widths=(8, 16, 16, 16), depths=(1, 1, 1, 1), dilations=(2,), dec_depth=1)
+    recipe = loop.Recipe(batch=2, minutes=0.0, steps=steps, warmup=1, ema=0.9)
+    dev = torch.device("cpu")
+    trainer = loop.Trainer(TorchScratchNet(cfg), recipe, dev, seed=3)
+    return trainer, data.GpuImages(examples(6), dev), torch.full((6,), 1 / 6)
+
+
+def test_ema_follows_the_weights_by_its_decay() -> None:
+    trainer, images, probs = _tiny_trainer(10)
+    for _ in range(3):
+        trainer.train_step(images, probs, 0.2, 0.3)
+    before = {k: v.clone() for k, v in trainer.ema.state_dict().items()}
+    trainer.train_step(images, probs, 0.2, 0.3)  # step 3 -> 4, decay min(0.9, 4/13)
+    decay = min(0.9, 4 / 13)
+    model = trainer.model.state_dict()
+    for name, value in trainer.ema.state_dict().items():
+        if value.dtype.is_floating_point:
+            want = before[name] * decay + model[name] * (1 - decay)
+            torch.testing.assert_close(value, want)
+        else:  # BatchNorm's batch counter is copied
+            assert torch.equal(value, model[name])
+
+
+def test_profile_writes_where_a_step_goes_and_counts_its_steps(tmp_path: Path) -> None:
+    trainer, images, probs = _tiny_trainer(50)
+    trainer.profile(images, probs, 0.2, 0.3, 2, tmp_path / "profile.txt")
+    text = (tmp_path / "profile.txt").read_text()
+    assert text.startswith("2 steps, ") and "aten::" in text
+    assert trainer.step == 2 * 3 + 2  # the warm-up shapes, then the profiled steps
+    assert trainer.seconds == 0.0  # kept out of the schedule's clock
+
+
 def test_draw_curve_writes_a_png(tmp_path: Path) -> None:
     report = _mod("train_report")
     log = [{"step": s, "loss": 1.0 / s, "lr": 1e-3, "seconds": float(s)} for s in (1, 2, 3)]
