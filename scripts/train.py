@@ -47,7 +47,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_data import Augment, Example, GpuImages, inner_split, load_split, sample_weights
-from train_loop import CROPS, Recipe, Trainer, load_checkpoint, save_checkpoint
+from train_loop import (
+    CROPS,
+    MEMORY_FORMATS,
+    Recipe,
+    Trainer,
+    load_checkpoint,
+    save_checkpoint,
+)
 from train_report import calibrate, draw_curve, measure, predict_probs
 
 from scratchd.kernels.postprocess import intensity_histogram
@@ -102,6 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--inner-limit", type=int, default=0, help="evaluate only this many (smoke)")
     ap.add_argument("--version", default="scratchnet-2.0")
     ap.add_argument("--profile-steps", type=int, default=0, help="profile this many first")
+    ap.add_argument(
+        "--memory-format", choices=sorted(MEMORY_FORMATS), default="channels_last",
+        help="activation layout (same arithmetic; scripts/bench_train_step.py times both)",
+    )  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -140,7 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     recipe = recipe_of(args)
     torch.manual_seed(args.seed)  # the initial weights
-    trainer = Trainer(TorchScratchNet(cfg), recipe, dev, args.seed)
+    trainer = Trainer(
+        TorchScratchNet(cfg), recipe, dev, args.seed, MEMORY_FORMATS[args.memory_format]
+    )
     if args.resume is not None:
         state = load_checkpoint(args.resume, dev)
         saved = state["extra"]

@@ -37,6 +37,7 @@ from scratchd.model.torchnet import TorchScratchNet
 
 CROPS = (224, 256, 288)
 AUX_STAGES = ("dec2", "dec1")
+MEMORY_FORMATS = {"channels_last": torch.channels_last, "contiguous": torch.contiguous_format}
 
 
 @dataclass
@@ -95,13 +96,18 @@ def image_loss(logits: torch.Tensor, target: torch.Tensor, k: int, min_area: int
 class Trainer:
     """Model, EMA, auxiliary heads and optimiser, steppable and checkpointable."""
 
-    def __init__(self, model: TorchScratchNet, recipe: Recipe, device: torch.device, seed: int):
-        self.recipe, self.device = recipe, device
+    def __init__(
+        self, model: TorchScratchNet, recipe: Recipe, device: torch.device, seed: int,
+        memory_format: torch.memory_format = torch.channels_last,
+    ) -> None:  # fmt: skip
+        """``memory_format`` is how activations are laid out: the same arithmetic either way,
+        but which kernels PyTorch picks (and so a step's time) depends on it."""
+        self.recipe, self.device, self.memory_format = recipe, device, memory_format
         torch.manual_seed(seed)
         self.model = model.to(device)
         for p in self.model.parameters():
             if p.ndim == 4:
-                p.data = p.data.contiguous(memory_format=torch.channels_last)
+                p.data = p.data.contiguous(memory_format=memory_format)
         w = model.cfg.widths
         self.aux = nn.ModuleDict({s: nn.Conv2d(w[int(s[-1])], 1, 1) for s in AUX_STAGES}).to(device)
         self.ema = copy.deepcopy(self.model).eval()
@@ -135,7 +141,7 @@ class Trainer:
         size = CROPS[self.step % len(CROPS)]
         idx = torch.multinomial(probs, r.batch, replacement=True, generator=self.gen)
         x, y = data.batch(idx, size, r.augment, self.gen)
-        x = ((x - mean) / std).contiguous(memory_format=torch.channels_last)
+        x = ((x - mean) / std).contiguous(memory_format=self.memory_format)
         amp = dev.type == "cuda"
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
             stages = self.model.decode(x)
@@ -258,7 +264,7 @@ class Trainer:
         r = self.recipe
         idx = torch.multinomial(probs, r.batch, replacement=True, generator=self.gen)
         x, y = data.batch(idx, CROPS[1], r.augment, self.gen)
-        x = ((x - mean) / std).contiguous(memory_format=torch.channels_last)
+        x = ((x - mean) / std).contiguous(memory_format=self.memory_format)
         logits = self.ema(x).float()
         up = F.interpolate(logits, size=y.shape[-2:], mode="bilinear", align_corners=False)
         return seg_loss(up, y, r.loss)

@@ -1,0 +1,78 @@
+"""Time scripts/train.py's training step in each activation layout, side by side.
+
+    python scripts/bench_train_step.py --shards .devdata/shards --widths 32 80 160 320 \
+        --dec-depth 1 --steps 30 --repeats 3 --json OUT/train-step.json
+
+Each layout gets a fresh trainer (same seed, same architecture and recipe as train.py with
+the same flags), runs the warm-up shapes, then ``--steps`` timed steps, ``--repeats`` times
+in alternation; the table shows every repeat's ms a step, and the JSON names the fastest
+layout by median (``best``) for ``train.py --memory-format``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from train import parse_args, recipe_of
+from train_data import GpuImages, inner_split, load_split, sample_weights
+from train_loop import CROPS, MEMORY_FORMATS, Trainer
+
+from scratchd.model.net import NetConfig
+from scratchd.model.torchnet import TorchScratchNet
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    own, rest = ap.parse_known_args()
+    args = parse_args(["--out", "/nonexistent", *rest])
+    dev = torch.device(args.device)
+    torch.backends.cudnn.benchmark = True
+    train_set, _ = load_split(args.shards, "train")
+    fit, _ = inner_split(train_set, args.inner_fraction)
+    data = GpuImages(fit, dev)
+    probs = torch.tensor(sample_weights(fit, args.free_weight), device=dev)
+    cfg = NetConfig(
+        widths=tuple(args.widths), depths=tuple(args.depths),
+        dilations=tuple(args.dilations), dec_depth=args.dec_depth,
+    )  # fmt: skip
+    trainers = {}
+    for name, fmt in MEMORY_FORMATS.items():
+        torch.manual_seed(args.seed)
+        trainers[name] = Trainer(TorchScratchNet(cfg), recipe_of(args), dev, args.seed, fmt)
+        for _ in range(2 * len(CROPS)):
+            trainers[name].train_step(data, probs, 0.45, 0.2)
+    runs: dict[str, list[float]] = {name: [] for name in trainers}
+    for _ in range(own.repeats):
+        for name, trainer in trainers.items():
+            trainer._sync()
+            t0 = time.perf_counter()
+            for _ in range(own.steps):
+                trainer.train_step(data, probs, 0.45, 0.2)
+            trainer._sync()
+            runs[name].append(round((time.perf_counter() - t0) / own.steps * 1e3, 2))
+    best = min(runs, key=lambda n: statistics.median(runs[n]))
+    print(f"{'layout':>14} {'median ms/step':>15}  repeats")
+    for name, values in runs.items():
+        print(f"{name:>14} {statistics.median(values):>15.2f}  {values}")
+    print(f"best: {best}")
+    device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    record = {"device": device, "architecture": cfg.to_json(), "batch": args.batch,
+              "steps": own.steps, "ms_per_step": runs, "best": best}  # fmt: skip
+    if own.json:
+        own.json.write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
