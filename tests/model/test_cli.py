@@ -60,23 +60,28 @@ def test_eval_json_rows_masks_and_summary(data_dir: Path, tmp_path: Path) -> Non
 
 
 def test_eval_views_and_split(data_dir: Path, tmp_path: Path) -> None:
-    """``--views identity --split val``: only the images split_of puts in val, scored by the
-    one-view model (as the daemon's ``model.views = ["identity"]`` serves them)."""
+    """``--views identity --views transpose --split val``: only the images split_of puts in
+    val, scored by that two-view model (as the daemon's ``model.views`` serves them), not by
+    the model file's own views."""
     root = small_dataset(data_dir, tmp_path / "data")
     rels = sorted(str(p.relative_to(root)) for p in root.rglob("*.*") if "masks" not in p.parts)
     rels = [r for r in rels if not (r.endswith(".png") and r.startswith("mtile"))]  # masks
     val = [r for r in rels if split_of(r, 0.2) == "val"]
     assert val and len(val) < len(rels)  # both sides non-empty, or the filter is untested
-    args = ["eval", str(root), "--json", "--views", "identity", "--split", "val"]
+    views = ("identity", "transpose")
+    args = ["eval", str(root), "--json", "--views", views[0], "--views", views[1], "--split", "val"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     *rows, last = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [r["image"] for r in rows] == val and last["summary"]["views"] == ["identity"]
-    one, shipped = load_model(views=("identity",)), load_model()
-    assert len(shipped.views) > 1
+    assert [r["image"] for r in rows] == val and last["summary"]["views"] == list(views)
+    chosen, shipped = load_model(views=views), load_model()
+    assert tuple(shipped.views) != views
+    differ = 0
     for row in rows:
         image = decode_image((root / row["image"]).read_bytes())
-        assert row["score"] == pytest.approx(one.predict([image])[0].score, abs=1e-6)
+        assert row["score"] == pytest.approx(chosen.predict([image])[0].score, abs=1e-6)
+        differ += abs(row["score"] - shipped.predict([image])[0].score) > 1e-6
+    assert differ  # the model file's own views score them otherwise
     train = CliRunner().invoke(main, ["eval", str(root), "--json", "--split", "train"])
     *rows, last = [json.loads(line) for line in train.stdout.splitlines()]
     assert sorted(r["image"] for r in rows) == sorted(set(rels) - set(val))

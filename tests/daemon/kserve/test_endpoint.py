@@ -14,11 +14,12 @@ import tritonclient.http as thttp
 from tritonclient.utils import InferenceServerException
 
 from scratchd.client.api import Client
+from scratchd.model.scratchnet import load_model
 from scratchd.protocol import wire
 
 from .kserve_daemon import KServeDaemon, fixture_images, grpc_input, http_input
 
-VERSION = "scratchnet-1.1"
+VERSION = load_model().meta.version
 
 
 @pytest.fixture(scope="module")
