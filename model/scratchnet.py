@@ -180,11 +180,13 @@ def _check_image(img: np.ndarray, i: int) -> None:
         raise ValueError(f"image {i}: empty image {img.shape}")
 
 
-def random_model(seed: int = 0, version: str = "random") -> ScratchNet:
-    """The default architecture with random weights and plain metadata: for tests and
-    benchmarks of the forward's arithmetic and cost, which do not depend on training. Never
-    a model to serve (its answers mean nothing)."""
-    cfg = NetConfig()
+def random_model(
+    seed: int = 0, version: str = "random", cfg: NetConfig | None = None
+) -> ScratchNet:
+    """An architecture (default: ``NetConfig()``) with random weights and plain metadata: for
+    tests and benchmarks of the forward's arithmetic and cost, which do not depend on
+    training. Never a model to serve (its answers mean nothing)."""
+    cfg = cfg or NetConfig()
     meta = ModelMeta(
         version=version, architecture=cfg.to_json(), mean=0.45, std=0.22, threshold=0.5,
         min_area=8, score_window=5, histogram=[1 / 64] * 64, val_metrics={},

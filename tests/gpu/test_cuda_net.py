@@ -28,7 +28,9 @@ from scratchd.protocol.image import decode_image
 from ..kernels.cuda_helpers import fresh_rng
 
 PROB_ATOL = 2e-2
-SHIPPED = NetConfig(widths=(48, 96, 192, 384), depths=(1, 2, 2, 1), dilations=(2, 4), dec_depth=2)
+# scratchnet-1.1's architecture: the widest net the kernels serve (its dec0.0 is the block
+# that reaches the int32 indexing limit first).
+SN1 = NetConfig(widths=(48, 96, 192, 384), depths=(1, 2, 2, 1), dilations=(2, 4), dec_depth=2)
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +58,8 @@ def test_fused_plan_matches_the_numpy_forward(cfg: NetConfig) -> None:
 
 def test_the_shipped_plan_splits_exactly_its_wide_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(SPLIT_ENV, raising=False)
-    plan = block_plan(SHIPPED)
-    paths = plan_paths(SHIPPED)
+    plan = block_plan(SN1)
+    paths = plan_paths(SN1)
     assert list(paths) == [b.name for b in plan]
     split = [name for name, path in paths.items() if path == "split"]
     assert split == ["enc3.0", "enc3.d0", "enc3.d1", "dec2.0"]
@@ -67,12 +69,12 @@ def test_the_shipped_plan_splits_exactly_its_wide_blocks(monkeypatch: pytest.Mon
     assert [name for name, path in paths.items() if path == "halo"] == halo
     assert "tiled" not in paths.values()
     monkeypatch.setenv(SPLIT_ENV, "all")
-    every = [name for name, path in plan_paths(SHIPPED).items() if path == "split"]
+    every = [name for name, path in plan_paths(SN1).items() if path == "split"]
     assert every == [b.name for b in plan[:-1]]  # never the head block
     monkeypatch.setenv(SPLIT_ENV, "tiled")
-    assert set(plan_paths(SHIPPED).values()) == {"tiled"}  # the head too: 48 channels
+    assert set(plan_paths(SN1).values()) == {"tiled"}  # the head too: 48 channels
     monkeypatch.setenv(SPLIT_ENV, "none")
-    assert set(plan_paths(SHIPPED).values()) == {"fused"}
+    assert set(plan_paths(SN1).values()) == {"fused"}
 
 
 @pytest.mark.gpu

@@ -18,11 +18,13 @@ from scratchd.kernels.ds_split import (
     tiled_shape_ok,
 )
 from scratchd.model.net import NetConfig, block_plan
-from scratchd.model.scratchnet import load_model
+from scratchd.model.scratchnet import random_model
 
 from .cuda_helpers import assert_close, block_data, cupy, dev, fresh_rng, half, poisoned
 
-SHIPPED = NetConfig(widths=(48, 96, 192, 384), depths=(1, 2, 2, 1), dilations=(2, 4), dec_depth=2)
+# scratchnet-1.1's architecture: the widest net the kernels serve (its dec0.0 is the block
+# that reaches the int32 indexing limit first).
+SN1 = NetConfig(widths=(48, 96, 192, 384), depths=(1, 2, 2, 1), dilations=(2, 4), dec_depth=2)
 
 
 def test_paths_need_their_tiles_and_a_known_mode(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -203,10 +205,11 @@ def test_ds_split_refuses_a_short_scratch_and_unaligned_widths() -> None:
 
 
 @pytest.mark.gpu
-def test_the_shipped_forward_gives_the_same_bits_split_or_fused(
+def test_a_wide_forward_gives_the_same_bits_split_or_fused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The whole shipped forward (captured graphs) with every block fused, on the default
+    """The whole forward of scratchnet-1.1's architecture (random weights: the paths' bits
+    do not depend on training; captured graphs) with every block fused, on the default
     paths, every block split, tiled or on ds_halo, and every block split but dec0.0, whose
     depthwise output would pass the int32 indexing limit there (it stays fused; the default
     paths split no block whose scratch is larger than the stem's output, which the limit
@@ -214,8 +217,8 @@ def test_the_shipped_forward_gives_the_same_bits_split_or_fused(
     from scratchd.gpu.cuda_scratchnet import CudaScratchNet
     from scratchd.kernels import _cuda as cu
 
-    model = load_model()
     rng, seed = fresh_rng()
+    model = random_model(seed % 1000, cfg=SN1)
     images = rng.integers(0, 256, (3, 72, 104), dtype=np.uint8)
     outs, split, paths = {}, {}, {}
     for mode in ("none", "auto", "all", "tiled", "halo", "all-limited"):
@@ -228,7 +231,7 @@ def test_the_shipped_forward_gives_the_same_bits_split_or_fused(
         outs[mode]["logits"] = cupy().asnumpy(buf.logits)[:3]
         split[mode] = len(buf.split)
         paths[mode] = set(net.fwd.path.values())
-    blocks = len(block_plan(SHIPPED))
+    blocks = len(block_plan(SN1))
     assert split == {
         "none": 0, "auto": 4, "all": blocks - 1, "tiled": 0, "halo": 0, "all-limited": blocks - 2
     }  # fmt: skip

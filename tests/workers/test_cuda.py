@@ -221,7 +221,11 @@ def test_batch_limit_follows_the_memory_the_card_lets_us_have(gpu, data_dir: Pat
     smaller, fewer buckets fit, batches are split — and it still serves, without OOM."""
     import cupy as cp
 
-    per_frame = gpu.sizer.per_frame[SIZE]
+    # 1024x1024 frames: the room left below is a few frames of these whatever the model's
+    # size, so bucket 16 cannot fit (at 256x256 a small model fits all buckets in the slack
+    # the hog's own context estimate needs). Per-frame bytes scale with the pixels.
+    big = (1024, 1024)
+    per_frame = gpu.sizer.per_frame[SIZE] * (big[0] * big[1]) // (SIZE[0] * SIZE[1])
     free = cp.cuda.runtime.memGetInfo()[0]
     leave = 1024 * 2**20 + 512 * 2**20 + 3 * per_frame  # the reserve + room for ~3 frames
     hog = subprocess.Popen(
@@ -234,11 +238,11 @@ def test_batch_limit_follows_the_memory_the_card_lets_us_have(gpu, data_dir: Pat
     )  # fmt: skip
     try:
         assert hog.stdout is not None and hog.stdout.readline().strip() == b"held"
-        small = backend(max_batch=16, arena_mb=65536)
+        small = backend(max_batch=16, arena_mb=65536, sizes=(big,))
         try:
             assert small.arena.stats().total < 4 * 2**30
             assert 1 <= small.batch_limit() < 16
-            frames = real_frames(data_dir, 5)
+            frames = real_frames(data_dir, 5, big)
             got = small.infer(frames, [False] * 5)
             assert all(r.status is Status.OK for r in got)
         finally:
@@ -274,5 +278,6 @@ def test_killed_gpu_worker_is_replaced_and_nothing_is_lost(data_dir: Path) -> No
         d.wait_ready(restarts={before.name: 1})
         after = d.status().workers[0]
         assert after.pid != before.pid and after.state == "ready"
+        segment = d.shm_path  # named in the log, which leaves with the daemon's directory
         assert d.stop() == 0
-    assert not d.shm_path.exists()
+    assert not segment.exists()
