@@ -20,7 +20,7 @@ from scratchd.gpu.buckets import BUCKETS, bucket_for
 from scratchd.gpu.cuda_graph import ForwardGraph
 from scratchd.gpu.cuda_net import CudaForward
 from scratchd.gpu.serve_graph import ServeGraph
-from scratchd.model.scratchnet import Prediction, ScratchNet
+from scratchd.model.scratchnet import Prediction, ScratchNet, check_backend
 
 
 class CudaScratchNet:
@@ -28,6 +28,7 @@ class CudaScratchNet:
 
     def __init__(self, model: ScratchNet) -> None:
         m = model.meta
+        check_backend(m, "cuda")
         self.model = model
         self.fwd = CudaForward(
             model.weights, model.config, m.mean, m.std, m.threshold, m.score_window

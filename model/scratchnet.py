@@ -14,12 +14,16 @@ memory to about 1 GB), and returns one :class:`Prediction` per frame, in order.
 Test-time augmentation: ``meta.views`` lists the views of each frame the network sees
 (``identity``, ``flip_h`` = columns reversed, ``flip_v`` = rows reversed, ``transpose``);
 each view's probability map is mapped back (every view is its own inverse) and the maps are
-averaged before post-processing. The shipped model uses all four (4x the compute of one
-pass; on the validation split, against the identity view alone, SD-900 IoU 0.794 vs 0.784,
-magnetic-tile IoU 0.659 vs 0.618, tile AUROC 0.976 vs 0.949, clean tiles flagged 14.7 % vs
-38.2 %: ``scratchd eval ../shared/data --split val [--views identity]``);
-``ScratchNet(..., views=("identity",))``, ``load_model(path, views=...)`` or the daemon's
-``model.views`` trades that accuracy for speed. A GPU backend runs the views as one batch.
+averaged before post-processing. The shipped model runs one view (its training put into one
+pass what views add); ``ScratchNet(..., views=...)``, ``load_model(path, views=...)`` or the
+daemon's ``model.views`` run more, each one more forward pass (README.md, "Choosing the
+test-time views"). A GPU backend runs the views as one batch.
+
+Small frames: a model with ``meta.upscale_below`` > 0 runs frames whose longer side is at
+most that many pixels at twice their size (bilinear, rounded to uint8, as training saw
+them) and averages each 2x2 block of the probability map back to the frame's size, so thin
+defects on small images cover more of the network's half-resolution output. Only the
+numpy forward implements it; the CUDA backend refuses such a model (:func:`check_backend`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from scratchd.kernels.postprocess import (
     intensity_histogram,
     postprocess,
 )
+from scratchd.kernels.upsample_bilinear2x import upsample_bilinear2x_ref
 from scratchd.kernels.views import VIEWS, apply_view
 from scratchd.model.net import (
     NetConfig,
@@ -80,6 +85,8 @@ class ModelMeta:
     # on data the model was not fitted on, see ``training["calibration"]``). None: the
     # scratchnet-1 rule, "defect" iff a component of at least min_area pixels survived.
     score_threshold: float | None = None
+    # Frames whose longer side is at most this many pixels run at twice their size (0: never).
+    upscale_below: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,6 +131,8 @@ class ScratchNet:
         bad = [v for v in self.views if v not in VIEWS]
         if bad or not self.views:
             raise ValueError(f"views must be a non-empty subset of {VIEWS}, got {self.views}")
+        if not isinstance(meta.upscale_below, int) or meta.upscale_below < 0:
+            raise ValueError(f"upscale_below must be an int >= 0, got {meta.upscale_below!r}")
 
     @property
     def version(self) -> str:
@@ -139,8 +148,12 @@ class ScratchNet:
         return total
 
     def forward(self, images: np.ndarray) -> np.ndarray:
-        """One pass of the network: uint8 ``[N, H, W]`` → probability ``[N, H, W]``."""
-        return forward(self.weights, self.config, images, self.meta.mean, self.meta.std)
+        """One pass of the network: uint8 ``[N, H, W]`` → probability ``[N, H, W]`` (small
+        frames at twice their size when the model says so, see the module docstring)."""
+        m = self.meta
+        if upscales(m, images.shape[1], images.shape[2]):
+            return pool2x(forward(self.weights, self.config, upscale2x(images), m.mean, m.std))
+        return forward(self.weights, self.config, images, m.mean, m.std)
 
     def predict(self, images: Sequence[np.ndarray]) -> list[Prediction]:
         """One :class:`Prediction` per uint8 ``(H, W)`` image, in input order."""
@@ -169,6 +182,35 @@ class ScratchNet:
             boxes=post.boxes,
             entropy=binary_entropy_bits(prob),
             histogram=intensity_histogram(image),
+        )
+
+
+def upscales(meta: ModelMeta, height: int, width: int) -> bool:
+    """Whether frames of this size run at twice their size (``meta.upscale_below``)."""
+    return 0 < max(height, width) <= meta.upscale_below
+
+
+def upscale2x(images: np.ndarray) -> np.ndarray:
+    """uint8 ``[N, H, W]`` → uint8 ``[N, 2H, 2W]``: bilinear (align_corners=False), rounded
+    half to even, the frames a camera at twice the resolution would have given."""
+    up = upsample_bilinear2x_ref(images[..., None].astype(np.float32))[..., 0]
+    return np.clip(np.rint(up), 0, 255).astype(np.uint8)
+
+
+def pool2x(prob: np.ndarray) -> np.ndarray:
+    """``[N, 2H, 2W]`` → ``[N, H, W]``: the mean of each 2x2 block."""
+    n, h2, w2 = prob.shape
+    blocks = prob.reshape(n, h2 // 2, 2, w2 // 2, 2)
+    return np.ascontiguousarray(blocks.mean(axis=(2, 4), dtype=np.float32))
+
+
+def check_backend(meta: ModelMeta, backend: str) -> None:
+    """Raise :class:`ModelError` when ``backend`` cannot run this model as the numpy
+    forward defines it (no silent approximation)."""
+    if backend != "cpu" and meta.upscale_below > 0:
+        raise ModelError(
+            f"{meta.version}: upscale_below={meta.upscale_below} (small frames at twice their "
+            f"size) is implemented by the CPU backend only, not by {backend!r}"
         )
 
 

@@ -41,7 +41,7 @@ def main() -> None:
     torch.backends.cudnn.benchmark = True
     train_set, _ = load_split(args.shards, "train")
     fit, _ = inner_split(train_set, args.inner_fraction)
-    data = GpuImages(fit, dev)
+    data = GpuImages(fit, dev, args.upscale_below)
     probs = torch.tensor(sample_weights(fit, args.free_weight), device=dev)
     cfg = NetConfig(
         widths=tuple(args.widths), depths=tuple(args.depths),

@@ -13,7 +13,9 @@ The ``scratchnet-2`` recipe: one forward pass has to carry what four test-time v
 2. Batches are drawn on the device from images held there (:class:`train_data.GpuImages`):
    crops of 224/256/288 px, half of the defect images' crops near a defect, random scale
    (x0.75..1.33) and rotation (±45°), flips and 90° turns, gamma, contrast, brightness,
-   blur, noise, uint8 quantisation.
+   blur, noise, uint8 quantisation. ``--upscale-below N``: images whose longer side is at
+   most N pixels are seen at twice their size, and the exported model serves such frames
+   the same way (``ModelMeta.upscale_below``; the CPU backend only, so far).
 3. Loss (:mod:`train_loop`): BCE + Lovász hinge per crop on the upsampled logits, deep
    supervision of ``dec2``/``dec1`` (auxiliary heads, not exported), an image-level BCE on
    each crop's top-k logit mean; AdamW, warm-up then cosine over ``--minutes`` of *training
@@ -103,6 +105,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--geometric", type=float, default=1.0, help="scale/rotation share factor")
     ap.add_argument("--free-weight", type=float, default=0.5, help="sampling weight, clean")
     ap.add_argument("--min-area", type=int, default=16)
+    ap.add_argument(
+        "--upscale-below", type=int, default=0,
+        help="images whose longer side is at most this run at 2x (training and serving)",
+    )  # fmt: skip
     ap.add_argument("--recall", type=float, default=0.97, help="defect recall of the decision")
     ap.add_argument("--inner-fraction", type=float, default=0.15)
     ap.add_argument("--eval-device", default="cpu", help="device of the inner-split pass")
@@ -125,6 +131,7 @@ def recipe_of(args: argparse.Namespace) -> Recipe:
         loss=args.loss, aux=args.aux, image_loss=args.image_loss, min_area=args.min_area,
         batch=args.batch, lr=args.lr, wd=args.wd, warmup=args.warmup, ema=args.ema,
         minutes=args.minutes, steps=args.steps, free_weight=args.free_weight, augment=aug,
+        upscale_below=args.upscale_below,
     )  # fmt: skip
 
 
@@ -159,7 +166,9 @@ def main(argv: list[str] | None = None) -> None:
         saved = state["extra"]
         # The schedule's length (--minutes, --steps) may change on resume; nothing else.
         fixed = {k: v for k, v in _recipe_json(recipe).items() if k not in ("minutes", "steps")}
-        before = {k: v for k, v in saved["recipe"].items() if k not in ("minutes", "steps")}
+        # Keys a checkpoint predates take their defaults (the recipe it ran).
+        was = _recipe_json(Recipe()) | saved["recipe"]
+        before = {k: v for k, v in was.items() if k not in ("minutes", "steps")}
         if saved["architecture"] != cfg.to_json() or before != fixed:
             raise SystemExit(f"{args.resume}: architecture or recipe differ from this command")
         trainer.load_state(state)
@@ -168,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     # progress; the checkpoint, the inner-split pass and the export follow as after
     # --stop-minutes, so a lent machine's time limit does not lose the run.
     signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_requested", True))
-    data = GpuImages(fit, dev)
+    data = GpuImages(fit, dev, args.upscale_below)
     probs = torch.tensor(sample_weights(fit, args.free_weight), device=dev, dtype=torch.float32)
     stop = 60 * args.stop_minutes if args.stop_minutes > 0 else float("inf")
     if args.profile_steps > 0:
@@ -184,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.backends.cudnn.benchmark = False
     ema = trainer.ema.float()
     subset = inner[: args.inner_limit] if args.inner_limit else inner
-    maps = predict_probs(ema, subset, mean, std, torch.device(args.eval_device))
+    maps = predict_probs(ema, subset, mean, std, torch.device(args.eval_device), args.upscale_below)
     cal = calibrate(maps, subset, args.min_area, args.recall)
     inner_metrics = measure(
         maps, subset, cal["threshold"], args.min_area, cal["score_window"], cal["score_threshold"]
@@ -231,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         training=training,
         views=["identity"],
         score_threshold=cal["score_threshold"],
+        upscale_below=args.upscale_below,
     )
     save_model(args.out / "scratchnet.npz", export_weights(ema.cpu()), meta)
     title = f"{meta.version} {cfg.widths} d{cfg.dec_depth}: {trainer.step} steps"

@@ -106,7 +106,11 @@ class Augment:
 class GpuImages:
     """All training images on the device, edge-padded to one ``[N, Hc, Wc]`` uint8 canvas."""
 
-    def __init__(self, examples: list[Example], device: torch.device) -> None:
+    def __init__(
+        self, examples: list[Example], device: torch.device, upscale_below: int = 0
+    ) -> None:
+        """``upscale_below``: images whose longer side is at most this many pixels are seen
+        at twice their size (the model's ``upscale_below``: serving does the same)."""
         hc = max(e.image.shape[0] for e in examples)
         wc = max(e.image.shape[1] for e in examples)
         n = len(examples)
@@ -131,6 +135,9 @@ class GpuImages:
         self.counts = torch.from_numpy(counts).to(device)
         sizes = np.array([e.image.shape for e in examples], np.float32)
         self.sizes = torch.from_numpy(sizes).to(device)  # [N, 2] (h, w)
+        # Image pixels per crop pixel before augmentation: 0.5 for upscaled images.
+        small = sizes.max(axis=1) <= upscale_below
+        self.base_scale = torch.from_numpy(np.where(small, 0.5, 1.0).astype(np.float32)).to(device)
         self.canvas = (hc, wc)
 
     def batch(
@@ -143,7 +150,7 @@ class GpuImages:
             return torch.rand(*shape, generator=gen, device=dev)
 
         hw = self.sizes[idx]  # [B, 2]
-        scale = torch.where(
+        scale = self.base_scale[idx] * torch.where(
             rand(b) < aug.scale, torch.exp((2 * rand(b) - 1) * math.log(aug.max_scale)), 1.0
         )
         angle = torch.where(
@@ -159,7 +166,9 @@ class GpuImages:
         point = self.points[idx, pick]  # [B, 2]
         near = (point + (2 * rand(b, 2) - 1) * half * 0.75).clamp(lo, hi)
         use = ((rand(b) < aug.defect_centre) & (count > 0))[:, None]
-        centre = torch.where(use, near, centre).round()
+        # Integer centres; an upscaled image's sample points then fall where serving's
+        # bilinear 2x puts them (a quarter pixel off the image's own grid).
+        centre = torch.where(use, near, centre).round() - 0.25 * (self.base_scale[idx] < 1)[:, None]
         grid = _grid(centre, scale, angle, size, self.canvas)
         x = F.grid_sample(
             self.images[idx, None].float(), grid, mode="bilinear", padding_mode="border",

@@ -55,6 +55,7 @@ class Recipe:
     minutes: float = 14.0  # the whole schedule, in training seconds / 60 (0: by --steps)
     steps: int = 1_000_000
     free_weight: float = 0.5
+    upscale_below: int = 0  # images with a longer side at most this run at twice their size
     augment: Augment = field(default_factory=Augment)
 
 

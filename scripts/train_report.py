@@ -39,17 +39,27 @@ WINDOWS = (1, 3, 5, 9, 15)
 @torch.no_grad()
 def predict_probs(
     model: TorchScratchNet, examples: list[Example], mean: float, std: float,
-    device: torch.device,
+    device: torch.device, upscale_below: int = 0,
 ) -> list[np.ndarray]:  # fmt: skip
+    """Each example's probability map; images whose longer side is at most
+    ``upscale_below`` run at twice their size and are averaged back per 2x2 block, as
+    ``ScratchNet.forward`` does."""
     model = model.to(device).eval()
     out = []
     for e in examples:
-        h, w = e.image.shape
         x = torch.from_numpy(e.image.copy()).to(device).float()[None, None]
+        up = 0 < max(e.image.shape) <= upscale_below
+        if up:
+            x = F.interpolate(x, scale_factor=2.0, mode="bilinear", align_corners=False)
+            x = x.round().clamp(0, 255)
+        h, w = x.shape[-2:]
         x = x * (1.0 / (255.0 * std)) + (-mean / std)
         x = F.pad(x, (0, padded_size(w) - w, 0, padded_size(h) - h), mode="replicate")
         prob = torch.sigmoid(full_logits(model, x.contiguous(memory_format=torch.channels_last)))
-        out.append(prob[0, 0, :h, :w].float().cpu().numpy())
+        prob = prob[:, :, :h, :w].float()
+        if up:
+            prob = F.avg_pool2d(prob, 2)
+        out.append(prob[0, 0].cpu().numpy())
     return out
 
 

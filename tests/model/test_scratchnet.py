@@ -8,10 +8,23 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scratchd.kernels.views import apply_view
 from scratchd.model.net import NetConfig, count_params, random_weights
-from scratchd.model.scratchnet import ModelError, ModelMeta, decide, load_model, save_model
+from scratchd.model.scratchnet import (
+    ModelError,
+    ModelMeta,
+    ScratchNet,
+    check_backend,
+    decide,
+    load_model,
+    pool2x,
+    random_model,
+    save_model,
+    upscale2x,
+)
 
 
 def test_shipped_model_metadata_is_complete() -> None:
@@ -116,3 +129,49 @@ def test_score_threshold_drives_the_verdict_and_old_metadata_loads(tmp_path: Pat
         save_model(tmp_path / "m.npz", weights, meta)
         pred = load_model(tmp_path / "m.npz", views=("identity",)).predict([image])[0]
         assert pred.verdict == ("defect" if score_threshold == 0.0 else "clean")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    h=st.integers(1, 12), w=st.integers(1, 12), seed=st.integers(0, 2**31 - 1)
+)  # fmt: skip
+def test_upscale_then_pool_keeps_sizes_and_values(h: int, w: int, seed: int) -> None:
+    images = np.random.default_rng(seed).integers(0, 256, (2, h, w), dtype=np.uint8)
+    up = upscale2x(images)
+    assert up.shape == (2, 2 * h, 2 * w) and up.dtype == np.uint8
+    # Bilinear 2x stays within each neighbourhood's range, and a flat frame stays flat.
+    assert up.min() >= images.min() and up.max() <= images.max()
+    flat = np.full((1, h, w), images[0, 0, 0], np.uint8)
+    np.testing.assert_array_equal(upscale2x(flat), np.full((1, 2 * h, 2 * w), flat[0, 0, 0]))
+    # Pooling a map that is constant on each 2x2 block gives the map back.
+    prob = np.random.default_rng(seed).random((2, h, w), dtype=np.float32)
+    np.testing.assert_array_equal(pool2x(prob.repeat(2, axis=1).repeat(2, axis=2)), prob)
+
+
+def test_small_frames_run_at_twice_their_size_only_below_the_limit() -> None:
+    cfg = NetConfig()
+    weights = random_weights(cfg, seed=5)
+    base = random_model(5).meta
+    meta = dataclasses.replace(base, upscale_below=40)
+    model, plain = ScratchNet(weights, meta), ScratchNet(weights, base)
+    rng = np.random.default_rng(1)
+    small = rng.integers(0, 256, (1, 24, 40), dtype=np.uint8)
+    large = rng.integers(0, 256, (1, 24, 41), dtype=np.uint8)
+    want = pool2x(plain.forward(upscale2x(small)))
+    np.testing.assert_array_equal(model.forward(small), want)
+    assert np.abs(want - plain.forward(small)).max() > 1e-3  # else the test could not fail
+    np.testing.assert_array_equal(model.forward(large), plain.forward(large))
+    assert model.predict([small[0]])[0].mask.shape == (24, 40)
+
+
+def test_upscaling_models_are_refused_by_the_cuda_backend_by_name() -> None:
+    meta = dataclasses.replace(random_model(0).meta, upscale_below=256)
+    check_backend(meta, "cpu")
+    with pytest.raises(ModelError, match=r"upscale_below=256.*CPU backend only"):
+        check_backend(meta, "cuda")
+    check_backend(random_model(0).meta, "cuda")  # nothing to refuse
+    old = meta.to_json()
+    old.pop("upscale_below")
+    assert ModelMeta.from_json(old).upscale_below == 0  # files before it still load
+    with pytest.raises(ValueError, match="upscale_below"):
+        ScratchNet(random_model(0).weights, dataclasses.replace(meta, upscale_below=-1))

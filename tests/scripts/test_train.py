@@ -70,6 +70,51 @@ def test_batches_keep_image_and_mask_aligned() -> None:
             assert float(xi[yi == 1].min()) >= float(xi[yi == 0].max())
 
 
+def test_small_images_are_cropped_at_twice_their_size() -> None:
+    """``upscale_below``: a 200 px image's 2 px scratch is 4 px high in its crops (what the
+    serving model's bilinear 2x shows), a larger image's stays 2 px."""
+    data = _mod("train_data")
+    ex = [e for e in examples(12) if e.mask.any()]
+    images = data.GpuImages(ex, torch.device("cpu"), upscale_below=200)
+    aug = data.Augment(scale=0.0, rotate=0.0, blur=0.0, noise=0.0, defect_centre=1.0)
+    gen = torch.Generator().manual_seed(0)
+    _, y = images.batch(torch.arange(len(ex)), 96, aug, gen)
+    for e, yi in zip(ex, y, strict=True):
+        # The scratch is 2 image rows high; flips and transposes may turn it upright.
+        thick = min(int(yi[0].any(dim=1).sum()), int(yi[0].any(dim=0).sum()))
+        assert thick == (4 if max(e.image.shape) <= 200 else 2), e.rel
+
+
+def test_the_torch_pass_on_small_images_is_the_numpy_forward(tmp_path: Path) -> None:
+    """``predict_probs`` (training's inner-split pass) and ``ScratchNet.forward`` agree with
+    and without the 2x rule, so the operating point is chosen on what serving computes."""
+    report = _mod("train_report")
+    from scratchd.model.net import NetConfig, count_params
+    from scratchd.model.scratchnet import ModelMeta, ScratchNet
+    from scratchd.model.torchnet import TorchScratchNet, export_weights
+
+    cfg = NetConfig(widths=(8, 16, 16, 16), depths=(1, 1, 1, 1), dilations=(2,), dec_depth=1)
+    torch.manual_seed(0)
+    net = TorchScratchNet(cfg).eval()
+    meta = ModelMeta(
+        version="t", architecture=cfg.to_json(), mean=0.3, std=0.2, threshold=0.5,
+        min_area=4, score_window=1, histogram=[1 / 64] * 64, val_metrics={},
+        train_data_sha256="", params=count_params(cfg), upscale_below=48,
+    )  # fmt: skip
+    model = ScratchNet(export_weights(net), meta)
+    data = _mod("train_data")
+    rng = np.random.default_rng(2)
+    ex = [
+        data.Example(f"x{i}", "sd900/Sc", rng.integers(0, 256, s, dtype=np.uint8), np.zeros(s))
+        for i, s in enumerate([(40, 48), (30, 26), (52, 40)])
+    ]
+    maps = report.predict_probs(net, ex, 0.3, 0.2, torch.device("cpu"), upscale_below=48)
+    for e, got in zip(ex, maps, strict=True):
+        want = model.forward(e.image[None])[0]
+        assert got.shape == want.shape == e.image.shape
+        np.testing.assert_allclose(got, want, atol=2e-4)
+
+
 def test_lovasz_hinge_is_zero_for_confident_right_answers() -> None:
     loop = _mod("train_loop")
     target = torch.zeros(2, 100)
