@@ -1,12 +1,12 @@
-"""Time scripts/train.py's training step in each activation layout, side by side.
+"""Time scripts/train.py's training step in each activation layout and precision, side by side.
 
     python scripts/bench_train_step.py --shards .devdata/shards --widths 32 80 160 320 \
         --dec-depth 1 --steps 30 --repeats 3 --json OUT/train-step.json
 
-Each layout gets a fresh trainer (same seed, same architecture and recipe as train.py with
-the same flags), runs the warm-up shapes, then ``--steps`` timed steps, ``--repeats`` times
-in alternation; the table shows every repeat's ms a step, and the JSON names the fastest
-layout by median (``best``) for ``train.py --memory-format``.
+Each (layout, precision) gets a fresh trainer (same seed, same architecture and recipe as
+train.py with the same flags), runs the warm-up shapes, then ``--steps`` timed steps,
+``--repeats`` times in alternation; the table shows every repeat's ms a step, and the JSON's
+``best`` is the fastest by median as train.py flags (``--memory-format X --precision Y``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train import parse_args, recipe_of
 from train_data import GpuImages, inner_split, load_split, sample_weights
-from train_loop import CROPS, MEMORY_FORMATS, Trainer
+from train_loop import CROPS, MEMORY_FORMATS, PRECISIONS, Trainer
 
 from scratchd.model.net import NetConfig
 from scratchd.model.torchnet import TorchScratchNet
@@ -48,28 +48,34 @@ def main() -> None:
         dilations=tuple(args.dilations), dec_depth=args.dec_depth,
     )  # fmt: skip
     trainers = {}
-    for name, fmt in MEMORY_FORMATS.items():
-        torch.manual_seed(args.seed)
-        trainers[name] = Trainer(TorchScratchNet(cfg), recipe_of(args), dev, args.seed, fmt)
-        for _ in range(2 * len(CROPS)):
-            trainers[name].train_step(data, probs, 0.45, 0.2)
-    runs: dict[str, list[float]] = {name: [] for name in trainers}
+    for layout, fmt in MEMORY_FORMATS.items():
+        for precision in PRECISIONS:
+            torch.manual_seed(args.seed)
+            t = Trainer(TorchScratchNet(cfg), recipe_of(args), dev, args.seed, fmt, precision)
+            for _ in range(2 * len(CROPS)):
+                t.train_step(data, probs, 0.45, 0.2)
+            trainers[(layout, precision)] = t
+    runs: dict[tuple[str, str], list[float]] = {key: [] for key in trainers}
     for _ in range(own.repeats):
-        for name, trainer in trainers.items():
+        for key, trainer in trainers.items():
             trainer._sync()
             t0 = time.perf_counter()
             for _ in range(own.steps):
                 trainer.train_step(data, probs, 0.45, 0.2)
             trainer._sync()
-            runs[name].append(round((time.perf_counter() - t0) / own.steps * 1e3, 2))
-    best = min(runs, key=lambda n: statistics.median(runs[n]))
-    print(f"{'layout':>14} {'median ms/step':>15}  repeats")
-    for name, values in runs.items():
-        print(f"{name:>14} {statistics.median(values):>15.2f}  {values}")
-    print(f"best: {best}")
+            runs[key].append(round((time.perf_counter() - t0) / own.steps * 1e3, 2))
+    best = min(runs, key=lambda k: statistics.median(runs[k]))
+    print(f"{'layout':>14} {'precision':>9} {'median ms/step':>15}  repeats")
+    for (layout, precision), values in runs.items():
+        print(f"{layout:>14} {precision:>9} {statistics.median(values):>15.2f}  {values}")
+    best_args = f"--memory-format {best[0]} --precision {best[1]}"
+    print(f"best: {best_args}")
     device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    record = {"device": device, "architecture": cfg.to_json(), "batch": args.batch,
-              "steps": own.steps, "ms_per_step": runs, "best": best}  # fmt: skip
+    record = {
+        "device": device, "architecture": cfg.to_json(), "batch": args.batch,
+        "steps": own.steps, "ms_per_step": {" ".join(k): v for k, v in runs.items()},
+        "best": best_args,
+    }  # fmt: skip
     if own.json:
         own.json.write_text(json.dumps(record, indent=1))
 

@@ -52,6 +52,7 @@ from train_data import Augment, Example, GpuImages, inner_split, load_split, sam
 from train_loop import (
     CROPS,
     MEMORY_FORMATS,
+    PRECISIONS,
     Recipe,
     Trainer,
     load_checkpoint,
@@ -119,6 +120,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--memory-format", choices=sorted(MEMORY_FORMATS), default="channels_last",
         help="activation layout (same arithmetic; scripts/bench_train_step.py times both)",
     )  # fmt: skip
+    ap.add_argument(
+        "--precision", choices=PRECISIONS, default="bf16",
+        help="CUDA arithmetic: bf16 autocast or TF32 (scripts/bench_train_step.py times both)",
+    )  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -159,8 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     recipe = recipe_of(args)
     torch.manual_seed(args.seed)  # the initial weights
     trainer = Trainer(
-        TorchScratchNet(cfg), recipe, dev, args.seed, MEMORY_FORMATS[args.memory_format]
-    )
+        TorchScratchNet(cfg), recipe, dev, args.seed, MEMORY_FORMATS[args.memory_format],
+        args.precision,
+    )  # fmt: skip
     if args.resume is not None:
         state = load_checkpoint(args.resume, dev)
         saved = state["extra"]

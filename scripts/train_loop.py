@@ -38,6 +38,7 @@ from scratchd.model.torchnet import TorchScratchNet
 CROPS = (224, 256, 288)
 AUX_STAGES = ("dec2", "dec1")
 MEMORY_FORMATS = {"channels_last": torch.channels_last, "contiguous": torch.contiguous_format}
+PRECISIONS = ("bf16", "tf32")  # bf16 autocast, or fp32 storage with TF32 convs/matmuls (CUDA)
 
 
 @dataclass
@@ -99,11 +100,16 @@ class Trainer:
 
     def __init__(
         self, model: TorchScratchNet, recipe: Recipe, device: torch.device, seed: int,
-        memory_format: torch.memory_format = torch.channels_last,
+        memory_format: torch.memory_format = torch.channels_last, precision: str = "bf16",
     ) -> None:  # fmt: skip
-        """``memory_format`` is how activations are laid out: the same arithmetic either way,
-        but which kernels PyTorch picks (and so a step's time) depends on it."""
+        """``memory_format`` is how activations are laid out and ``precision`` what the CUDA
+        arithmetic runs in (:data:`PRECISIONS`; the CPU runs fp32 either way): the same
+        function, but which kernels PyTorch picks, and so a step's time, depends on both
+        (``scripts/bench_train_step.py`` times them)."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.recipe, self.device, self.memory_format = recipe, device, memory_format
+        self.precision = precision
         torch.manual_seed(seed)
         self.model = model.to(device)
         for p in self.model.parameters():
@@ -143,7 +149,10 @@ class Trainer:
         idx = torch.multinomial(probs, r.batch, replacement=True, generator=self.gen)
         x, y = data.batch(idx, size, r.augment, self.gen)
         x = ((x - mean) / std).contiguous(memory_format=self.memory_format)
-        amp = dev.type == "cuda"
+        amp = dev.type == "cuda" and self.precision == "bf16"
+        # Set per step (a process may hold trainers of both kinds, scripts/bench_train_step.py);
+        # cuDNN's TF32 is PyTorch's default already, matmuls' is not.
+        torch.backends.cuda.matmul.allow_tf32 = self.precision == "tf32"
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
             stages = self.model.decode(x)
             main = self.model.head(stages["dec0"])

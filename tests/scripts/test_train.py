@@ -262,3 +262,13 @@ def test_draw_curve_writes_a_png(tmp_path: Path) -> None:
     evals = [{"seconds": 3.0, "mean_iou": 0.7, "tile_auroc": 0.9}]
     report.draw_curve(tmp_path / "c.png", log, evals, "t")
     assert Image.open(tmp_path / "c.png").size == (report.W, report.H)
+
+
+def test_precision_is_checked_and_a_tf32_trainer_steps() -> None:
+    loop = _mod("train_loop")
+    trainer, images, probs = _tiny_trainer(5)
+    with pytest.raises(ValueError, match="precision"):
+        loop.Trainer(trainer.model, trainer.recipe, trainer.device, 3, precision="fp16")
+    tf32 = loop.Trainer(trainer.model, trainer.recipe, trainer.device, 3, precision="tf32")
+    tf32.train_step(images, probs, 0.2, 0.3)
+    assert tf32.step == 1 and all(torch.isfinite(p).all() for p in tf32.model.parameters())
