@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -227,8 +227,10 @@ class Columns:
             column = table[name]
             setattr(self, name, column.data if column.ndim == 1 else column)
 
-    def __getattr__(self, name: str) -> Any:  # for mypy: fields are set dynamically
-        raise AttributeError(name)
+    if TYPE_CHECKING:  # for mypy only: the fields are set dynamically; a real __getattr__
+        # would route every field read through a slower lookup than a plain attribute's
+
+        def __getattr__(self, name: str) -> Any: ...
 
 
 _STRUCT_CODES = {

@@ -13,6 +13,7 @@ and expiry is in ``ipc/queue.py``'s docstring, and so is the handshake that lets
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from time import monotonic_ns as time_ns
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,13 @@ class MainSide:
     def __init__(self, core: QueueCore, regions: RegionTable) -> None:
         self._core = core
         self._regions = regions
+        # Admission asks these per request, so they are the C calls themselves:
+        # free_count(): FREE descriptors now (a lock-free snapshot, counts_by_state's FREE
+        # entry alone); load_ahead(priority): (queued at priority >= priority, queued in all,
+        # ACTIVE workers), what a new request's deadline is weighed against (lock-free
+        # snapshots, one look each).
+        self.free_count: Callable[[], int] = core.native.free_count
+        self.load_ahead: Callable[[int], tuple[int, int, int]] = core.native.load_ahead
 
     # ---------------------------------------------------------------- requests in
     def reserve(self) -> Handle | None:
@@ -244,17 +252,6 @@ class MainSide:
         h = self._core.seg.header
         names = ("repairs", "expired", "requeued", "quarantined", "abandoned")
         return {n: int(h[n]) for n in names}
-
-    def free_count(self) -> int:
-        """FREE descriptors now (a lock-free snapshot; counts_by_state's FREE entry without
-        the other states: the acceptor asks it per request, so it is one C loop)."""
-        return self._core.native.free_count()
-
-    def load_ahead(self, priority: int) -> tuple[int, int, int]:
-        """``(queued at priority >= priority, queued in all, ACTIVE workers)``: what admission
-        weighs a new request's deadline against (lock-free snapshots, one look each; in C:
-        it is asked per request)."""
-        return self._core.native.load_ahead(priority)
 
     def counts_by_state(self) -> dict[DescState, int]:
         """Descriptors per state (a lock-free snapshot)."""

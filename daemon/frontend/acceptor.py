@@ -71,6 +71,7 @@ from scratchd.daemon.frontend.dispatch import Dispatcher, InFlight, Peer
 from scratchd.daemon.frontend.images import (
     Invalid,
     check_image,
+    check_shape,
     convert_into,
     write_raw_grey,
 )
@@ -344,7 +345,7 @@ class Acceptor:
         it when it is published (``ipc/region_table.py``), never copied."""
         flight = InFlight(conn, request.id, "unknown", 0, received_ns, request.want_mask)
         try:
-            admission = self._admission(request, flight)
+            admission = self._admission(request, flight, region)
         except BaseException as exc:
             if lent is not None:  # refused or whatever went wrong, a lent slot goes back
                 self.queue.release(lent)
@@ -424,13 +425,20 @@ class Acceptor:
         flight.conn.converting += 1
         task.add_done_callback(flight.conn.converted)
 
-    def _admission(self, request: wire.InferFrame, flight: InFlight) -> Admission:
+    def _admission(
+        self, request: wire.InferFrame, flight: InFlight, region: Region | None
+    ) -> Admission:
         """Where ``request`` goes, or ``Refused``: in this order, an invalid class or image,
-        a draining daemon, the connection's in-flight limit."""
+        a draining daemon, the connection's in-flight limit. ``region``: the one its pixels
+        lie in (``RegionDesk.resolve`` checked them there), so only their shape is checked."""
         try:
             admission = self.classes.classify(request)
             flight.part_class, flight.priority = admission.class_name, admission.priority
-            check_image(request, self.config.queue.slot_bytes)
+            if region is None:
+                check_image(request, self.config.queue.slot_bytes)
+            else:
+                h, w, c = request.height, request.width, request.channels
+                check_shape(h, w, c, self.config.queue.slot_bytes)
         except Invalid as exc:
             raise Refused("invalid", str(exc)) from None
         refusal = self._refusal_at_door(flight.conn)
