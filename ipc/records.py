@@ -77,9 +77,11 @@ class WorkerSlotState(enum.IntEnum):
 Box = tuple[float, float, float, float, float]  # x0, y0, x1, y1, score
 
 
-@dataclass(frozen=True, slots=True)
-class Handle:
-    """A descriptor as of one use: index plus the generation it had when handed out."""
+class Handle(NamedTuple):
+    """A descriptor as of one use: index plus the generation it had when handed out.
+
+    A NamedTuple (immutable, hashed and compared in C): built and hashed several times per
+    request (reserve, the in-flight table, the connection's set, the completion)."""
 
     index: int
     generation: int

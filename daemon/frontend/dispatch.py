@@ -135,8 +135,7 @@ class Dispatcher:
         assert flight.handle is not None
         self.pending[flight.handle] = flight
         flight.conn.in_queue.add(flight.handle)
-        if self.idle.is_set():
-            self.idle.clear()
+        self.idle.clear()
         if self._timer is None or self._timer_ns > flight.deadline_ns:
             self._arm_at(flight.deadline_ns)  # else the armed timer fires first: no clock read
 
@@ -156,9 +155,11 @@ class Dispatcher:
 
     def collect(self) -> None:
         """Answer everything the queue has finished (it drains the doorbell first)."""
+        finish = self._finish
         for completion in self.queue.collect_completed():
-            self._finish(completion)
-        self._note_idle()
+            finish(completion)
+        if not self.pending:
+            self.idle.set()
 
     def requeued(self) -> None:
         """A dead worker's claims went back to the queue: answer what the reclaim finished
@@ -191,24 +192,28 @@ class Dispatcher:
 
     def _finish(self, completion: Completion) -> None:
         self.service.observe(completion)
-        flight = self.pending.pop(completion.handle, None)
+        handle = completion.handle
+        flight = self.pending.pop(handle, None)
         if flight is None:
             return  # its client left (abandoned) or it was answered already
-        flight.conn.in_queue.discard(completion.handle)
-        self.answer(flight, self._reply(flight, completion), completion)
+        flight.conn.in_queue.discard(handle)
+        reply = self._reply(flight, completion)
+        flight.conn.send(reply)  # answer(), inlined: the one per completed request
+        self.account(flight, reply, completion)
 
     def _reply(self, flight: InFlight, c: Completion) -> wire.Reply:
         now = time.monotonic_ns()
         queue_end = c.claim_ns if c.claim_ns > 0 else (c.done_ns or now)
         result = c.result
-        timings = wire.Timings(
-            queue_ms=max(0, queue_end - c.enqueue_ns) / NS_PER_MS,
-            compute_ms=(result.compute_ns / NS_PER_MS) if result is not None else 0.0,
-            total_ms=(now - flight.received_ns) / NS_PER_MS,
-        )
         # Only a worker that produced the result is named (a reclaimed claim that then timed
         # out still records its dead owner's slot).
-        worker = self.worker_name(c.worker) if result is not None and c.worker >= 0 else None
+        if result is None:
+            compute_ms, worker = 0.0, None
+        else:
+            compute_ms = result.compute_ns / NS_PER_MS
+            worker = self.worker_name(c.worker) if c.worker >= 0 else None
+        timings = wire.Timings(max(0, queue_end - c.enqueue_ns) / NS_PER_MS, compute_ms,
+                               (now - flight.received_ns) / NS_PER_MS)  # fmt: skip
         status = STATUS_NAMES.get(c.status, "error")
         if status == "ok" and now > flight.deadline_ns:
             late_ms = (now - flight.deadline_ns) / NS_PER_MS
