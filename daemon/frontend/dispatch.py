@@ -197,9 +197,7 @@ class Dispatcher:
         if flight is None:
             return  # its client left (abandoned) or it was answered already
         flight.conn.in_queue.discard(handle)
-        reply = self._reply(flight, completion)
-        flight.conn.send(reply)  # answer(), inlined: the one per completed request
-        self.account(flight, reply, completion)
+        self.answer(flight, self._reply(flight, completion), completion)
 
     def _reply(self, flight: InFlight, c: Completion) -> wire.Reply:
         now = time.monotonic_ns()
