@@ -330,7 +330,8 @@ NATIVE_FIELDS: dict[str, tuple[np.dtype, dict[str, str]]] = {
         "claim_ns": "<i8", "done_ns": "<i8", "rnext": "<i4", "rprev": "<i4", "wnext": "<i4",
         "wprev": "<i4", "wbucket": "<i4", "deadline_ns": "<i8", "request_id": "<u8",
         "conn_id": "<u8", "enqueue_ns": "<i8", "part_class": "<i4", "height": "<u4",
-        "width": "<u4", "want_mask": "u1", "kills": "u1",
+        "width": "<u4", "want_mask": "u1", "kills": "u1", "region": "<u4",
+        "region_gen": "<u4", "region_offset": "<u8",
     }),
     "w": (WORKER_DTYPE, {"pid": "<i4", "state": "u1", "batches": "<u8", "requests": "<u8"}),
 }  # fmt: skip

@@ -81,9 +81,10 @@ class Handle(NamedTuple):
     """A descriptor as of one use: index plus the generation it had when handed out.
 
     A NamedTuple (immutable, hashed and compared in C): built and hashed several times per
-    request (reserve, the in-flight table, the connection's set, the completion)."""
+    request (reserve, the in-flight table, the connection's set, the completion). Its
+    ``index`` field hides tuple's ``index()`` method, which nothing calls on a handle."""
 
-    index: int
+    index: int  # type: ignore[assignment]
     generation: int
 
 
