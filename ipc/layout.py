@@ -13,8 +13,8 @@ daemon's main process, mapped by every worker. Every region starts on a 64-byte 
     │   completion-armed flag                                                  │
     │   · robust pthread mutex at MUTEX_OFFSET (64 B)                          │
     ├──────────────────────────────────────────────────────────────────────────┤
-    │ descriptor table   slots × DESC_DTYPE   request block (packed by one     │
-    │                    struct call), state, generation, owner, links         │
+    │ descriptor table   slots × DESC_DTYPE   request block (written by one    │
+    │                    C call), state, generation, owner, links              │
     ├──────────────────────────────────────────────────────────────────────────┤
     │ result table       slots × RESULT_DTYPE fixed-size results (worker out)  │
     ├──────────────────────────────────────────────────────────────────────────┤
@@ -128,7 +128,7 @@ assert MUTEX_OFFSET + MUTEX_BYTES <= HEADER_BYTES
 DESC_DTYPE = np.dtype(
     [
         # The request block: written by the acceptor while it owns the descriptor (WRITTEN),
-        # in one struct call (REQUEST_FIELDS); read back the same way by claims/completions.
+        # in one C call (REQUEST_FIELDS: ``_native.Core.submit_request``).
         ("request_id", "<u8"),
         ("conn_id", "<u8"),
         ("enqueue_ns", "<i8"),
