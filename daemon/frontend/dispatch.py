@@ -32,8 +32,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Final, Protocol
+
+import msgspec
 
 from scratchd.daemon.frontend.overload import ServiceRate
 from scratchd.ipc.layout import NS_PER_MS
@@ -67,9 +68,9 @@ class Peer(Protocol):
     def converted(self, _task: asyncio.Task[None]) -> None: ...
 
 
-@dataclass(slots=True)
-class InFlight:
-    """A request between its frame arriving and its reply being written."""
+class InFlight(msgspec.Struct):
+    """A request between its frame arriving and its reply being written (a msgspec Struct:
+    built in C, one per request; never encoded)."""
 
     conn: Peer
     request_id: int
