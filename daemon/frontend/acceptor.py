@@ -304,14 +304,8 @@ class Acceptor:
             flight = InFlight(conn, rid, "unknown", 0, received_ns)
             self.dispatcher.reject(flight, "invalid", f"malformed request: {exc}")
             return
-        if isinstance(message, wire.StatusRequest):
-            conn.send(self.status(message.id))
-            return
-        if isinstance(message, wire.Ping):
-            conn.send(wire.Pong(id=message.id))
-            return
-        if isinstance(message, wire.RegisterRegion):
-            self.regions.register(conn, message)
+        if not isinstance(message, wire.InferFrame):  # the rare kinds: one test for the usual
+            self._handle_other(conn, message)
             return
         region = None
         if message.region:  # zero-copy: the pixels are read from the client's region
@@ -322,6 +316,16 @@ class Acceptor:
                 self.dispatcher.reject(flight, "invalid", str(exc))
                 return
         self._admit(conn, message, received_ns, None, region)
+
+    def _handle_other(
+        self, conn: Connection, message: wire.StatusRequest | wire.Ping | wire.RegisterRegion
+    ) -> None:
+        if isinstance(message, wire.StatusRequest):
+            conn.send(self.status(message.id))
+        elif isinstance(message, wire.Ping):
+            conn.send(wire.Pong(id=message.id))
+        else:
+            self.regions.register(conn, message)
 
     def new_peer_id(self) -> int:
         """A connection id no Unix-socket connection has: for another front end's peers."""

@@ -55,8 +55,9 @@ head asks only ``PEEK_BYTES`` (``_peek``): a client that sent one large frame li
 another, whose first 64 KiB of pixels had better not be copied on the loop first.
 
 Replies (``send``) are queued and written together at the end of the loop's turn: a batch of
-completions costs one ``writelines``; ``close`` writes what is queued first. ``end`` stops
-reading but writes on until every request accepted on the connection is answered.
+completions is encoded into one buffer and costs one ``write``; ``close`` writes what is
+queued first. ``end`` stops reading but writes on until every request accepted on the
+connection is answered.
 
 A refused connection (allow-list, connection limit) is decided in ``connection_made``; it is
 then handed to ``AccessGate.linger`` through a ``StreamReader`` this protocol feeds.
@@ -165,7 +166,7 @@ class Connection(asyncio.BufferedProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._refused: asyncio.StreamReader | None = None
         self._fed = 0
-        self._out: list[bytearray] = []  # replies not yet written (see send)
+        self._out: list[wire.DaemonMessage] = []  # replies not yet written (see send)
         self._last: wire.DaemonMessage | None = None  # ENDING: sent once all are answered
 
     # ---- bookkeeping the acceptor uses ------------------------------------------------
@@ -179,17 +180,18 @@ class Connection(asyncio.BufferedProtocol):
         return len(self.in_queue) + self.converting
 
     def send(self, message: wire.DaemonMessage) -> None:
-        """Queue a reply; those queued in one turn of the loop leave in one ``writelines``."""
+        """Queue a reply; those queued in one turn of the loop are encoded together and
+        leave in one ``write``."""
         if self.closed or self.transport is None or self.state is ReadState.CLOSED:
             return
         if not self._out:
             self._loop.call_soon(self.flush)
-        self._out.append(wire.encode_frame(message))
+        self._out.append(message)
 
     def flush(self) -> None:
         """Write the queued replies now."""
         if self._out and not self.closed and self.transport is not None:
-            self.transport.writelines(self._out)
+            self.transport.write(wire.encode_frames(self._out))
         self._out.clear()
         self._end_if_answered()
 
@@ -205,7 +207,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def _end_if_answered(self) -> None:
         if self.state is ReadState.ENDING and self.in_flight() == 0 and self._last is not None:
-            self._out.append(wire.encode_frame(self._last))
+            self._out.append(self._last)
             self.close()
 
     def close(self) -> None:
