@@ -331,7 +331,8 @@ class Connection(asyncio.BufferedProtocol):
                 return
             break
         if self.state is ReadState.HEAD:  # the partial frame moves to the front
-            view[: have - pos] = view[pos:have]
+            if pos < have:
+                view[: have - pos] = view[pos:have]
             self._have = have - pos
 
     def _start_slot(self, length: int, start: int) -> bool:

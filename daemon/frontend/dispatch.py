@@ -233,7 +233,7 @@ class Dispatcher:
             status="ok",
             verdict="defect" if result.verdict_defect else "clean",
             score=float(result.score),
-            boxes=[tuple(float(v) for v in box) for box in result.boxes],  # type: ignore[misc]
+            boxes=result.boxes,  # tuples of Python floats (records.read_result)
             mask=mask,
             mask_shape=shape,
             timings=timings,
