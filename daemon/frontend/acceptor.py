@@ -71,7 +71,6 @@ from scratchd.daemon.frontend.dispatch import Dispatcher, InFlight, Peer
 from scratchd.daemon.frontend.images import (
     Invalid,
     check_image,
-    check_shape,
     convert_into,
     write_raw_grey,
 )
@@ -305,7 +304,12 @@ class Acceptor:
             self.dispatcher.reject(flight, "invalid", f"malformed request: {exc}")
             return
         if not isinstance(message, wire.InferFrame):  # the rare kinds: one test for the usual
-            self._handle_other(conn, message)
+            if isinstance(message, wire.StatusRequest):
+                conn.send(self.status(message.id))
+            elif isinstance(message, wire.Ping):
+                conn.send(wire.Pong(id=message.id))
+            else:
+                self.regions.register(conn, message)
             return
         region = None
         if message.region:  # zero-copy: the pixels are read from the client's region
@@ -316,16 +320,6 @@ class Acceptor:
                 self.dispatcher.reject(flight, "invalid", str(exc))
                 return
         self._admit(conn, message, received_ns, None, region)
-
-    def _handle_other(
-        self, conn: Connection, message: wire.StatusRequest | wire.Ping | wire.RegisterRegion
-    ) -> None:
-        if isinstance(message, wire.StatusRequest):
-            conn.send(self.status(message.id))
-        elif isinstance(message, wire.Ping):
-            conn.send(wire.Pong(id=message.id))
-        else:
-            self.regions.register(conn, message)
 
     def new_peer_id(self) -> int:
         """A connection id no Unix-socket connection has: for another front end's peers."""
@@ -349,7 +343,7 @@ class Acceptor:
         it when it is published (``ipc/region_table.py``), never copied."""
         flight = InFlight(conn, request.id, "unknown", 0, received_ns, request.want_mask)
         try:
-            admission = self._admission(request, flight, region)
+            admission = self._admission(request, flight, region is not None)
         except BaseException as exc:
             if lent is not None:  # refused or whatever went wrong, a lent slot goes back
                 self.queue.release(lent)
@@ -429,20 +423,14 @@ class Acceptor:
         flight.conn.converting += 1
         task.add_done_callback(flight.conn.converted)
 
-    def _admission(
-        self, request: wire.InferFrame, flight: InFlight, region: Region | None
-    ) -> Admission:
+    def _admission(self, request: wire.InferFrame, flight: InFlight, region: bool) -> Admission:
         """Where ``request`` goes, or ``Refused``: in this order, an invalid class or image,
-        a draining daemon, the connection's in-flight limit. ``region``: the one its pixels
-        lie in (``RegionDesk.resolve`` checked them there), so only their shape is checked."""
+        a draining daemon, the connection's in-flight limit. ``region``: its pixels lie in
+        a client region (``RegionDesk.resolve`` checked them there): only the shape is left."""
         try:
             admission = self.classes.classify(request)
             flight.part_class, flight.priority = admission.class_name, admission.priority
-            if region is None:
-                check_image(request, self.config.queue.slot_bytes)
-            else:
-                h, w, c = request.height, request.width, request.channels
-                check_shape(h, w, c, self.config.queue.slot_bytes)
+            check_image(request, self.config.queue.slot_bytes, in_region=region)
         except Invalid as exc:
             raise Refused("invalid", str(exc)) from None
         refusal = self._refusal_at_door(flight.conn)

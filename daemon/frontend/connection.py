@@ -54,10 +54,9 @@ and ``_received`` returns the slot, once. After a frame finished off the loop th
 head asks only ``PEEK_BYTES`` (``_peek``): a client that sent one large frame likely sends
 another, whose first 64 KiB of pixels had better not be copied on the loop first.
 
-Replies (``send``) are queued and written together at the end of the loop's turn: a batch of
-completions is encoded into one buffer and costs one ``write``; ``close`` writes what is
-queued first. ``end`` stops reading but writes on until every request accepted on the
-connection is answered.
+Replies (``send``) are queued and written together at the end of the loop's turn, encoded into
+one buffer: one ``write``; ``close`` writes what is queued first. ``end`` stops reading
+but writes on until every request accepted on the connection is answered.
 
 A refused connection (allow-list, connection limit) is decided in ``connection_made``; it is
 then handed to ``AccessGate.linger`` through a ``StreamReader`` this protocol feeds.
@@ -180,8 +179,7 @@ class Connection(asyncio.BufferedProtocol):
         return len(self.in_queue) + self.converting
 
     def send(self, message: wire.DaemonMessage) -> None:
-        """Queue a reply; those queued in one turn of the loop are encoded together and
-        leave in one ``write``."""
+        """Queue a reply; those of one turn of the loop are encoded and written together."""
         if self.closed or self.transport is None or self.state is ReadState.CLOSED:
             return
         if not self._out:
@@ -331,8 +329,7 @@ class Connection(asyncio.BufferedProtocol):
                 return
             break
         if self.state is ReadState.HEAD:  # the partial frame moves to the front
-            if pos < have:
-                view[: have - pos] = view[pos:have]
+            view[: have - pos] = view[pos:have]
             self._have = have - pos
 
     def _start_slot(self, length: int, start: int) -> bool:
