@@ -700,10 +700,10 @@ static int field_value(PyObject *o, const char *name, int is_u64, long long lo, 
 
 /* The acceptor's one call per request: write a WRITTEN descriptor's request block (what
  * layout.REQUEST_FIELDS spans; enqueue_ns is now) and submit it. Everything is checked
- * before a byte is written: a handle that is not this descriptor's WRITTEN generation
- * returns None (the caller raises StaleHandle with the details), a value outside its
- * field's range raises ValueError. Then as submit(): the worker slot to wake or -1, or a
- * Contended sentinel with the block written (the caller submits on the slow path).
+ * before a byte is written: a handle that names no descriptor's WRITTEN generation returns
+ * None (the caller raises StaleHandle with the details), a value outside its field's range
+ * raises ValueError. Then as submit(): the worker slot to wake or -1, or a Contended
+ * sentinel with the block written (the caller submits on the slow path).
  * Arguments: (index, generation, request_id, conn_id, deadline_ns, part_class, height,
  * width, priority, want_mask, region, region_gen, region_offset); region is the region
  * table row + 1, 0 for the input slot. */
@@ -715,8 +715,7 @@ static PyObject *Core_submit_request(Core *c, PyObject *args) {
     if (!PyArg_ParseTuple(args, "lkOOOOOOOOOOO", &i, &generation, &o[0], &o[1], &o[2], &o[3],
                           &o[4], &o[5], &o[6], &o[7], &o[8], &o[9], &o[10]))
         return NULL;
-    if (!index_ok(c, i)) return NULL;
-    if (F(c, i, uint32_t, d_generation) != (uint32_t)generation ||
+    if (i < 0 || i >= c->slots || F(c, i, uint32_t, d_generation) != (uint32_t)generation ||
         generation > UINT32_MAX || STATE(c, i) != WRITTEN)
         Py_RETURN_NONE;
     static const char *names[] = {"request_id", "conn_id", "deadline_ns", "part_class",
@@ -728,8 +727,15 @@ static PyObject *Core_submit_request(Core *c, PyObject *args) {
                                    PRIORITIES - 1, 1, UINT32_MAX, UINT32_MAX, 0};
     long long v[11] = {0};
     unsigned long long u[11] = {0};
-    for (int k = 0; k < 11; k++)
-        if (field_value(o[k], names[k], is_u64[k], lo[k], hi[k], &v[k], &u[k]) < 0) return NULL;
+    for (int k = 0; k < 11; k++) {
+        if (k == 7) { /* want_mask: any truth value, as a flag */
+            int flag = PyObject_IsTrue(o[k]);
+            if (flag < 0) return NULL;
+            v[k] = flag;
+        } else if (field_value(o[k], names[k], is_u64[k], lo[k], hi[k], &v[k], &u[k]) < 0) {
+            return NULL;
+        }
+    }
     uint64_t request_id = u[0], conn_id = u[1], offset = u[10];
     int64_t deadline_ns = v[2];
     F(c, i, uint64_t, d_request_id) = request_id;

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from scratchd.ipc.queue import (
     DescState,
+    Handle,
     RequestQueue,
     Result,
     StaleHandle,
@@ -184,3 +185,13 @@ def test_submit_with_a_stale_handle_raises_and_writes_nothing(queue: RequestQueu
         )  # fmt: skip
     assert queue.counts_by_state()[DescState.FREE] == SLOTS
     assert int(queue._core.seg.descs[h.index]["request_id"]) != 7
+
+
+def test_submit_with_a_handle_naming_no_descriptor_raises_stale(queue: RequestQueue) -> None:
+    for bogus in (Handle(-1, 0), Handle(SLOTS, 0), Handle(0, 2**40)):
+        with pytest.raises(StaleHandle):
+            queue.submit(
+                bogus, request_id=1, conn_id=1, priority=0, part_class=0,
+                deadline_ns=time.monotonic_ns(), height=1, width=1, want_mask=False,
+            )  # fmt: skip
+    assert queue.counts_by_state()[DescState.FREE] == SLOTS
