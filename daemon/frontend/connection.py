@@ -306,9 +306,9 @@ class Connection(asyncio.BufferedProtocol):
 
     def _parse_head(self) -> None:
         """Handle every complete frame in head; keep a partial one for the next read."""
-        pos, have, view = 0, self._have, self._head_view
+        pos, have, view, prefix = 0, self._have, self._head_view, wire.LENGTH_PREFIX.unpack_from
         while self.state is ReadState.HEAD and have - pos >= wire.PREFIX_BYTES:
-            length = wire.frame_length(view[pos : pos + wire.PREFIX_BYTES])
+            (length,) = prefix(view, pos)
             if length > self.handler.max_frame:
                 self.handler.oversized(self, length)
                 return
