@@ -61,7 +61,7 @@
 #define PRIORITIES 8
 _Static_assert(sizeof(pthread_mutex_t) <= MUTEX_BYTES, "pthread_mutex_t outgrew MUTEX_BYTES");
 
-enum { FREE = 0, QUEUED = 2, CLAIMED = 3, DONE = 4, EXPIRED = 5, FAILED = 6 };
+enum { FREE = 0, WRITTEN = 1, QUEUED = 2, CLAIMED = 3, DONE = 4, EXPIRED = 5, FAILED = 6 };
 enum { ACTIVE = 1 };
 
 static int64_t now_ns(void) {
@@ -216,7 +216,7 @@ typedef struct {
     Py_ssize_t d_priority, d_abandoned, d_state, d_generation, d_attempt, d_seq, d_worker,
         d_worker_pid, d_claim_ns, d_done_ns, d_rnext, d_rprev, d_wnext, d_wprev, d_wbucket,
         d_deadline_ns, d_request_id, d_conn_id, d_enqueue_ns, d_part_class, d_height, d_width,
-        d_want_mask, d_kills;
+        d_want_mask, d_kills, d_region, d_region_gen, d_region_offset;
     int32_t *ready_head, *ready_tail, *ready_count, *wheel_head;
     Py_ssize_t wheel_ticks;
     int64_t base_ns, tick_ns;
@@ -259,6 +259,8 @@ static const Field DESC_FIELDS[] = {
     {"d.enqueue_ns", 8, M(d_enqueue_ns)}, {"d.part_class", 4, M(d_part_class)},
     {"d.height", 4, M(d_height)},     {"d.width", 4, M(d_width)},
     {"d.want_mask", 1, M(d_want_mask)}, {"d.kills", 1, M(d_kills)},
+    {"d.region", 4, M(d_region)},     {"d.region_gen", 4, M(d_region_gen)},
+    {"d.region_offset", 8, M(d_region_offset)},
 };
 static const Field WORKER_FIELDS[] = {
     {"w.pid", 4, M(w_pid)}, {"w.state", 1, M(w_state)},
@@ -671,6 +673,88 @@ static PyObject *Core_submit(Core *c, PyObject *args) {
     LOCKED(c, held, submit_body(c, i));
 }
 
+/* A request field given by the caller, as an integer in [lo, hi]; ValueError naming the
+ * field otherwise (a non-integer too), so that nothing is written. u64 fields come back in
+ * *u, the others in *v. */
+static int field_value(PyObject *o, const char *name, int is_u64, long long lo, long long hi,
+                       long long *v, unsigned long long *u) {
+    PyObject *n = PyNumber_Index(o);
+    int ok = n != NULL;
+    if (ok && is_u64) {
+        *u = PyLong_AsUnsignedLongLong(n);
+        ok = !(*u == (unsigned long long)-1 && PyErr_Occurred());
+    } else if (ok) {
+        *v = PyLong_AsLongLong(n);
+        ok = !(*v == -1 && PyErr_Occurred()) && *v >= lo && *v <= hi;
+    }
+    Py_XDECREF(n);
+    if (ok) return 0;
+    PyErr_Clear();
+    if (is_u64)
+        PyErr_Format(PyExc_ValueError, "request field %s out of range (u64): %R", name, o);
+    else
+        PyErr_Format(PyExc_ValueError, "request field %s out of range (%lld..%lld): %R", name,
+                     lo, hi, o);
+    return -1;
+}
+
+/* The acceptor's one call per request: write a WRITTEN descriptor's request block (what
+ * layout.REQUEST_FIELDS spans; enqueue_ns is now) and submit it. Everything is checked
+ * before a byte is written: a handle that names no descriptor's WRITTEN generation returns
+ * None (the caller raises StaleHandle with the details), a value outside its field's range
+ * raises ValueError. Then as submit(): the worker slot to wake or -1, or a Contended
+ * sentinel with the block written (the caller submits on the slow path).
+ * Arguments: (index, generation, request_id, conn_id, deadline_ns, part_class, height,
+ * width, priority, want_mask, region, region_gen, region_offset); region is the region
+ * table row + 1, 0 for the input slot. */
+static PyObject *Core_submit_request(Core *c, PyObject *args) {
+    CORE_OPEN(c);
+    long i;
+    unsigned long generation;
+    PyObject *o[11];
+    if (!PyArg_ParseTuple(args, "lkOOOOOOOOOOO", &i, &generation, &o[0], &o[1], &o[2], &o[3],
+                          &o[4], &o[5], &o[6], &o[7], &o[8], &o[9], &o[10]))
+        return NULL;
+    if (i < 0 || i >= c->slots || F(c, i, uint32_t, d_generation) != (uint32_t)generation ||
+        generation > UINT32_MAX || STATE(c, i) != WRITTEN)
+        Py_RETURN_NONE;
+    static const char *names[] = {"request_id", "conn_id", "deadline_ns", "part_class",
+                                  "height", "width", "priority", "want_mask", "region",
+                                  "region_gen", "region_offset"};
+    static const int is_u64[] = {1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+    static const long long lo[] = {0, 0, LLONG_MIN, INT32_MIN, 0, 0, 0, 0, 0, 0, 0};
+    static const long long hi[] = {0, 0, LLONG_MAX, INT32_MAX, UINT32_MAX, UINT32_MAX,
+                                   PRIORITIES - 1, 1, UINT32_MAX, UINT32_MAX, 0};
+    long long v[11] = {0};
+    unsigned long long u[11] = {0};
+    for (int k = 0; k < 11; k++) {
+        if (k == 7) { /* want_mask: any truth value, as a flag */
+            int flag = PyObject_IsTrue(o[k]);
+            if (flag < 0) return NULL;
+            v[k] = flag;
+        } else if (field_value(o[k], names[k], is_u64[k], lo[k], hi[k], &v[k], &u[k]) < 0) {
+            return NULL;
+        }
+    }
+    uint64_t request_id = u[0], conn_id = u[1], offset = u[10];
+    int64_t deadline_ns = v[2];
+    F(c, i, uint64_t, d_request_id) = request_id;
+    F(c, i, uint64_t, d_conn_id) = conn_id;
+    F(c, i, int64_t, d_enqueue_ns) = now_ns();
+    F(c, i, int64_t, d_deadline_ns) = deadline_ns;
+    F(c, i, int32_t, d_part_class) = (int32_t)v[3];
+    F(c, i, uint32_t, d_height) = (uint32_t)v[4];
+    F(c, i, uint32_t, d_width) = (uint32_t)v[5];
+    F(c, i, uint8_t, d_priority) = (uint8_t)v[6];
+    F(c, i, uint8_t, d_want_mask) = (uint8_t)v[7];
+    F(c, i, uint8_t, d_abandoned) = 0;
+    F(c, i, uint8_t, d_kills) = 0;
+    F(c, i, uint32_t, d_region) = (uint32_t)v[8];
+    F(c, i, uint32_t, d_region_gen) = (uint32_t)v[9];
+    F(c, i, uint64_t, d_region_offset) = offset;
+    LOCKED(c, 0, submit_body(c, i));
+}
+
 static PyObject *Core_claim(Core *c, PyObject *args) {
     CORE_OPEN(c);
     int held;
@@ -966,6 +1050,8 @@ static PyObject *Core_close(Core *c, PyObject *unused) {
 
 static PyMethodDef Core_methods[] = {
     {"submit", (PyCFunction)Core_submit, METH_VARARGS, "link a WRITTEN descriptor, QUEUED"},
+    {"submit_request", (PyCFunction)Core_submit_request, METH_VARARGS,
+     "write a WRITTEN descriptor's request block, then submit it"},
     {"claim", (PyCFunction)Core_claim, METH_VARARGS, "claim up to max_n in order"},
     {"complete", (PyCFunction)Core_complete, METH_VARARGS, "flip an owned claim to DONE"},
     {"owns", (PyCFunction)Core_owns, METH_VARARGS, "the claim is still this worker's"},

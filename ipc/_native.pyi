@@ -42,6 +42,22 @@ class Core:
         fault: Callable[[str], None] | None = None,
     ) -> None: ...
     def submit(self, held: bool, index: int) -> int | Contended: ...
+    def submit_request(
+        self,
+        index: int,
+        generation: int,
+        request_id: int,
+        conn_id: int,
+        deadline_ns: int,
+        part_class: int,
+        height: int,
+        width: int,
+        priority: int,
+        want_mask: bool,
+        region: int,
+        region_gen: int,
+        region_offset: int,
+    ) -> int | Contended | None: ...
     def claim(
         self, held: bool, slot: int, pid: int, max_n: int, now_ns: int, lead_ns: int = 0
     ) -> tuple[list[ClaimRow], int] | Contended | None: ...

@@ -13,8 +13,8 @@ daemon's main process, mapped by every worker. Every region starts on a 64-byte 
     │   completion-armed flag                                                  │
     │   · robust pthread mutex at MUTEX_OFFSET (64 B)                          │
     ├──────────────────────────────────────────────────────────────────────────┤
-    │ descriptor table   slots × DESC_DTYPE   request block (packed by one     │
-    │                    struct call), state, generation, owner, links         │
+    │ descriptor table   slots × DESC_DTYPE   request block (written by one    │
+    │                    C call), state, generation, owner, links              │
     ├──────────────────────────────────────────────────────────────────────────┤
     │ result table       slots × RESULT_DTYPE fixed-size results (worker out)  │
     ├──────────────────────────────────────────────────────────────────────────┤
@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -128,7 +128,7 @@ assert MUTEX_OFFSET + MUTEX_BYTES <= HEADER_BYTES
 DESC_DTYPE = np.dtype(
     [
         # The request block: written by the acceptor while it owns the descriptor (WRITTEN),
-        # in one struct call (REQUEST_FIELDS); read back the same way by claims/completions.
+        # in one C call (REQUEST_FIELDS: ``_native.Core.submit_request``).
         ("request_id", "<u8"),
         ("conn_id", "<u8"),
         ("enqueue_ns", "<i8"),
@@ -227,8 +227,10 @@ class Columns:
             column = table[name]
             setattr(self, name, column.data if column.ndim == 1 else column)
 
-    def __getattr__(self, name: str) -> Any:  # for mypy: fields are set dynamically
-        raise AttributeError(name)
+    if TYPE_CHECKING:  # for mypy only: the fields are set dynamically; a real __getattr__
+        # would route every field read through a slower lookup than a plain attribute's
+
+        def __getattr__(self, name: str) -> Any: ...
 
 
 _STRUCT_CODES = {
@@ -328,7 +330,8 @@ NATIVE_FIELDS: dict[str, tuple[np.dtype, dict[str, str]]] = {
         "claim_ns": "<i8", "done_ns": "<i8", "rnext": "<i4", "rprev": "<i4", "wnext": "<i4",
         "wprev": "<i4", "wbucket": "<i4", "deadline_ns": "<i8", "request_id": "<u8",
         "conn_id": "<u8", "enqueue_ns": "<i8", "part_class": "<i4", "height": "<u4",
-        "width": "<u4", "want_mask": "u1", "kills": "u1",
+        "width": "<u4", "want_mask": "u1", "kills": "u1", "region": "<u4",
+        "region_gen": "<u4", "region_offset": "<u8",
     }),
     "w": (WORKER_DTYPE, {"pid": "<i4", "state": "u1", "batches": "<u8", "requests": "<u8"}),
 }  # fmt: skip

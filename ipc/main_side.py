@@ -12,8 +12,7 @@ and expiry is in ``ipc/queue.py``'s docstring, and so is the handshake that lets
 
 from __future__ import annotations
 
-import struct
-from time import monotonic_ns as time_ns
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,6 +43,13 @@ class MainSide:
     def __init__(self, core: QueueCore, regions: RegionTable) -> None:
         self._core = core
         self._regions = regions
+        # Admission asks these per request, so they are the C calls themselves:
+        # free_count(): FREE descriptors now (a lock-free snapshot, counts_by_state's FREE
+        # entry alone); load_ahead(priority): (queued at priority >= priority, queued in all,
+        # ACTIVE workers), what a new request's deadline is weighed against (lock-free
+        # snapshots, one look each).
+        self.free_count: Callable[[], int] = core.native.free_count
+        self.load_ahead: Callable[[int], tuple[int, int, int]] = core.native.load_ahead
 
     # ---------------------------------------------------------------- requests in
     def reserve(self) -> Handle | None:
@@ -76,32 +82,28 @@ class MainSide:
         with ``region`` = ``(row, generation, offset)``, whose pixels lie at ``offset`` of that
         published region (``ipc/region_table.py``; pinned until the descriptor is freed)."""
         core = self._core
-        core.expect(h, WRITTEN)
         if not 0 <= priority < PRIORITIES:
             raise ValueError(f"priority {priority} outside 0..{PRIORITIES - 1}")
         if height <= 0 or width <= 0 or height * width > core.geometry.slot_bytes:
             raise ValueError(
                 f"image {height}x{width} does not fit a {core.geometry.slot_bytes} B slot"
             )
-        i = h.index
         row, generation, offset = (-1, 0, 0) if region is None else region
-        try:
-            core.seg.request_block.pack(
-                i, request_id, conn_id, time_ns(), deadline_ns, part_class, height, width,
-                priority, 1 if want_mask else 0, 0, 0,  # abandoned, kills
-                row + 1, generation, offset,
-            )  # fmt: skip
-        except struct.error as exc:  # nothing was written; the descriptor stays WRITTEN
-            raise ValueError(
-                f"request field out of range (request_id and conn_id are u64, part_class "
-                f"i32, deadline_ns i64, region offset u64): {exc}"
-            ) from exc
+        # In C, one call: the handle and every field checked before a byte is written (a
+        # stale handle: None; a field out of range: ValueError, the descriptor stays
+        # WRITTEN), the request block written (enqueue_ns = now), then [lock] attempt, seq,
+        # ready list, wheel, state = QUEUED, take a waiting worker [unlock].
+        wake = core.native.submit_request(
+            h.index, h.generation, request_id, conn_id, deadline_ns, part_class, height, width,
+            priority, want_mask, row + 1, generation, offset,
+        )  # fmt: skip
+        if wake is None:
+            core.expect(h, WRITTEN)  # raises StaleHandle, saying what the descriptor is now
+            raise AssertionError("submit_request refused a WRITTEN descriptor")
+        if isinstance(wake, Contended):  # the block is written; submit on the slow path
+            wake = core.contended(wake, core.native.submit, h.index)
         if region is not None:
-            self._regions.pin(i, row)
-        # [lock] attempt, seq, ready list, wheel, state = QUEUED, take a waiting worker [unlock]
-        wake = core.native.submit(False, i)
-        if isinstance(wake, Contended):
-            wake = core.contended(wake, core.native.submit, i)
+            self._regions.pin(h.index, row)
         if wake >= 0:
             core.ring_workers([wake])
 
@@ -244,17 +246,6 @@ class MainSide:
         h = self._core.seg.header
         names = ("repairs", "expired", "requeued", "quarantined", "abandoned")
         return {n: int(h[n]) for n in names}
-
-    def free_count(self) -> int:
-        """FREE descriptors now (a lock-free snapshot; counts_by_state's FREE entry without
-        the other states: the acceptor asks it per request, so it is one C loop)."""
-        return self._core.native.free_count()
-
-    def load_ahead(self, priority: int) -> tuple[int, int, int]:
-        """``(queued at priority >= priority, queued in all, ACTIVE workers)``: what admission
-        weighs a new request's deadline against (lock-free snapshots, one look each; in C:
-        it is asked per request)."""
-        return self._core.native.load_ahead(priority)
 
     def counts_by_state(self) -> dict[DescState, int]:
         """Descriptors per state (a lock-free snapshot)."""

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import msgspec
 import numpy as np
 
 from scratchd.ipc.layout import ERROR_BYTES, HISTOGRAM_BINS, MAX_BOXES, Block, Columns
@@ -77,11 +78,14 @@ class WorkerSlotState(enum.IntEnum):
 Box = tuple[float, float, float, float, float]  # x0, y0, x1, y1, score
 
 
-@dataclass(frozen=True, slots=True)
-class Handle:
-    """A descriptor as of one use: index plus the generation it had when handed out."""
+class Handle(NamedTuple):
+    """A descriptor as of one use: index plus the generation it had when handed out.
 
-    index: int
+    A NamedTuple (immutable, hashed and compared in C): built and hashed several times per
+    request (reserve, the in-flight table, the connection's set, the completion). Its
+    ``index`` field hides tuple's ``index()`` method, which nothing calls on a handle."""
+
+    index: int  # type: ignore[assignment]
     generation: int
 
 
@@ -89,16 +93,18 @@ def _empty_histogram() -> np.ndarray:
     return np.zeros(HISTOGRAM_BINS, np.uint32)
 
 
-@dataclass(slots=True)
-class Result:
-    """What a worker writes back for one request (fixed size in shared memory)."""
+class Result(msgspec.Struct):
+    """What a worker writes back for one request (fixed size in shared memory).
+
+    A msgspec Struct (built in C) rather than a dataclass: one per request on each side of
+    the queue. Never encoded."""
 
     status: Status
     verdict_defect: bool = False
     score: float = 0.0
-    boxes: list[Box] = field(default_factory=list)  # at most MAX_BOXES are kept
+    boxes: list[Box] = msgspec.field(default_factory=list)  # at most MAX_BOXES are kept
     entropy: float = 0.0
-    histogram: np.ndarray = field(default_factory=_empty_histogram)  # uint32[64]
+    histogram: np.ndarray = msgspec.field(default_factory=_empty_histogram)  # uint32[64]
     compute_ns: int = 0
     batch_size: int = 0
     error: str = ""  # at most ERROR_BYTES of UTF-8, cut at a character boundary
@@ -124,9 +130,9 @@ class Claim(NamedTuple):
     attempt: int  # 1 on the first claim; > 1 after its earlier workers died
 
 
-@dataclass(slots=True)
-class Completion:
-    """A finished request as the main process sees it (one per submitted request)."""
+class Completion(msgspec.Struct):
+    """A finished request as the main process sees it (one per submitted request; a
+    msgspec Struct, built in C, never encoded)."""
 
     handle: Handle
     request_id: int

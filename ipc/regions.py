@@ -134,13 +134,17 @@ class Region:
         st = os.fstat(fd)
         return cls(region_id, size, mapping, os.dup(fd), st.st_dev, st.st_ino)
 
-    def view(self, offset: int, nbytes: int) -> memoryview:
-        """The ``nbytes`` at ``offset``, read-only; :class:`RegionError` if any lies outside."""
+    def check(self, offset: int, nbytes: int) -> None:
+        """:class:`RegionError` unless all ``nbytes`` at ``offset`` lie inside the region."""
         if offset < 0 or nbytes <= 0 or offset > self.size or nbytes > self.size - offset:
             raise RegionError(
                 f"{nbytes} bytes at offset {offset} lie outside region {self.id} "
                 f"of {self.size} bytes"
             )
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """The ``nbytes`` at ``offset``, read-only; :class:`RegionError` if any lies outside."""
+        self.check(offset, nbytes)
         return self._view[offset : offset + nbytes]
 
     def close(self) -> None:

@@ -45,7 +45,6 @@ from scratchd.ipc.layout import (
     MAX_REGIONS,
     PRIORITIES,
     REGION_DTYPE,
-    REQUEST_FIELDS,
     RESULT_DTYPE,
     RESULT_FIELDS,
     WORKER_DTYPE,
@@ -85,7 +84,6 @@ class Segment:
         self.results = np.ndarray((g.slots,), RESULT_DTYPE, buffer=mm, offset=int(h["result_off"]))
         self.d = Columns(self.descs)
         self.r = Columns(self.results)
-        self.request_block = Block(mm, int(h["desc_off"]), DESC_DTYPE, REQUEST_FIELDS)
         self.result_block = Block(mm, int(h["result_off"]), RESULT_DTYPE, RESULT_FIELDS)
         self.workers = np.ndarray(
             (g.max_workers,), WORKER_DTYPE, buffer=mm, offset=int(h["worker_off"])

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import fcntl
 import struct
+from collections.abc import Iterable
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
@@ -344,6 +345,18 @@ def encode_frame_into(message: ClientMessage | DaemonMessage, buf: bytearray) ->
     prefix's bytes; encoding starts after them."""
     _encoder.encode_into(message, buf, PREFIX_BYTES)
     LENGTH_PREFIX.pack_into(buf, 0, len(buf) - PREFIX_BYTES)
+    return buf
+
+
+def encode_frames(messages: Iterable[ClientMessage | DaemonMessage]) -> bytearray:
+    """The length-prefixed frames of ``messages``, back to back in one fresh ``bytearray``:
+    what ``encode_frame`` gives for each, joined, without a buffer per message (a connection
+    writes the replies of one turn of its loop this way, in one write)."""
+    buf = bytearray()
+    for message in messages:
+        start = len(buf)
+        _encoder.encode_into(message, buf, start + PREFIX_BYTES)  # pads the prefix's room
+        LENGTH_PREFIX.pack_into(buf, start, len(buf) - start - PREFIX_BYTES)
     return buf
 
 

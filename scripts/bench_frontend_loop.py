@@ -65,8 +65,8 @@ class CountingTransport:
     def writelines(self, data: list[bytearray]) -> None:
         self.replies += len(data)
 
-    def write(self, data: bytes) -> None:
-        self.replies += 1
+    def write(self, data: bytes | bytearray) -> None:
+        self.replies += count_frames(data)
 
     def close(self) -> None:
         pass
@@ -76,6 +76,15 @@ class CountingTransport:
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return self.sock if name == "socket" and self.sock is not None else default
+
+
+def count_frames(data: bytes | bytearray) -> int:
+    """Frames in a buffer of length-prefixed frames (one turn's replies, written at once)."""
+    n, pos = 0, 0
+    while pos < len(data):
+        pos += wire.PREFIX_BYTES + wire.frame_length(data[pos : pos + wire.PREFIX_BYTES])
+        n += 1
+    return n
 
 
 def deliver(conn: Connection, frame: memoryview, pixels: tuple[int, int]) -> None:

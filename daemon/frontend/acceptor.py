@@ -303,14 +303,13 @@ class Acceptor:
             flight = InFlight(conn, rid, "unknown", 0, received_ns)
             self.dispatcher.reject(flight, "invalid", f"malformed request: {exc}")
             return
-        if isinstance(message, wire.StatusRequest):
-            conn.send(self.status(message.id))
-            return
-        if isinstance(message, wire.Ping):
-            conn.send(wire.Pong(id=message.id))
-            return
-        if isinstance(message, wire.RegisterRegion):
-            self.regions.register(conn, message)
+        if not isinstance(message, wire.InferFrame):  # the rare kinds: one test for the usual
+            if isinstance(message, wire.StatusRequest):
+                conn.send(self.status(message.id))
+            elif isinstance(message, wire.Ping):
+                conn.send(wire.Pong(id=message.id))
+            else:
+                self.regions.register(conn, message)
             return
         region = None
         if message.region:  # zero-copy: the pixels are read from the client's region
@@ -344,7 +343,7 @@ class Acceptor:
         it when it is published (``ipc/region_table.py``), never copied."""
         flight = InFlight(conn, request.id, "unknown", 0, received_ns, request.want_mask)
         try:
-            admission = self._admission(request, flight)
+            admission = self._admission(request, flight, region is not None)
         except BaseException as exc:
             if lent is not None:  # refused or whatever went wrong, a lent slot goes back
                 self.queue.release(lent)
@@ -424,13 +423,14 @@ class Acceptor:
         flight.conn.converting += 1
         task.add_done_callback(flight.conn.converted)
 
-    def _admission(self, request: wire.InferFrame, flight: InFlight) -> Admission:
+    def _admission(self, request: wire.InferFrame, flight: InFlight, region: bool) -> Admission:
         """Where ``request`` goes, or ``Refused``: in this order, an invalid class or image,
-        a draining daemon, the connection's in-flight limit."""
+        a draining daemon, the connection's in-flight limit. ``region``: its pixels lie in
+        a client region (``RegionDesk.resolve`` checked them there): only the shape is left."""
         try:
             admission = self.classes.classify(request)
             flight.part_class, flight.priority = admission.class_name, admission.priority
-            check_image(request, self.config.queue.slot_bytes)
+            check_image(request, self.config.queue.slot_bytes, in_region=region)
         except Invalid as exc:
             raise Refused("invalid", str(exc)) from None
         refusal = self._refusal_at_door(flight.conn)

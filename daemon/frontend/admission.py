@@ -45,9 +45,20 @@ class PartClasses:
     def __init__(self, config: Config) -> None:
         self.config = config
         self._index = {name: i for i, name in enumerate(config.class_names())}
+        # A request that overrides neither priority nor deadline (the usual one) gets its
+        # class's Admission as is: built and checked once here, shared (it is frozen).
+        self._plain: dict[str, Admission] = {}
+        for name, cls in config.classes.items():
+            if 0 <= cls.priority <= 7 and 0 < cls.deadline_ms <= MAX_DEADLINE_MS:
+                self._plain[name] = Admission(name, self._index[name], cls.priority,
+                                              cls.deadline_ms)  # fmt: skip
 
     def classify(self, request: AnyInferRequest) -> Admission:
         """The request's class, priority and deadline (its own values override the class's)."""
+        if request.priority is None and request.deadline_ms is None:
+            plain = self._plain.get(request.part_class)
+            if plain is not None:
+                return plain
         cls = self.config.classes.get(request.part_class)
         if cls is None:
             known = ", ".join(self.config.class_names())

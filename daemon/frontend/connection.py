@@ -54,9 +54,9 @@ and ``_received`` returns the slot, once. After a frame finished off the loop th
 head asks only ``PEEK_BYTES`` (``_peek``): a client that sent one large frame likely sends
 another, whose first 64 KiB of pixels had better not be copied on the loop first.
 
-Replies (``send``) are queued and written together at the end of the loop's turn: a batch of
-completions costs one ``writelines``; ``close`` writes what is queued first. ``end`` stops
-reading but writes on until every request accepted on the connection is answered.
+Replies (``send``) are queued and written together at the end of the loop's turn, encoded into
+one buffer: one ``write``; ``close`` writes what is queued first. ``end`` stops reading
+but writes on until every request accepted on the connection is answered.
 
 A refused connection (allow-list, connection limit) is decided in ``connection_made``; it is
 then handed to ``AccessGate.linger`` through a ``StreamReader`` this protocol feeds.
@@ -165,7 +165,7 @@ class Connection(asyncio.BufferedProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._refused: asyncio.StreamReader | None = None
         self._fed = 0
-        self._out: list[bytearray] = []  # replies not yet written (see send)
+        self._out: list[wire.DaemonMessage] = []  # replies not yet written (see send)
         self._last: wire.DaemonMessage | None = None  # ENDING: sent once all are answered
 
     # ---- bookkeeping the acceptor uses ------------------------------------------------
@@ -179,17 +179,17 @@ class Connection(asyncio.BufferedProtocol):
         return len(self.in_queue) + self.converting
 
     def send(self, message: wire.DaemonMessage) -> None:
-        """Queue a reply; those queued in one turn of the loop leave in one ``writelines``."""
+        """Queue a reply; those of one turn of the loop are encoded and written together."""
         if self.closed or self.transport is None or self.state is ReadState.CLOSED:
             return
         if not self._out:
             self._loop.call_soon(self.flush)
-        self._out.append(wire.encode_frame(message))
+        self._out.append(message)
 
     def flush(self) -> None:
         """Write the queued replies now."""
         if self._out and not self.closed and self.transport is not None:
-            self.transport.writelines(self._out)
+            self.transport.write(wire.encode_frames(self._out))
         self._out.clear()
         self._end_if_answered()
 
@@ -205,7 +205,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def _end_if_answered(self) -> None:
         if self.state is ReadState.ENDING and self.in_flight() == 0 and self._last is not None:
-            self._out.append(wire.encode_frame(self._last))
+            self._out.append(self._last)
             self.close()
 
     def close(self) -> None:
@@ -306,9 +306,9 @@ class Connection(asyncio.BufferedProtocol):
 
     def _parse_head(self) -> None:
         """Handle every complete frame in head; keep a partial one for the next read."""
-        pos, have, view = 0, self._have, self._head_view
+        pos, have, view, prefix = 0, self._have, self._head_view, wire.LENGTH_PREFIX.unpack_from
         while self.state is ReadState.HEAD and have - pos >= wire.PREFIX_BYTES:
-            length = wire.frame_length(view[pos : pos + wire.PREFIX_BYTES])
+            (length,) = prefix(view, pos)
             if length > self.handler.max_frame:
                 self.handler.oversized(self, length)
                 return

@@ -32,8 +32,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Final, Protocol
+
+import msgspec
 
 from scratchd.daemon.frontend.overload import ServiceRate
 from scratchd.ipc.layout import NS_PER_MS
@@ -67,9 +68,9 @@ class Peer(Protocol):
     def converted(self, _task: asyncio.Task[None]) -> None: ...
 
 
-@dataclass(slots=True)
-class InFlight:
-    """A request between its frame arriving and its reply being written."""
+class InFlight(msgspec.Struct):
+    """A request between its frame arriving and its reply being written (a msgspec Struct:
+    built in C, one per request; never encoded)."""
 
     conn: Peer
     request_id: int
@@ -135,8 +136,7 @@ class Dispatcher:
         assert flight.handle is not None
         self.pending[flight.handle] = flight
         flight.conn.in_queue.add(flight.handle)
-        if self.idle.is_set():
-            self.idle.clear()
+        self.idle.clear()
         if self._timer is None or self._timer_ns > flight.deadline_ns:
             self._arm_at(flight.deadline_ns)  # else the armed timer fires first: no clock read
 
@@ -156,9 +156,11 @@ class Dispatcher:
 
     def collect(self) -> None:
         """Answer everything the queue has finished (it drains the doorbell first)."""
+        finish = self._finish
         for completion in self.queue.collect_completed():
-            self._finish(completion)
-        self._note_idle()
+            finish(completion)
+        if not self.pending:
+            self.idle.set()
 
     def requeued(self) -> None:
         """A dead worker's claims went back to the queue: answer what the reclaim finished
@@ -191,24 +193,26 @@ class Dispatcher:
 
     def _finish(self, completion: Completion) -> None:
         self.service.observe(completion)
-        flight = self.pending.pop(completion.handle, None)
+        handle = completion.handle
+        flight = self.pending.pop(handle, None)
         if flight is None:
             return  # its client left (abandoned) or it was answered already
-        flight.conn.in_queue.discard(completion.handle)
+        flight.conn.in_queue.discard(handle)
         self.answer(flight, self._reply(flight, completion), completion)
 
     def _reply(self, flight: InFlight, c: Completion) -> wire.Reply:
         now = time.monotonic_ns()
         queue_end = c.claim_ns if c.claim_ns > 0 else (c.done_ns or now)
         result = c.result
-        timings = wire.Timings(
-            queue_ms=max(0, queue_end - c.enqueue_ns) / NS_PER_MS,
-            compute_ms=(result.compute_ns / NS_PER_MS) if result is not None else 0.0,
-            total_ms=(now - flight.received_ns) / NS_PER_MS,
-        )
         # Only a worker that produced the result is named (a reclaimed claim that then timed
         # out still records its dead owner's slot).
-        worker = self.worker_name(c.worker) if result is not None and c.worker >= 0 else None
+        if result is None:
+            compute_ms, worker = 0.0, None
+        else:
+            compute_ms = result.compute_ns / NS_PER_MS
+            worker = self.worker_name(c.worker) if c.worker >= 0 else None
+        timings = wire.Timings(max(0, queue_end - c.enqueue_ns) / NS_PER_MS, compute_ms,
+                               (now - flight.received_ns) / NS_PER_MS)  # fmt: skip
         status = STATUS_NAMES.get(c.status, "error")
         if status == "ok" and now > flight.deadline_ns:
             late_ms = (now - flight.deadline_ns) / NS_PER_MS
@@ -229,7 +233,7 @@ class Dispatcher:
             status="ok",
             verdict="defect" if result.verdict_defect else "clean",
             score=float(result.score),
-            boxes=[tuple(float(v) for v in box) for box in result.boxes],  # type: ignore[misc]
+            boxes=result.boxes,  # tuples of Python floats (records.read_result)
             mask=mask,
             mask_shape=shape,
             timings=timings,

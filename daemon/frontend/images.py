@@ -14,6 +14,8 @@ both only need the buffer protocol.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from PIL import Image
 
@@ -28,8 +30,13 @@ class Invalid(ValueError):
     """A request that cannot be served as sent; the message goes back to the client."""
 
 
-def check_image(request: AnyInferRequest, slot_bytes: int) -> None:
-    """Reject what can be seen to be wrong before any pixel is touched."""
+def check_image(request: AnyInferRequest, slot_bytes: int, *, in_region: bool = False) -> None:
+    """Reject what can be seen to be wrong before any pixel is touched. ``in_region``: its
+    pixels lie in a client region, where their bytes were checked (``RegionDesk.resolve``),
+    so only the shape is left to check."""
+    if in_region:
+        check_shape(request.height, request.width, request.channels, slot_bytes)
+        return
     if (request.pixels is None) == (request.encoded is None):
         raise Invalid("exactly one of 'pixels' (raw) or 'encoded' (PNG/BMP/JPEG) must be set")
     if request.encoded is not None:
@@ -38,6 +45,15 @@ def check_image(request: AnyInferRequest, slot_bytes: int) -> None:
         return
     assert request.pixels is not None
     h, w, c = request.height, request.width, request.channels
+    check_shape(h, w, c, slot_bytes)
+    if len(request.pixels) != h * w * c:
+        raise Invalid(f"'pixels' has {len(request.pixels)} bytes, {h}x{w}x{c} needs {h * w * c}")
+
+
+def check_shape(h: int, w: int, c: int, slot_bytes: int) -> None:
+    """Reject a raw image's declared shape: channels, sizes, a slot's worth of pixels, a shape
+    that pads to far more (``shape_cost_error``). What a request whose pixels lie in a
+    client region is checked against (its bytes are bounds-checked there, not counted)."""
     if c not in (1, 3):
         raise Invalid(f"channels must be 1 (grey) or 3 (RGB), got {c}")
     if h <= 0 or w <= 0:
@@ -47,8 +63,6 @@ def check_image(request: AnyInferRequest, slot_bytes: int) -> None:
     reason = shape_cost_error(h, w, slot_bytes)
     if reason:
         raise Invalid(reason)
-    if len(request.pixels) != h * w * c:
-        raise Invalid(f"'pixels' has {len(request.pixels)} bytes, {h}x{w}x{c} needs {h * w * c}")
 
 
 def write_raw_grey(payload: memoryview, request: AnyInferRequest) -> tuple[int, int]:
@@ -79,6 +93,7 @@ def convert_into(payload: memoryview, request: AnyInferRequest) -> tuple[int, in
     return int(height), int(width)
 
 
+@functools.lru_cache(maxsize=1024)  # asked per request; a line sends few shapes
 def shape_cost_error(height: int, width: int, slot_bytes: int) -> str:
     """Why a frame's shape would cost far more than its pixel count, or "" if it will not.
 

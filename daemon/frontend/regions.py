@@ -234,9 +234,11 @@ class RegionDesk:
     # ---- use and release --------------------------------------------------------------
 
     def resolve(self, conn: Connection, request: wire.InferFrame) -> tuple[wire.InferFrame, Region]:
-        """``request`` with ``pixels`` a read-only view of the bytes it names in one of
-        ``conn``'s regions, and that region; :class:`Invalid` if it names none or bytes
-        outside it."""
+        """``request`` and the one of ``conn``'s regions it names, the bytes it names checked
+        to lie inside; :class:`Invalid` if it names none or bytes outside it. Its ``pixels``
+        become a read-only view of those bytes where the main process reads them (RGB to
+        convert, a region not published to copy); grey ones in a published region stay
+        unset: workers read them in place."""
         regions = self._conns.get(conn.id)
         region = None if regions is None else regions.by_id.get(request.region)
         if region is None:
@@ -247,10 +249,14 @@ class RegionDesk:
         if c not in (1, 3) or h <= 0 or w <= 0:
             raise Invalid(f"region image needs height, width > 0 and channels 1 or 3: {h}x{w}x{c}")
         try:
-            view = region.view(request.offset, h * w * c)
+            region.check(request.offset, h * w * c)
         except RegionError as exc:
             raise Invalid(str(exc)) from None
-        return msgspec.structs.replace(request, pixels=view), region
+        if c == 1 and region.row is not None:
+            return request, region
+        return msgspec.structs.replace(
+            request, pixels=region.view(request.offset, h * w * c)
+        ), region
 
     def release(self, conn: Peer) -> None:
         """``conn`` is gone: end its handshake and retire its regions (each unmapped once no

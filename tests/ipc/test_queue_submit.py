@@ -9,15 +9,18 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scratchd.ipc.queue import (
     DescState,
+    Handle,
     RequestQueue,
     Result,
     StaleHandle,
     Status,
 )
-from tests.ipc.queue_helpers import SLOTS, submit
+from tests.ipc.queue_helpers import GEOMETRY, SLOTS, shm_name, submit
 
 
 def test_full_queue_reserves_nothing_and_recovers(queue: RequestQueue) -> None:
@@ -111,3 +114,84 @@ def test_input_and_result_round_trip(queue: RequestQueue) -> None:
     assert (got.compute_ns, got.batch_size) == (1234, 3)
     assert got.error == "ß" * 100  # 200 bytes of UTF-8, cut at a character boundary
     assert got.mask is not None and (got.mask == mask).all()
+
+
+_U64 = st.integers(-(2**65), 2**65)
+_FIELDS = st.fixed_dictionaries(
+    {
+        "request_id": _U64,
+        "conn_id": _U64,
+        "deadline_ns": st.integers(-(2**64), 2**64),
+        "part_class": st.integers(-(2**33), 2**33),
+        "offset": _U64,
+        "region_gen": st.integers(-(2**33), 2**33),
+    }
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(fields=_FIELDS, want_mask=st.booleans(), priority=st.integers(0, 7))
+def test_a_submitted_request_reads_back_as_written_or_is_refused_untouched(
+    fields: dict[str, int], want_mask: bool, priority: int
+) -> None:
+    """Every request field is checked against its width before any is written: a request
+    either reads back exactly (its claim, the descriptor's region fields) or is refused with
+    ValueError, the descriptor still WRITTEN and the caller's to release."""
+    q = RequestQueue.create(shm_name("fields"), GEOMETRY)
+    try:
+        q.register_worker(0, os.getpid())
+        h = q.reserve()
+        assert h is not None
+        in_range = (
+            0 <= fields["request_id"] < 2**64 and 0 <= fields["conn_id"] < 2**64
+            and -(2**63) <= fields["deadline_ns"] < 2**63
+            and -(2**31) <= fields["part_class"] < 2**31
+            and 0 <= fields["offset"] < 2**64 and 0 <= fields["region_gen"] < 2**32
+        )  # fmt: skip
+        try:
+            q.submit(
+                h, request_id=fields["request_id"], conn_id=fields["conn_id"],
+                priority=priority, part_class=fields["part_class"],
+                deadline_ns=fields["deadline_ns"], height=2, width=3, want_mask=want_mask,
+                region=(4, fields["region_gen"], fields["offset"]),
+            )  # fmt: skip
+        except ValueError:
+            assert not in_range
+            assert q.counts_by_state()[DescState.WRITTEN] == 1
+            q.release(h)
+            return
+        assert in_range
+        d = q._core.seg.descs[h.index]
+        assert d["state"] == DescState.QUEUED
+        read = {name: int(d[name]) for name in ("request_id", "conn_id", "deadline_ns",
+                                                "part_class", "region_gen")}  # fmt: skip
+        read["offset"] = int(d["region_offset"])
+        assert read == fields
+        assert int(d["region"]) == 5  # the row + 1 (0: the input slot)
+        assert (int(d["priority"]), int(d["height"]), int(d["width"])) == (priority, 2, 3)
+        assert bool(d["want_mask"]) == want_mask
+    finally:
+        q.close()
+
+
+def test_submit_with_a_stale_handle_raises_and_writes_nothing(queue: RequestQueue) -> None:
+    h = queue.reserve()
+    assert h is not None
+    queue.release(h)  # h is stale now: its descriptor is FREE under the next generation
+    with pytest.raises(StaleHandle):
+        queue.submit(
+            h, request_id=7, conn_id=1, priority=0, part_class=0,
+            deadline_ns=time.monotonic_ns(), height=1, width=1, want_mask=False,
+        )  # fmt: skip
+    assert queue.counts_by_state()[DescState.FREE] == SLOTS
+    assert int(queue._core.seg.descs[h.index]["request_id"]) != 7
+
+
+def test_submit_with_a_handle_naming_no_descriptor_raises_stale(queue: RequestQueue) -> None:
+    for bogus in (Handle(-1, 0), Handle(SLOTS, 0), Handle(0, 2**40)):
+        with pytest.raises(StaleHandle):
+            queue.submit(
+                bogus, request_id=1, conn_id=1, priority=0, part_class=0,
+                deadline_ns=time.monotonic_ns(), height=1, width=1, want_mask=False,
+            )  # fmt: skip
+    assert queue.counts_by_state()[DescState.FREE] == SLOTS

@@ -187,3 +187,20 @@ def test_encode_frame_sizes_its_buffer_for_any_request(request: wire.InferReques
     body = msgspec.msgpack.encode(request)
     assert wire.frame_length(frame[: wire.PREFIX_BYTES]) == len(body)
     assert frame == wire.LENGTH_PREFIX.pack(len(body)) + body  # nothing left over or short
+
+
+@given(st.lists(replies, max_size=6))
+def test_frames_encoded_together_are_each_frame_encoded_alone_joined(
+    replies: list[wire.Reply],
+) -> None:
+    """A connection writes one turn's replies as one buffer: byte for byte the frames
+    ``encode_frame`` makes, back to back, each decodable on its own."""
+    joined = wire.encode_frames(replies)
+    assert bytes(joined) == b"".join(bytes(wire.encode_frame(r)) for r in replies)
+    pos, decoded = 0, []
+    while pos < len(joined):
+        length = wire.frame_length(joined[pos : pos + wire.PREFIX_BYTES])
+        body = joined[pos + wire.PREFIX_BYTES : pos + wire.PREFIX_BYTES + length]
+        decoded.append(wire.decode_daemon_message(body))
+        pos += wire.PREFIX_BYTES + length
+    assert decoded == replies

@@ -122,6 +122,7 @@ def test_requests_outside_a_region_are_invalid_and_the_connection_serves_on(
             {"region": 1, "height": 4, "width": 4, "channels": 2},
             {"region": 7, "height": 4, "width": 4},  # never registered
             {"region": 1, "height": 4, "width": 4, "pixels": bytes(16)},  # both
+            {"region": 1, "height": 1, "width": SIZE // 2},  # inside, but pads past 2 slots
         ]
         for fields in hostile:
             reply = infer(sock, **fields)
