@@ -27,11 +27,28 @@ import numpy as np
 from scratchd.kernels.normalize_pad import normalize_pad_ref
 from scratchd.model import cascade_plan as cp
 from scratchd.model.net import forward_canvas
-from scratchd.model.scratchnet import MAX_BATCH_PIXELS, Prediction, ScratchNet, check_image
+from scratchd.model.scratchnet import (
+    MAX_BATCH_PIXELS,
+    ModelError,
+    Prediction,
+    ScratchNet,
+    check_image,
+)
 
 
-class CascadeError(ValueError):
+class CascadeError(ModelError):
     """A model or settings the cascade cannot run with; the message says why."""
+
+
+def resolve(net: ScratchNet, on: bool | None) -> Cascade | None:
+    """The predictor a switch asks for (``[model] cascade``, ``scratchd eval --cascade``):
+    True: the model's calibrated cascade (:class:`CascadeError` if it has none or cannot run
+    it); False: none; None: the model's own default (``cascade.enabled``), where it can run
+    (not with views beyond identity)."""
+    s = net.meta.cascade
+    if on is None:
+        on = s is not None and s.enabled and net.views == ("identity",)
+    return Cascade(net) if on else None
 
 
 class Cascade:

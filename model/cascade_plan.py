@@ -53,6 +53,9 @@ class CascadeSettings:
     margin: int  # suspicious pixels are dilated by this many pixels (square, full resolution)
     core: int  # side of a crop's core (px, multiple of 16): the grid the frame is tiled in
     halo: int  # context around a core (px, multiple of 16, >= receptive_halo of the net)
+    # Whether the cascade runs unless the configuration says otherwise (``[model] cascade``):
+    # set by calibration only when the validation split met the quality bars.
+    enabled: bool = False
     calibration: dict[str, Any] | None = None  # how the values were chosen (data, budget)
 
     def __post_init__(self) -> None:
