@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +24,7 @@ from scratchd.protocol.image import decode_image
 from scratchd.workers.cpu import CpuBackend
 from scratchd.workers.main import parse_args
 from scratchd.workers.protocol import WorkerSpec
+from tests.daemon.harness import SERVE
 from tests.model.test_cli import small_dataset
 
 
@@ -128,3 +130,14 @@ def test_cpu_workers_get_the_switch_and_gpu_workers_do_not(value: bool | None, f
         spec = WorkerSpec("/q", 0, device, "", max_batch, delay, 100, 1, extra)
         args = parse_args(spec.argv(ready_fd=3, death_fd=4, work_fd=5, done_fd=6)[3:])
         assert args.cascade == (flag if device == "cpu" else None)
+
+
+def test_serve_refuses_a_cascade_the_model_cannot_run(tmp_path: Path) -> None:
+    """Exit 2 (systemd does not restart it) naming the reason, before any worker starts."""
+    config = _config(tmp_path, '[workers]\nbackend = "cpu"\n[model]\ncascade = true\n')
+    done = subprocess.run(
+        [*SERVE, "--config", str(config), "--socket", str(tmp_path / "s.sock")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "no cascade settings" in done.stderr and str(config) in done.stderr
