@@ -55,6 +55,10 @@ def serve(
     try:
         config = load_config(config_path, overrides)
         placement = place(config)  # a backend this machine cannot run is a ConfigError
+        if config.model.cascade and placement.backend == "cuda":
+            raise ConfigError(
+                "model.cascade = true: the CUDA backend has no cascade yet (CPU workers only)"
+            )
         model_version(config)
     except ConfigError as exc:
         raise ConfigExit(str(exc)) from None

@@ -171,6 +171,11 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     identity, flip_h, flip_v, transpose), each one forward pass; empty: the model file's own.
     ``["identity"]`` serves about 4x the frames of the shipped four and gives up accuracy
     (README.md, "Choosing the test-time views": more clean tiles flagged)."""
+    cascade: bool | None = None
+    """The dynamic-resolution cascade (``model/cascade.py``): true runs the model file's
+    calibrated cascade (a coarse pass, full resolution only where it is unsure), false every
+    frame whole at full resolution; unset: the model file's own default. CPU backend only;
+    one view (identity)."""
 
 
 class DriftConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -246,6 +251,9 @@ def _convert(raw: Mapping[str, Any]) -> Config:
     except msgspec.ValidationError as exc:
         raise ConfigError(_explain(exc)) from None
     check_views(config.model.views)
+    if config.model.cascade and config.model.views not in ([], ["identity"]):
+        raise ConfigError("model.cascade: the cascade runs one view (identity), not "
+                          f"{config.model.views}")  # fmt: skip
     return msgspec.structs.replace(config, classes=classes)
 
 

@@ -6,6 +6,10 @@ runs the model over every input image under DIR (found by
 
 - ``--views V`` (repeatable) replaces the test-time views of the model's metadata, as the
   daemon's ``model.views`` does; the summary's ``views`` says which ones ran;
+- ``--cascade on|off`` runs the model's dynamic-resolution cascade or every frame whole at
+  full resolution (default: the model file's own, as the daemon's unset ``model.cascade``);
+  the summary's ``cascade`` says which ran and, when on, the share of frames stage 1
+  answered alone and the full-resolution input pixels per frame;
 - ``--split val`` (or ``train``) keeps only the images :func:`scratchd.dataset.folders.split_of`
   puts on that side with ``--val-fraction`` (default 0.2, as ``scratchd shard build``): run on
   the folder the training shards were built from, ``--split val`` is the split the model's
@@ -51,6 +55,7 @@ from rich.table import Table
 from scratchd.dataset.folders import Sample, scan_dataset, split_of
 from scratchd.dataset.masks import MaskRejected, validate_mask
 from scratchd.kernels.views import VIEWS
+from scratchd.model.cascade import Cascade, CascadeError, resolve
 from scratchd.model.evaluate import Evaluation, draw_roc
 from scratchd.model.scratchnet import ModelError, ScratchNet, load_model
 from scratchd.protocol.image import ImageError, decode_image, encode_png
@@ -73,6 +78,10 @@ def _load(path: Path | None, views: tuple[str, ...] = ()) -> ScratchNet:
 @click.option(
     "--views", multiple=True, type=click.Choice(VIEWS), help="Test-time views (repeatable)."
 )
+@click.option(
+    "--cascade", type=click.Choice(["on", "off"]), default=None,
+    help="The model's dynamic-resolution cascade (default: the model file's).",
+)  # fmt: skip
 @click.option("--split", type=click.Choice(["train", "val"]), help="Only this split's images.")
 @click.option("--val-fraction", default=0.2, show_default=True, type=click.FloatRange(0.0, 1.0))
 @click.option(
@@ -84,6 +93,7 @@ def eval_cmd(
     mask_out: Path | None,
     model_path: Path | None,
     views: tuple[str, ...],
+    cascade: str | None,
     split: str | None,
     val_fraction: float,
     roc_path: Path | None,
@@ -100,6 +110,11 @@ def eval_cmd(
         where = f" in the {split} split" if split else ""
         raise click.ClickException(f"no PNG, BMP or JPEG images under {directory}{where}")
     model = _load(model_path, views)
+    try:
+        predictor = resolve(model, None if cascade is None else cascade == "on")
+    except CascadeError as exc:
+        raise click.ClickException(str(exc)) from None
+    stages = _Stages()
     ev = Evaluation()
     errors = 0
     stderr = Console(stderr=True)
@@ -112,13 +127,14 @@ def eval_cmd(
     ) as bar:  # fmt: skip
         task = bar.add_task("eval", total=len(samples))
         for sample in samples:
-            row = _eval_one(model, sample, ev, mask_out)
+            row = _eval_one(predictor or model, sample, ev, mask_out, stages)
             errors += "error" in row
             click.echo(json.dumps(row) if as_json else _text_row(row))
             bar.advance(task)
     m = model.meta
     summary = ev.summary() | {
         "errors": errors, "model": model.version, "views": model.views,
+        "cascade": stages.summary(predictor),
         "operating_point": {"threshold": m.threshold, "min_area": m.min_area,
                             "score_window": m.score_window, "score_threshold": m.score_threshold},
     }  # fmt: skip
@@ -132,8 +148,35 @@ def eval_cmd(
         sys.exit(1)
 
 
+class _Stages:
+    """What the cascade did over the run: frames stage 1 answered alone, full-resolution
+    input pixels per frame."""
+
+    def __init__(self) -> None:
+        self.frames = self.stage1 = self.pixels = 0
+
+    def add(self, regions: list[Any] | None, pixels: int | None) -> None:
+        if regions is not None:
+            self.frames += 1
+            self.stage1 += not regions
+            self.pixels += pixels or 0
+
+    def summary(self, cascade: Cascade | None) -> dict[str, Any]:
+        if cascade is None:
+            return {"on": False}
+        n = max(self.frames, 1)
+        return {"on": True, "settings": {k: v for k, v in cascade.settings.to_json().items()
+                                         if k != "calibration"},
+                "stage1_share": round(self.stage1 / n, 4),
+                "full_res_pixels_per_frame": round(self.pixels / n, 1)}  # fmt: skip
+
+
 def _eval_one(
-    model: ScratchNet, sample: Sample, ev: Evaluation, mask_out: Path | None
+    model: ScratchNet | Cascade,
+    sample: Sample,
+    ev: Evaluation,
+    mask_out: Path | None,
+    stages: _Stages,
 ) -> dict[str, Any]:
     try:
         image = decode_image(sample.image.read_bytes())
@@ -142,6 +185,7 @@ def _eval_one(
     start = time.perf_counter()
     pred = model.predict([image])[0]
     ev.seconds += time.perf_counter() - start
+    stages.add(pred.regions, pred.full_res_pixels)
     ev.add(sample.group, pred.mask, _ground_truth(sample, image.shape), pred.score, pred.verdict)
     if mask_out is not None:
         target = (mask_out / sample.rel).with_suffix(".png")
@@ -180,8 +224,14 @@ def _write_roc(path: Path, ev: Evaluation, summary: dict[str, Any], version: str
 def summary_table(summary: dict[str, Any]) -> Table:
     """The readable form of the summary: one row per group (pooled groups in bold)."""
     op = summary.get("operating_point", {})
+    casc = summary.get("cascade", {"on": False})
+    cascade = (
+        f"cascade on (stage 1 alone {100 * casc['stage1_share']:.1f} % of frames, "
+        f"{casc['full_res_pixels_per_frame']:.0f} full-res px/frame)"
+        if casc["on"] else "cascade off"
+    )  # fmt: skip
     title = (
-        f"{summary.get('model', '')} views {'+'.join(summary.get('views', []))} — "
+        f"{summary.get('model', '')} views {'+'.join(summary.get('views', []))}, {cascade} — "
         f"{summary['images']} images, {summary['ms_per_image']} ms/image; pixel threshold "
         f"{op.get('threshold')}, score threshold {op.get('score_threshold')}"
     )

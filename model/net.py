@@ -231,7 +231,20 @@ def forward(
 ) -> np.ndarray:  # [N, H, W] float32 defect probability
     """The whole network on a batch of same-size uint8 frames."""
     _n, height, width = images.shape
-    x = normalize_pad_ref(images, mean, std, multiple=16)
+    return forward_canvas(
+        weights, cfg, normalize_pad_ref(images, mean, std, multiple=16), height, width
+    )
+
+
+def forward_canvas(
+    weights: Weights,
+    cfg: NetConfig,
+    x: np.ndarray,  # [N, Hp, Wp, 1] float32: normalised, padded (or windows of such a canvas)
+    height: int,
+    width: int,
+) -> np.ndarray:  # [N, height, width] float32 defect probability
+    """The network from the normalised canvas on: logits, then the head cropped to
+    ``height x width`` (the cascade runs its crops of a frame's canvas through here)."""
     logits = forward_logits(weights, cfg, x)
     if not cpu_schedule.available():
         return prob_head_ref(logits, height, width)

@@ -46,6 +46,7 @@ from scratchd.kernels.postprocess import (
 )
 from scratchd.kernels.upsample_bilinear2x import upsample_bilinear2x_ref
 from scratchd.kernels.views import VIEWS, apply_view
+from scratchd.model.cascade_plan import CascadeSettings
 from scratchd.model.net import (
     NetConfig,
     Weights,
@@ -87,12 +88,18 @@ class ModelMeta:
     score_threshold: float | None = None
     # Frames whose longer side is at most this many pixels run at twice their size (0: never).
     upscale_below: int = 0
+    # The dynamic-resolution cascade's calibrated settings (model/cascade_plan.py); None: the
+    # model has none, every frame runs whole at full resolution.
+    cascade: CascadeSettings | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ModelMeta:
+        cascade = data.get("cascade")
+        if cascade is not None:
+            data = {**data, "cascade": CascadeSettings.from_json(cascade)}
         return cls(**data)
 
 
@@ -105,6 +112,11 @@ class Prediction:
     boxes: list[Box]  # (x0, y0, x1, y1, score), x1/y1 exclusive, best first
     entropy: float  # mean per-pixel binary entropy of prob, bits in [0, 1]
     histogram: np.ndarray  # [64] uint32 input intensity counts
+    # Cascade only (model/cascade.py): the parts of the frame answered at full resolution,
+    # ``(x0, y0, x1, y1)`` (empty: stage 1 alone), and the input pixels run at full
+    # resolution. None: no cascade ran (the whole frame at full resolution).
+    regions: list[tuple[int, int, int, int]] | None = None
+    full_res_pixels: int | None = None
 
 
 def decide(score: float, has_boxes: bool, score_threshold: float | None) -> Verdict:
@@ -133,6 +145,10 @@ class ScratchNet:
             raise ValueError(f"views must be a non-empty subset of {VIEWS}, got {self.views}")
         if not isinstance(meta.upscale_below, int) or meta.upscale_below < 0:
             raise ValueError(f"upscale_below must be an int >= 0, got {meta.upscale_below!r}")
+        if meta.cascade is not None:
+            meta.cascade.check(self.config, meta.threshold, meta.score_threshold)
+            if meta.upscale_below:  # the cascade's crops are cut from the frame as it is
+                raise ValueError("a model cannot have both a cascade and upscale_below")
 
     @property
     def version(self) -> str:
@@ -159,7 +175,7 @@ class ScratchNet:
         """One :class:`Prediction` per uint8 ``(H, W)`` image, in input order."""
         by_size: dict[tuple[int, int], list[int]] = {}
         for i, img in enumerate(images):
-            _check_image(img, i)
+            check_image(img, i)
             by_size.setdefault(img.shape, []).append(i)
         results: list[Prediction | None] = [None] * len(images)
         for (h, w), idx in by_size.items():
@@ -168,10 +184,11 @@ class ScratchNet:
                 part = idx[lo : lo + chunk]
                 probs = self.prob(np.stack([images[i] for i in part]))
                 for i, prob in zip(part, probs, strict=True):
-                    results[i] = self._finish(images[i], prob)
+                    results[i] = self.finish(images[i], prob)
         return [r for r in results if r is not None]
 
-    def _finish(self, image: np.ndarray, prob: np.ndarray) -> Prediction:
+    def finish(self, image: np.ndarray, prob: np.ndarray) -> Prediction:
+        """Post-processing of one frame's probability map: mask, boxes, score, verdict."""
         m = self.meta
         post = postprocess(prob, m.threshold, m.min_area, m.score_window)
         return Prediction(
@@ -214,7 +231,7 @@ def check_backend(meta: ModelMeta, backend: str) -> None:
         )
 
 
-def _check_image(img: np.ndarray, i: int) -> None:
+def check_image(img: np.ndarray, i: int) -> None:
     if not isinstance(img, np.ndarray) or img.dtype != np.uint8 or img.ndim != 2:
         desc = f"{img.dtype} {img.shape}" if isinstance(img, np.ndarray) else type(img).__name__
         raise ValueError(f"image {i}: expected a uint8 (H, W) array, got {desc}")

@@ -19,6 +19,7 @@ from typing import Final
 import numpy as np
 
 from scratchd.ipc.queue import Result
+from scratchd.model.cascade import Cascade, resolve
 from scratchd.model.scratchnet import Prediction, ScratchNet, load_model
 from scratchd.workers.results import error_result, ok_result
 
@@ -27,26 +28,34 @@ WARM_UP_SHAPE: Final = (64, 64)
 
 class CpuBackend:
     """ScratchNet on numpy. ``max_batch`` is fixed (config ``workers.cpu_max_batch``);
-    ``views`` (config ``model.views``) replaces the model file's test-time views."""
+    ``views`` (config ``model.views``) replaces the model file's test-time views;
+    ``cascade`` (config ``model.cascade``; None: the model file's default) answers through
+    the model's dynamic-resolution cascade."""
 
     device: str = "cpu"
 
     def __init__(
-        self, model_path: str | None, max_batch: int, views: Sequence[str] | None = None
+        self,
+        model_path: str | None,
+        max_batch: int,
+        views: Sequence[str] | None = None,
+        cascade: bool | None = None,
     ) -> None:
         self.model: ScratchNet = load_model(model_path or None, views=views or None)
+        self.cascade: Cascade | None = resolve(self.model, cascade)
+        self.predictor: ScratchNet | Cascade = self.cascade or self.model
         self.max_batch = max_batch
         self.version: str = self.model.version
         self.boot_ms: dict[str, float] = {}  # the boot is the model load: the total says it
 
     def warm_up(self) -> None:
         """Run one forward pass so the first real request does not pay for lazy setup."""
-        self.model.predict([np.zeros(WARM_UP_SHAPE, dtype=np.uint8)])
+        self.predictor.predict([np.zeros(WARM_UP_SHAPE, dtype=np.uint8)])
 
     def infer(self, images: Sequence[np.ndarray], want_mask: Sequence[bool]) -> list[Result]:
         start = time.monotonic_ns()
         try:
-            outcomes: list[Prediction | Exception] = list(self.model.predict(images))
+            outcomes: list[Prediction | Exception] = list(self.predictor.predict(images))
         except Exception:
             outcomes = [self._predict_one(image) for image in images]
         compute_ns = time.monotonic_ns() - start
@@ -57,7 +66,7 @@ class CpuBackend:
 
     def _predict_one(self, image: np.ndarray) -> Prediction | Exception:
         try:
-            return self.model.predict([image])[0]
+            return self.predictor.predict([image])[0]
         except Exception as exc:
             return exc
 

@@ -99,6 +99,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--views", type=parse_views, default=(), metavar="V[,V...]",
         help="test-time views, comma-separated (default: the model file's)",
     )  # fmt: skip
+    p.add_argument(
+        "--cascade", choices=["on", "off"], default=None,
+        help="the model's dynamic-resolution cascade (default: the model file's; CPU only)",
+    )  # fmt: skip
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--max-delay-ms", type=int, default=10)
     p.add_argument("--heartbeat-ms", type=int, default=250)
@@ -129,7 +133,8 @@ def make_backend(args: argparse.Namespace) -> Backend:
         )  # fmt: skip
     from scratchd.workers.cpu import CpuBackend
 
-    return CpuBackend(args.model or None, args.max_batch, views=args.views)
+    cascade = None if args.cascade is None else args.cascade == "on"
+    return CpuBackend(args.model or None, args.max_batch, views=args.views, cascade=cascade)
 
 
 def boot(args: argparse.Namespace) -> tuple[RequestQueue, Backend]:

@@ -46,6 +46,7 @@ import msgspec
 from scratchd.daemon.config import Config, ConfigError
 from scratchd.daemon.ops.notify import Notifier
 from scratchd.daemon.pool.supervisor import PoolHalted
+from scratchd.model.cascade import resolve as resolve_cascade
 from scratchd.model.scratchnet import load_model
 from scratchd.protocol.log import log_event
 
@@ -103,9 +104,12 @@ def config_changes(old: Config, new: Config) -> tuple[list[str], list[str]]:
 
 
 def model_version(config: Config) -> str:
-    """Load the configured model with the configured views, as the workers will (a broken
-    file raises, naming it), and return its version."""
-    return load_model(config.model.path or None, views=config.model.views or None).version
+    """Load the configured model with the configured views and cascade switch, as the
+    workers will (a broken file, or a cascade it cannot run, raises naming it), and return
+    its version."""
+    net = load_model(config.model.path or None, views=config.model.views or None)
+    resolve_cascade(net, config.model.cascade)
+    return net.version
 
 
 class ReloadState(enum.Enum):

@@ -185,9 +185,11 @@ class Supervisor:
         and its memory settings; a CPU worker its own, smaller limits. Both take
         ``model.views`` (no flag when empty: the model file's own views)."""
         q, w = self.config.queue, self.config.workers
-        views = self.config.model.views
+        views, cascade = self.config.model.views, self.config.model.cascade
         model = (f"--views={','.join(views)}",) if views else ()
         if self.device != "cuda":
+            if cascade is not None:  # the CUDA backend has no cascade: only CPU workers
+                model = (*model, f"--cascade={'on' if cascade else 'off'}")
             return (min(q.max_batch, w.cpu_max_batch),
                     min(q.max_queue_delay_ms, w.cpu_max_queue_delay_ms), model)  # fmt: skip
         extra = (

@@ -175,3 +175,15 @@ def test_upscaling_models_are_refused_by_the_cuda_backend_by_name() -> None:
     assert ModelMeta.from_json(old).upscale_below == 0  # files before it still load
     with pytest.raises(ValueError, match="upscale_below"):
         ScratchNet(random_model(0).weights, dataclasses.replace(meta, upscale_below=-1))
+
+
+def test_a_model_with_a_cascade_cannot_also_upscale() -> None:
+    from scratchd.model.cascade_plan import CascadeSettings, receptive_halo
+
+    base = random_model(0)
+    halo = -(-receptive_halo(base.config) // 16) * 16
+    cascade = CascadeSettings(factor=2, threshold=0.2, margin=0, core=128, halo=halo)
+    ScratchNet(base.weights, dataclasses.replace(base.meta, cascade=cascade))  # fine alone
+    both = dataclasses.replace(base.meta, cascade=cascade, upscale_below=224)
+    with pytest.raises(ValueError, match="both a cascade and upscale_below"):
+        ScratchNet(base.weights, both)
