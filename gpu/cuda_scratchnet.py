@@ -20,7 +20,13 @@ from scratchd.gpu.buckets import BUCKETS, bucket_for
 from scratchd.gpu.cuda_graph import ForwardGraph
 from scratchd.gpu.cuda_net import CudaForward
 from scratchd.gpu.serve_graph import ServeGraph
-from scratchd.model.scratchnet import Prediction, ScratchNet, check_backend
+from scratchd.model.scratchnet import (
+    Prediction,
+    ScratchNet,
+    finish_upscaled,
+    upscale2x,
+    upscales,
+)
 
 
 class CudaScratchNet:
@@ -28,7 +34,6 @@ class CudaScratchNet:
 
     def __init__(self, model: ScratchNet) -> None:
         m = model.meta
-        check_backend(m, "cuda")
         self.model = model
         self.fwd = CudaForward(
             model.weights, model.config, m.mean, m.std, m.threshold, m.score_window
@@ -83,13 +88,20 @@ class CudaScratchNet:
             by_size.setdefault(img.shape, []).append(i)
         results: list[Prediction | None] = [None] * len(images)
         for (height, width), idx in by_size.items():
+            up = upscales(self.model.meta, height, width)  # small frames run at 2x
             for lo in range(0, len(idx), BUCKETS[-1]):
                 part = idx[lo : lo + BUCKETS[-1]]
-                g = self.serve_graph(len(part), height, width)
-                g.inputs[0][: len(part)].set(np.stack([images[i] for i in part]), g.stream)
+                frames = np.stack([images[i] for i in part])
+                frames = upscale2x(frames) if up else frames
+                g = self.serve_graph(len(part), frames.shape[1], frames.shape[2])
+                g.inputs[0][: len(part)].set(frames, g.stream)
                 g.launch(0)
                 batch = g.collect(len(part), want_prob=True)
                 assert batch.prob is not None
+                if up:
+                    for j, i in enumerate(part):
+                        results[i] = finish_upscaled(self.model, images[i], batch.prob[j])
+                    continue
                 for j, (i, r) in enumerate(
                     zip(part, g.finish(batch, [True] * len(part)), strict=True)
                 ):

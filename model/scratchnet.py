@@ -22,8 +22,9 @@ test-time views"). A GPU backend runs the views as one batch.
 Small frames: a model with ``meta.upscale_below`` > 0 runs frames whose longer side is at
 most that many pixels at twice their size (bilinear, rounded to uint8, as training saw
 them) and averages each 2x2 block of the probability map back to the frame's size, so thin
-defects on small images cover more of the network's half-resolution output. Only the
-numpy forward implements it; the CUDA backend refuses such a model (:func:`check_backend`).
+defects on small images cover more of the network's half-resolution output. The
+CUDA backend upscales such frames on the host, runs the graphs of the doubled size and
+averages their maps back on the host too (:func:`finish_upscaled`): small frames are cheap.
 """
 
 from __future__ import annotations
@@ -221,14 +222,11 @@ def pool2x(prob: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(blocks.mean(axis=(2, 4), dtype=np.float32))
 
 
-def check_backend(meta: ModelMeta, backend: str) -> None:
-    """Raise :class:`ModelError` when ``backend`` cannot run this model as the numpy
-    forward defines it (no silent approximation)."""
-    if backend != "cpu" and meta.upscale_below > 0:
-        raise ModelError(
-            f"{meta.version}: upscale_below={meta.upscale_below} (small frames at twice their "
-            f"size) is implemented by the CPU backend only, not by {backend!r}"
-        )
+def finish_upscaled(model: ScratchNet, image: np.ndarray, prob2x: np.ndarray) -> Prediction:
+    """A frame that ran at twice its size (:func:`upscales`): its ``[2H, 2W]`` map averaged
+    back per 2x2 block, then the usual post-processing at the frame's size (the GPU
+    backends' way of giving :meth:`ScratchNet.forward`'s answer)."""
+    return model.finish(image, pool2x(prob2x[None])[0])
 
 
 def check_image(img: np.ndarray, i: int) -> None:

@@ -15,7 +15,7 @@ The ``scratchnet-2`` recipe: one forward pass has to carry what four test-time v
    (x0.75..1.33) and rotation (±45°), flips and 90° turns, gamma, contrast, brightness,
    blur, noise, uint8 quantisation. ``--upscale-below N``: images whose longer side is at
    most N pixels are seen at twice their size, and the exported model serves such frames
-   the same way (``ModelMeta.upscale_below``; the CPU backend only, so far).
+   the same way (``ModelMeta.upscale_below``).
 3. Loss (:mod:`train_loop`): BCE + Lovász hinge per crop on the upsampled logits, deep
    supervision of ``dec2``/``dec1`` (auxiliary heads, not exported), an image-level BCE on
    each crop's top-k logit mean; AdamW, warm-up then cosine over ``--minutes`` of *training

@@ -55,7 +55,7 @@ from scratchd.gpu.cuda_scratchnet import CudaScratchNet
 from scratchd.gpu.serve_graph import ServeGraph
 from scratchd.ipc.queue import Result, Status
 from scratchd.kernels import _cuda as cu
-from scratchd.model.scratchnet import load_model
+from scratchd.model.scratchnet import finish_upscaled, load_model, upscale2x, upscales
 from scratchd.protocol.log import log_event
 from scratchd.workers.batching import ewma
 from scratchd.workers.gpu_memory import (
@@ -92,6 +92,7 @@ class Chunk:
     positions: list[int]  # indices into the batch
     frames: list[np.ndarray]
     want_mask: list[bool]
+    want_prob: bool = False  # frames that ran at 2x: their maps are finished on the host
     k: int = -1  # which input buffer; -1 until uploaded
     uploaded: Any = None  # cupy Event on the copy stream
     collected: Any = None  # serve_graph.Collected: the small outputs, on the host
@@ -106,6 +107,7 @@ class Batch:
     # position → (status, reason): INVALID for a frame no model can take, ERROR when this
     # worker cannot (no device memory left for a new size's graph)
     errors: dict[int, tuple[Status, str]] = field(default_factory=dict)
+    small: dict[int, np.ndarray] = field(default_factory=dict)  # position → frame run at 2x
     started: bool = False
     collected: bool = False
 
@@ -141,7 +143,7 @@ class CudaBackend:
         self.boot_ms["arena"] = _ms(t0)
         t0 = time.perf_counter()
         model = load_model(model_path or None, views=views or None)
-        self.net = CudaScratchNet(model)
+        self.net, self.model = CudaScratchNet(model), model
         self.boot_ms["weights"] = _ms(t0)
         self.version: str = model.version
         self.device = f"cuda:{bus_id.lower()}"
@@ -249,11 +251,15 @@ class CudaBackend:
         ``start``, once the launch before them is enqueued (see ``_upload``)."""
         batch = Batch(len(images))
         by_size: dict[tuple[int, int], list[int]] = {}
+        images = list(images)
         for i, img in enumerate(images):
             if img.dtype != np.uint8 or img.ndim != 2 or img.size == 0:
                 reason = f"expected a non-empty uint8 (H, W) frame, got {img.shape}"
                 batch.errors[i] = (Status.INVALID, reason)
                 continue
+            if upscales(self.model.meta, *img.shape):  # small frames run at 2x (on the host)
+                batch.small[i] = img.copy()
+                images[i] = img = upscale2x(img[None])[0]
             by_size.setdefault((int(img.shape[0]), int(img.shape[1])), []).append(i)
         seen: set[int] = set()
         for size, positions in by_size.items():
@@ -269,8 +275,9 @@ class CudaBackend:
                                            f"{size[0]}x{size[1]} graph on this worker")  # fmt: skip
                     continue
                 chunk = Chunk(
-                    g, part, [images[i] for i in part], [bool(want_mask[i]) for i in part]
-                )
+                    g, part, [images[i] for i in part], [bool(want_mask[i]) for i in part],
+                    want_prob=part[0] in batch.small,  # a chunk holds frames of one size
+                )  # fmt: skip
                 if id(g) not in seen:
                     seen.add(id(g))
                     self._upload(chunk)
@@ -328,7 +335,11 @@ class CudaBackend:
             n = len(c.positions)
             for j, (pos, want) in enumerate(zip(c.positions, c.want_mask, strict=True)):
                 try:
-                    frame = c.graph.finish_frame(c.collected, j, bool(want))
+                    small = batch.small.get(pos)
+                    frame = (
+                        c.graph.finish_frame(c.collected, j, bool(want)) if small is None
+                        else finish_upscaled(self.model, small, c.collected.prob[j])
+                    )  # fmt: skip
                 except Exception as exc:  # answered and logged, never hidden
                     reason = f"host finish: {type(exc).__name__}: {exc}"
                     log_event("frame_failed", logging.ERROR, device=self.device, reason=reason)
@@ -345,7 +356,7 @@ class CudaBackend:
         )
 
     def _collect(self, c: Chunk) -> None:
-        c.collected = c.graph.collect(len(c.positions))
+        c.collected = c.graph.collect(len(c.positions), want_prob=c.want_prob)
         c.frames = []  # the shared-memory views are no longer needed
 
     # ---- helpers ----------------------------------------------------------------------

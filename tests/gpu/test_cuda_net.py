@@ -141,6 +141,27 @@ def test_cuda_predict_averages_test_time_views_like_numpy() -> None:
 
 
 @pytest.mark.gpu
+def test_cuda_predict_runs_small_frames_at_twice_their_size_like_numpy() -> None:
+    """``upscale_below``: frames with a longer side at or below it run at 2x and come back at
+    their own size, as the numpy forward defines it; larger frames are untouched."""
+    import dataclasses
+
+    from scratchd.gpu.cuda_scratchnet import CudaScratchNet
+
+    rng = np.random.default_rng()
+    base = random_model(12)
+    model = ScratchNet(base.weights, dataclasses.replace(base.meta, upscale_below=48))
+    images = [rng.integers(0, 256, s, dtype=np.uint8) for s in [(40, 44), (48, 30), (40, 72)]]
+    want = model.predict(images)
+    got = CudaScratchNet(model).predict(images)
+    for img, g, w in zip(images, got, want, strict=True):
+        assert g.prob.shape == w.prob.shape == img.shape
+        assert np.abs(g.prob - w.prob).max() <= PROB_ATOL
+        assert abs(g.score - w.score) <= PROB_ATOL and g.verdict == w.verdict
+        np.testing.assert_array_equal(g.histogram, w.histogram)
+
+
+@pytest.mark.gpu
 def test_graph_replays_new_frames_and_partial_buckets() -> None:
     """One captured graph serves different frames and a batch smaller than its bucket."""
     from scratchd.gpu.cuda_scratchnet import CudaScratchNet

@@ -17,8 +17,8 @@ from scratchd.model.scratchnet import (
     ModelError,
     ModelMeta,
     ScratchNet,
-    check_backend,
     decide,
+    finish_upscaled,
     load_model,
     pool2x,
     random_model,
@@ -164,17 +164,25 @@ def test_small_frames_run_at_twice_their_size_only_below_the_limit() -> None:
     assert model.predict([small[0]])[0].mask.shape == (24, 40)
 
 
-def test_upscaling_models_are_refused_by_the_cuda_backend_by_name() -> None:
+def test_upscale_below_is_validated_and_old_files_load_without_it() -> None:
     meta = dataclasses.replace(random_model(0).meta, upscale_below=256)
-    check_backend(meta, "cpu")
-    with pytest.raises(ModelError, match=r"upscale_below=256.*CPU backend only"):
-        check_backend(meta, "cuda")
-    check_backend(random_model(0).meta, "cuda")  # nothing to refuse
     old = meta.to_json()
     old.pop("upscale_below")
     assert ModelMeta.from_json(old).upscale_below == 0  # files before it still load
     with pytest.raises(ValueError, match="upscale_below"):
         ScratchNet(random_model(0).weights, dataclasses.replace(meta, upscale_below=-1))
+
+
+def test_finish_upscaled_is_the_forward_at_twice_the_size() -> None:
+    base = random_model(4)
+    model = ScratchNet(base.weights, dataclasses.replace(base.meta, upscale_below=64))
+    image = np.random.default_rng(3).integers(0, 256, (32, 48), dtype=np.uint8)
+    prob2x = ScratchNet(base.weights, base.meta).forward(upscale2x(image[None]))[0]
+    got = finish_upscaled(model, image, prob2x)
+    want = model.predict([image])[0]
+    np.testing.assert_array_equal(got.prob, want.prob)
+    assert (got.score, got.verdict, got.boxes) == (want.score, want.verdict, want.boxes)
+    np.testing.assert_array_equal(got.histogram, want.histogram)
 
 
 def test_a_model_with_a_cascade_cannot_also_upscale() -> None:

@@ -79,6 +79,34 @@ def test_results_equal_the_cpu_backend_on_real_images(gpu, data_dir: Path) -> No
     assert 0.0 <= gpu.fragmentation_ratio() < 1.0  # the arena's, for the metrics
 
 
+def test_small_frames_run_at_twice_their_size_like_the_cpu_backend(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    """A model with ``upscale_below``: real 200x200 SD-900 frames run at 400x400 on the card
+    and are answered at their own size, as the CPU backend answers them."""
+    import dataclasses
+
+    from scratchd.model.scratchnet import load_model, save_model
+    from scratchd.workers.cpu import CpuBackend
+    from scratchd.workers.cuda import CudaBackend
+
+    shipped = load_model()
+    path = tmp_path / "up.npz"
+    save_model(path, shipped.weights, dataclasses.replace(shipped.meta, upscale_below=224))
+    frames = [decode_image(p.read_bytes()) for p in sorted(data_dir.glob("sd900/images/*"))[:5]]
+    assert frames and all(f.shape == (200, 200) for f in frames)
+    want = CpuBackend(str(path), 8).infer(frames, [True] * len(frames))
+    gpu = CudaBackend(str(path), 4, reserve_mb=1024, warm_sizes=((400, 400),), arena_mb=4096)
+    try:
+        gpu.warm_up()
+        got = gpu.infer(frames, [True] * len(frames))
+    finally:
+        gpu.close()
+    for g, w in zip(got, want, strict=True):
+        same(g, w)
+        assert g.mask is not None and g.mask.shape == (200, 200)
+
+
 def test_a_batch_runs_in_the_cheapest_buckets_measured_at_warm_up(gpu, data_dir: Path) -> None:
     # warm-up timed every captured bucket; the split follows those times: 3 frames run as
     # 2 + 1 (no padded frame) when that costs less than one bucket of 4, else padded into 4,
