@@ -80,6 +80,13 @@ class ServiceRate:
             f"{expected / NS_PER_MS:.0f} ms, {left_ms:.0f} ms are left"
         )
 
+    def surely_in_time(self, now_ns: int, deadline_ns: int, most: int) -> bool:
+        """True when a request due at ``deadline_ns`` is in time whatever the load, as long
+        as ``ahead + in_service / 2 <= most`` (then ``refusal`` would be None: the estimate
+        grows with the load and falls with the workers, of which there is at least one).
+        The usual request's answer without looking at the queue; False says nothing."""
+        return now_ns + (most + 1) * self.per_request_ns <= deadline_ns
+
 
 def reserved_slots(queue: QueueConfig) -> int:
     """Slots only requests of ``reserved_priority`` or higher may take."""
@@ -94,15 +101,26 @@ def place(priority: int, free: int, queue: QueueConfig) -> bool:
     return free > reserved_slots(queue)
 
 
+def keep_free(priority: int, queue: QueueConfig) -> int:
+    """How many free slots a request of ``priority`` must leave to others: it may take one
+    only while more than that many are free (``place``; ``RequestQueue.reserve(keep)``)."""
+    return 0 if priority >= queue.reserved_priority else reserved_slots(queue)
+
+
 def take_slot(
     queue: RequestQueue, priority: int, limits: QueueConfig
 ) -> tuple[Handle | None, Completion | None]:
     """A WRITTEN slot for a request of ``priority`` (None: refuse it, ``full_reason``), and
     the request shed to make room for it, whose Completion the caller must answer."""
-    if place(priority, queue.free_count(), limits):
-        handle = queue.reserve()
-        if handle is not None:
-            return handle, None
+    handle = queue.reserve(keep_free(priority, limits))
+    if handle is not None:
+        return handle, None
+    return make_room(queue, priority)
+
+
+def make_room(queue: RequestQueue, priority: int) -> tuple[Handle | None, Completion | None]:
+    """No slot a request of ``priority`` may take is free: shed a queued one of lower
+    priority and take its slot (None, None: there is none to shed)."""
     shed = queue.shed(priority, shed_reason(priority))
     if shed is None:
         return None, None
