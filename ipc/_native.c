@@ -1122,6 +1122,26 @@ static PyObject *Core_await_done(Core *c, PyObject *arg) {
     return PyBool_FromLong(found || done_waiting(c));
 }
 
+/* The daemon's event loop, which never spins: quiet() while it is awake and will look at
+ * the done stack before it next sleeps (workers skip the eventfd meanwhile); rearm() just
+ * before that sleep: armed = 1 (seq_cst), then one look, True if the stack is non-empty.
+ * A worker that pushed after the look sees armed = 1 and rings (the handshake of
+ * await_done, without its spin). */
+static PyObject *Core_quiet(Core *c, PyObject *unused) {
+    (void)unused;
+    CORE_OPEN(c);
+    __atomic_store_n(c->h_completion_armed, 0, __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_rearm(Core *c, PyObject *unused) {
+    (void)unused;
+    CORE_OPEN(c);
+    __atomic_store_n(c->h_completion_armed, 1, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    return PyBool_FromLong(done_waiting(c));
+}
+
 /* A worker, after pushing on the done stack and unlocking: must it ring the eventfd? */
 static PyObject *Core_completion_armed(Core *c, PyObject *unused) {
     (void)unused;
@@ -1168,6 +1188,8 @@ static PyMethodDef Core_methods[] = {
     {"spin_ready", (PyCFunction)Core_spin_ready, METH_VARARGS, "spin for queued work"},
     {"await_done", (PyCFunction)Core_await_done, METH_O, "spin for the done stack, re-arm"},
     {"completion_armed", (PyCFunction)Core_completion_armed, METH_NOARGS, "ring needed?"},
+    {"quiet", (PyCFunction)Core_quiet, METH_NOARGS, "workers skip the ring (loop awake)"},
+    {"rearm", (PyCFunction)Core_rearm, METH_NOARGS, "workers ring again; done stack set?"},
     {"close", (PyCFunction)Core_close, METH_NOARGS, "release the buffer"},
     {NULL, NULL, 0, NULL},
 };

@@ -56,6 +56,11 @@ class MainSide:
         # (FREE descriptors, oldest freed first) lives in this process's memory, checked
         # on use and refilled by a scan when empty (ipc/_native.c).
         self.reserve = cast(Callable[..., Handle | None], core.native.reserve)
+        # An event loop that never spins, awake: quiet_completions() (workers skip the
+        # completion doorbell) until rearm_completions() right before it may sleep, which
+        # looks once more: True if finished requests wait (collect them, without a drain).
+        self.quiet_completions: Callable[[], None] = core.native.quiet
+        self.rearm_completions: Callable[[], bool] = core.native.rearm
 
     # ---------------------------------------------------------------- requests in
     def payload(self, h: Handle) -> memoryview:
@@ -161,15 +166,15 @@ class MainSide:
         return len(mine)
 
     # ---------------------------------------------------------------- answers out
-    def collect_completed(self) -> list[Completion]:
+    def collect_completed(self, drain: bool = True) -> list[Completion]:
         """Every finished (DONE / EXPIRED / FAILED) request as a Completion, oldest first;
         their descriptors are FREE afterwards.
 
-        Drains the completion doorbell first, so a completion that lands later rings again.
-        Requests whose client left are freed without a Completion.
+        Drains the completion doorbell first (``drain``), so a completion that lands later
+        rings again. Requests whose client left are freed without a Completion.
         """
         core = self._core
-        if core.completion is not None:
+        if drain and core.completion is not None:
             core.completion.drain()
         # [lock] pop the done stack, free each in the same hold [unlock]
         finished = core.native.collect(False)

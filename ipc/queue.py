@@ -182,6 +182,8 @@ class RequestQueue:
         self.abandon_connection = main.abandon_connection
         self.collect_completed = main.collect_completed
         self.wait_for_completions = main.wait_for_completions
+        self.quiet_completions = main.quiet_completions
+        self.rearm_completions = main.rearm_completions
         self.expire_due = main.expire_due
         self.next_deadline_ns = main.next_deadline_ns
         self.depth_by_priority = main.depth_by_priority
