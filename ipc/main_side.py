@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from scratchd.ipc._native import Contended
-from scratchd.ipc.core import DONE, EXPIRED, FREE, QUEUED, WRITTEN, QueueCore
+from scratchd.ipc.core import DONE, EXPIRED, QUEUED, WRITTEN, QueueCore
 from scratchd.ipc.layout import PRIORITIES
 from scratchd.ipc.records import (
     Completion,

@@ -382,7 +382,8 @@ class Acceptor:
         priority is queued to shed. ``lent``: the slot it was received into (kept, unless it
         is refused; lent only while free slots abound, so that is a reserved-share case)."""
         queue, limits, priority = self.queue, self.config.queue, flight.priority
-        refusal = self._late(flight)
+        refusal = overload.late(self.dispatcher.service, queue, flight.deadline_ns, priority,
+                                len(self.dispatcher.pending), self.converting)  # fmt: skip
         if refusal is None and lent is not None:
             if overload.place(priority, queue.free_count() + 1, limits):
                 return lent
@@ -401,22 +402,6 @@ class Acceptor:
             queue.release(lent)
         self.dispatcher.reject(flight, "overloaded", refusal)
         return None
-
-    def _late(self, flight: InFlight) -> str | None:
-        """Why ``flight`` cannot be served within its deadline behind the work queued ahead
-        of it (``ServiceRate.refusal``), or None; the queue is only looked at when the
-        deadline is near enough for its load to matter."""
-        service = self.dispatcher.service
-        if service.per_request_ns == 0.0:
-            return None  # nothing measured yet: nothing refused this way
-        now, pending = time.monotonic_ns(), len(self.dispatcher.pending)
-        most = self.config.queue.slots + sum(self.converting) + pending  # >= the load
-        if service.surely_in_time(now, flight.deadline_ns, most):
-            return None
-        ahead, queued, workers = self.queue.load_ahead(flight.priority)
-        ahead += sum(self.converting[flight.priority :])  # decoding now, queued before it
-        in_service = max(0, pending - queued)
-        return service.refusal(now, flight.deadline_ns, ahead, in_service, workers)
 
     def _start_conversion(
         self, flight: InFlight, admission: Admission, request: wire.InferFrame

@@ -28,6 +28,7 @@ shed for one of its own priority or lower.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Final
 
@@ -86,6 +87,25 @@ class ServiceRate:
         grows with the load and falls with the workers, of which there is at least one).
         The usual request's answer without looking at the queue; False says nothing."""
         return now_ns + (most + 1) * self.per_request_ns <= deadline_ns
+
+
+def late(
+    service: ServiceRate, queue: RequestQueue, deadline_ns: int, priority: int, pending: int,
+    converting: list[int],
+) -> str | None:  # fmt: skip
+    """Why a request of ``priority`` due at ``deadline_ns`` cannot be served in time behind
+    the work queued ahead of it (``ServiceRate.refusal``), or None. ``pending``: requests
+    submitted and not answered; ``converting``: images being decoded, by priority. The queue
+    is only looked at when the deadline is near enough for its load to matter."""
+    if service.per_request_ns == 0.0:
+        return None  # nothing measured yet: nothing refused this way
+    now = time.monotonic_ns()
+    most = queue.geometry.slots + sum(converting) + pending  # >= ahead + in_service / 2
+    if service.surely_in_time(now, deadline_ns, most):
+        return None
+    ahead, queued, workers = queue.load_ahead(priority)
+    ahead += sum(converting[priority:])  # decoding now, queued before it once submitted
+    return service.refusal(now, deadline_ns, ahead, max(0, pending - queued), workers)
 
 
 def reserved_slots(queue: QueueConfig) -> int:
