@@ -138,7 +138,7 @@ def test_bad_arguments_are_refused(queue: RequestQueue) -> None:
         with pytest.raises((IndexError, OverflowError)):
             native.push_free(index)
     with pytest.raises(TypeError):
-        native.push_free("0")
+        native.push_free("0")  # type: ignore[arg-type]
     assert queue.counts_by_state()[DescState.FREE] == SLOTS  # nothing was taken
 
 
