@@ -215,6 +215,6 @@ class QueueCore:
                 self.work[w].ring()
 
     def ring_completion(self) -> None:
-        """Ring the main process, unless it is spinning on the done stack (it sees it)."""
+        """Ring the main process, unless it will look at the done stack anyway (armed = 0)."""
         if self.completion is not None and self.native.completion_armed():
             self.completion.ring()
