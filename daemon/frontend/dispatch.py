@@ -113,14 +113,17 @@ class Dispatcher:
         self._loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_ns = 0
-        self._looking = False  # the doorbell is quiet and a _look is scheduled
+        self._looking: asyncio.Handle | None = None  # the doorbell is quiet, this _look due
 
     def start(self) -> None:
         self._loop.add_reader(self.queue.completion_fd, self.collect)
 
     def stop(self) -> None:
         self._loop.remove_reader(self.queue.completion_fd)
-        self.queue.rearm_completions()  # nobody looks any more: workers ring again
+        if self._looking is not None:  # nobody looks any more: workers ring again
+            self._looking.cancel()
+            self._looking = None
+            self.queue.rearm_completions()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -147,7 +150,7 @@ class Dispatcher:
         flight.conn.in_queue.add(flight.handle)
         if len(self.pending) == 1:  # idle is only ever set with nothing pending
             self.idle.clear()
-        if not self._looking:
+        if self._looking is None:
             self._awake()
         if self._timer is None or self._timer_ns > flight.deadline_ns:
             self._arm_at(flight.deadline_ns)  # else the armed timer fires first: no clock read
@@ -168,7 +171,7 @@ class Dispatcher:
 
     def collect(self) -> None:
         """Answer everything the queue has finished (it drains the doorbell first)."""
-        if not self._looking:
+        if self._looking is None:
             self._awake()
         self._collect(True)
 
@@ -182,13 +185,12 @@ class Dispatcher:
     def _awake(self) -> None:
         """The loop is awake: workers need not ring until ``_look``, which runs before it
         next sleeps (module docstring)."""
-        self._looking = True
         self.queue.quiet_completions()
-        self._loop.call_soon(self._look)
+        self._looking = self._loop.call_soon(self._look)
 
     def _look(self) -> None:
         """Re-arm the doorbell, then answer what finished while it was quiet."""
-        self._looking = False
+        self._looking = None
         if self.queue.rearm_completions():
             self._collect(False)
 

@@ -157,12 +157,15 @@ def test_a_completion_while_the_loop_is_awake_is_answered_without_a_ring(
             (claim,) = queue.claim_batch(0, 1, time.monotonic_ns())
             assert queue.complete(0, claim, Result(Status.OK, score=0.5))  # rings: wakes it
             await asyncio.wait_for(dispatcher.idle.wait(), 5.0)
+            _enqueue(dispatcher, conn, 3, 60_000)  # quiet again: stopping re-arms it
         finally:
             dispatcher.stop()
-        assert answered_by_look == 1
+        armed.append(queue._core.native.completion_armed())
+        await asyncio.sleep(0)  # the look was cancelled: nothing collected after the stop
+        assert answered_by_look == 1 and len(conn.sent) == 2
         return conn, armed, rung_while_quiet
 
     conn, armed, rung_while_quiet = asyncio.run(scenario())
-    assert armed == [False, True]
+    assert armed == [False, True, True]
     assert rung_while_quiet == 0
     assert [(reply.id, reply.status) for _, reply in conn.sent] == [(1, "ok"), (2, "ok")]
