@@ -225,6 +225,9 @@ typedef struct {
     pthread_mutex_t *mutex;
     int spinning; /* threads inside spin() with the GIL released; close() refuses then */
     int64_t next_escape_ns; /* a worker's next chance to leave a shared CPU (see spin()) */
+    PyTypeObject *handle;   /* records.Handle (a tuple subclass), or NULL: plain tuples */
+    int32_t *free_ring;     /* the free list (this process's memory; see free_pop) */
+    Py_ssize_t free_head, free_len;
 } Core;
 
 /* Field access: F(c, i, type, member) is descriptor i's field. */
@@ -343,22 +346,36 @@ static int bind_layout(Core *c, PyObject *o) {
 }
 
 static int Core_init(Core *self, PyObject *args, PyObject *kw) {
-    PyObject *buf, *offsets, *fault = Py_None;
-    static char *names[] = {"buf", "offsets", "fault", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!|O", names, &buf, &PyDict_Type, &offsets,
-                                     &fault))
+    PyObject *buf, *offsets, *fault = Py_None, *handle = Py_None;
+    static char *names[] = {"buf", "offsets", "fault", "handle", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO!|OO", names, &buf, &PyDict_Type, &offsets,
+                                     &fault, &handle))
         return -1;
     if (self->base) {
         PyErr_SetString(PyExc_RuntimeError, "Core is already bound to a buffer");
         return -1;
     }
+    /* A Handle is built here as tuple_new builds a tuple subclass's instance (tp_alloc with
+     * two items): so only a tuple subclass that adds nothing to a tuple's layout (a
+     * NamedTuple: __slots__ = ()) is taken. */
+    if (handle != Py_None &&
+        (!PyType_Check(handle) || !PyType_IsSubtype((PyTypeObject *)handle, &PyTuple_Type) ||
+         ((PyTypeObject *)handle)->tp_basicsize != PyTuple_Type.tp_basicsize ||
+         ((PyTypeObject *)handle)->tp_itemsize != PyTuple_Type.tp_itemsize)) {
+        PyErr_SetString(PyExc_TypeError, "handle must be a tuple subclass without added fields");
+        return -1;
+    }
     if (PyObject_GetBuffer(buf, &self->view, PyBUF_WRITABLE) < 0) return -1;
     self->base = self->view.buf;
-    if (bind_layout(self, offsets) < 0) {
+    if (bind_layout(self, offsets) < 0 ||
+        !(self->free_ring = PyMem_Calloc((size_t)self->slots, sizeof(int32_t)))) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
         self->base = NULL;
         PyBuffer_Release(&self->view);
         return -1;
     }
+    self->free_head = self->free_len = 0;
+    if (handle != Py_None) self->handle = (PyTypeObject *)Py_NewRef(handle);
     if (fault != Py_None) {
         Py_INCREF(fault);
         self->fault = fault;
@@ -368,7 +385,9 @@ static int Core_init(Core *self, PyObject *args, PyObject *kw) {
 
 static void Core_dealloc(Core *self) {
     if (self->base) PyBuffer_Release(&self->view);
+    PyMem_Free(self->free_ring);
     Py_XDECREF(self->fault);
+    Py_XDECREF(self->handle);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -481,6 +500,52 @@ static int index_ok(Core *c, long i) {
     if (i >= 0 && i < c->slots) return 1;
     PyErr_Format(PyExc_IndexError, "descriptor %ld out of range", i);
     return 0;
+}
+
+/* ------------------------------------------------ the main process's free list, handles
+ * FREE descriptors waiting to be reserved, oldest freed first: a ring of `slots` entries in
+ * this process's memory (only the main process moves descriptors to or from FREE, so no
+ * lock). It is a hint checked on use, never trusted: an entry whose descriptor is no longer
+ * FREE is skipped, a push onto a full ring is dropped, and an empty ring is refilled by a
+ * scan of the table for FREE descriptors in index order. Whatever was pushed, reserve hands
+ * out only FREE descriptors, each marked WRITTEN before the call returns, so never one twice
+ * between two frees, and never fails while one is FREE. */
+static void free_push(Core *c, int32_t i) {
+    if (c->free_len >= c->slots) return;
+    c->free_ring[(c->free_head + c->free_len) % c->slots] = i;
+    c->free_len++;
+}
+
+static int32_t free_pop(Core *c) {
+    for (;;) {
+        if (!c->free_len) {
+            for (Py_ssize_t i = 0; i < c->slots; i++)
+                if (STATE(c, i) == FREE) free_push(c, (int32_t)i);
+            if (!c->free_len) return NIL;
+        }
+        int32_t i = c->free_ring[c->free_head];
+        c->free_head = (c->free_head + 1) % c->slots;
+        c->free_len--;
+        if (STATE(c, i) == FREE) return i;
+    }
+}
+
+/* records.Handle(i, generation) (a plain tuple without a handle type), built as tuple_new
+ * builds a subclass's instance: the items set in the fresh object, no Python __new__ run. */
+static PyObject *make_handle(Core *c, int32_t i) {
+    PyObject *index = PyLong_FromLong(i);
+    PyObject *gen = PyLong_FromUnsignedLong(F(c, i, uint32_t, d_generation));
+    PyObject *h = !index || !gen ? NULL
+                  : c->handle    ? c->handle->tp_alloc(c->handle, 2)
+                                 : PyTuple_New(2);
+    if (!h) {
+        Py_XDECREF(index);
+        Py_XDECREF(gen);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(h, 0, index);
+    PyTuple_SET_ITEM(h, 1, gen);
+    return h;
 }
 
 /* ------------------------------------------------------- critical sections (lock held) */
@@ -605,8 +670,9 @@ static PyObject *finished_tuple(Core *c, int32_t i) {
 
 /* Pop the whole done stack, oldest first, as finished_tuple()s, and free each descriptor
  * in the same hold (so a repair cannot push it again): generation += 1 (every old handle is
- * stale from here on), worker = NIL, then state = FREE, as core.py's _make_free does. The
- * result rows stay as they are: only the main process reuses a FREE descriptor. */
+ * stale from here on), worker = NIL, then state = FREE, as core.py's make_free does, and
+ * onto the free list. The result rows stay as they are: only the main process reuses a FREE
+ * descriptor. */
 static PyObject *collect_body(Core *c) {
     Py_ssize_t n = 0;
     for (int32_t i = *c->h_done_head; i != NIL; i = RNEXT(c, i))
@@ -628,6 +694,8 @@ static PyObject *collect_body(Core *c) {
         PUBLISH(&STATE(c, i), FREE);
         i = next;
     }
+    for (k = 0; k < n; k++) /* onto the free list, oldest first */
+        free_push(c, (int32_t)PyLong_AsLong(PyTuple_GET_ITEM(PyList_GET_ITEM(out, k), 0)));
     return out;
 }
 
@@ -943,6 +1011,34 @@ static PyObject *Core_load_ahead(Core *c, PyObject *arg) {
     return Py_BuildValue("(lll)", ahead, total, active);
 }
 
+/* reserve(keep=0): a FREE descriptor, now WRITTEN and the caller's, as a Handle; None when
+ * no more than `keep` descriptors are FREE (admission's reserved share: a request that may
+ * not take the last `keep` gets none of them) or none is. Main process only. */
+static PyObject *Core_reserve(Core *c, PyObject *args) {
+    CORE_OPEN(c);
+    Py_ssize_t keep = 0;
+    if (!PyArg_ParseTuple(args, "|n", &keep)) return NULL;
+    if (keep < 0) return PyErr_Format(PyExc_ValueError, "keep %zd is negative", keep);
+    if (keep > 0) { /* more than keep FREE? the scan stops at keep + 1 */
+        Py_ssize_t n = 0;
+        for (Py_ssize_t i = 0; i < c->slots && n <= keep; i++) n += STATE(c, i) == FREE;
+        if (n <= keep) Py_RETURN_NONE;
+    }
+    int32_t i = free_pop(c);
+    if (i == NIL) Py_RETURN_NONE;
+    PUBLISH(&STATE(c, i), WRITTEN);
+    return make_handle(c, i);
+}
+
+/* Descriptor i was just made FREE (Python's make_free): onto the free list. */
+static PyObject *Core_push_free(Core *c, PyObject *arg) {
+    CORE_OPEN(c);
+    int32_t i = arg_index(c, arg);
+    if (i == NIL) return NULL;
+    free_push(c, i);
+    Py_RETURN_NONE;
+}
+
 /* FREE descriptors now (a lock-free snapshot: only the main process frees or reserves). */
 static PyObject *Core_free_count(Core *c, PyObject *unused) {
     (void)unused;
@@ -1026,6 +1122,26 @@ static PyObject *Core_await_done(Core *c, PyObject *arg) {
     return PyBool_FromLong(found || done_waiting(c));
 }
 
+/* The daemon's event loop, which never spins: quiet() while it is awake and will look at
+ * the done stack before it next sleeps (workers skip the eventfd meanwhile); rearm() just
+ * before that sleep: armed = 1 (seq_cst), then one look, True if the stack is non-empty.
+ * A worker that pushed after the look sees armed = 1 and rings (the handshake of
+ * await_done, without its spin). */
+static PyObject *Core_quiet(Core *c, PyObject *unused) {
+    (void)unused;
+    CORE_OPEN(c);
+    __atomic_store_n(c->h_completion_armed, 0, __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_rearm(Core *c, PyObject *unused) {
+    (void)unused;
+    CORE_OPEN(c);
+    __atomic_store_n(c->h_completion_armed, 1, __ATOMIC_SEQ_CST);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    return PyBool_FromLong(done_waiting(c));
+}
+
 /* A worker, after pushing on the done stack and unlocking: must it ring the eventfd? */
 static PyObject *Core_completion_armed(Core *c, PyObject *unused) {
     (void)unused;
@@ -1067,9 +1183,13 @@ static PyMethodDef Core_methods[] = {
     {"ready_total", (PyCFunction)Core_ready_total, METH_NOARGS, "queued requests, racy"},
     {"load_ahead", (PyCFunction)Core_load_ahead, METH_O, "(ahead, queued, workers), racy"},
     {"free_count", (PyCFunction)Core_free_count, METH_NOARGS, "FREE descriptors, racy"},
+    {"reserve", (PyCFunction)Core_reserve, METH_VARARGS, "a FREE descriptor, WRITTEN, or None"},
+    {"push_free", (PyCFunction)Core_push_free, METH_O, "onto the free list (just made FREE)"},
     {"spin_ready", (PyCFunction)Core_spin_ready, METH_VARARGS, "spin for queued work"},
     {"await_done", (PyCFunction)Core_await_done, METH_O, "spin for the done stack, re-arm"},
     {"completion_armed", (PyCFunction)Core_completion_armed, METH_NOARGS, "ring needed?"},
+    {"quiet", (PyCFunction)Core_quiet, METH_NOARGS, "workers skip the ring (loop awake)"},
+    {"rearm", (PyCFunction)Core_rearm, METH_NOARGS, "workers ring again; done stack set?"},
     {"close", (PyCFunction)Core_close, METH_NOARGS, "release the buffer"},
     {NULL, NULL, 0, NULL},
 };

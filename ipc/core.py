@@ -56,7 +56,6 @@ finished ones without scanning the table. It is part of the derived index: the r
 from __future__ import annotations
 
 import functools
-from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -112,7 +111,7 @@ class QueueCore:
         # The hot critical sections (submit, claim, complete, collect), the index (ready
         # lists, wheel) that every section uses, and the spins.
         fault = self.fault.reach if self.faulty else None
-        self.native = Core(seg.mm, native_offsets(seg.header), fault)
+        self.native = Core(seg.mm, native_offsets(seg.header), fault, Handle)
         self.spin_ns = int(seg.header["worker_spin_ns"])
         self.inputs_ro = seg.inputs.view()  # what workers get: views of it are read-only
         self.inputs_ro.flags.writeable = False
@@ -122,7 +121,6 @@ class QueueCore:
         self.done_head = seg.header_cell("done_head")
         self.w_pid = seg.workers["pid"].data
         self.w_state = seg.workers["state"].data
-        self.free_list: deque[int] = deque()  # creator only: FREE descriptors
 
     def initialize(self, worker_spin_us: int) -> None:
         """Creator only, before anyone attaches: links empty, mutex initialised."""
@@ -139,7 +137,6 @@ class QueueCore:
         for index in (self.seg.ready_head, self.seg.ready_tail, self.seg.wheel_head):
             index[:] = NIL
         self.done_head[0] = NIL
-        self.free_list.extend(range(self.geometry.slots))
 
     def close(self) -> None:
         """Unmap and close the doorbells; the creator also unlinks the name. Raises
@@ -181,7 +178,7 @@ class QueueCore:
         d.worker[i] = NIL
         d.state[i] = FREE
         if self.seg.owner:
-            self.free_list.append(i)
+            self.native.push_free(i)
 
     def contended(self, how: Contended, op: Callable[..., R | Contended], *args: Any) -> R:
         """The slow path of a native operation whose own trylock did not simply succeed:
@@ -218,6 +215,6 @@ class QueueCore:
                 self.work[w].ring()
 
     def ring_completion(self) -> None:
-        """Ring the main process, unless it is spinning on the done stack (it sees it)."""
+        """Ring the main process, unless it will look at the done stack anyway (armed = 0)."""
         if self.completion is not None and self.native.completion_armed():
             self.completion.ring()

@@ -8,8 +8,9 @@ so a ring that lands *before* the waiter starts to wait still wakes it (no lost 
 Two kinds, both ``os.eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)`` (Linux):
 
 - **completion** (one, main process reads): rung by a worker after it flips a descriptor to
-  DONE, and by anyone who moves a descriptor to EXPIRED/FAILED — unless the main process is
-  spinning on the done stack right then (header ``completion_armed`` = 0, ``ipc/queue.py``).
+  DONE, and by anyone who moves a descriptor to EXPIRED/FAILED — unless the main process
+  will look at the done stack anyway (header ``completion_armed`` = 0: it is spinning on it,
+  or its event loop is awake and looks before it sleeps; ``ipc/queue.py``).
   The asyncio loop watches it with ``loop.add_reader(fd, ...)``; the callback drains it,
   then collects.
 - **work** (one per worker slot, the worker reads): rung by ``RequestQueue.submit`` for a

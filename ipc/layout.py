@@ -116,7 +116,7 @@ HEADER_DTYPE = np.dtype(
         ("quarantined", "<u8"),  # requests failed after killing max_kills workers
         ("abandoned", "<u8"),  # requests dropped because their client left
         ("worker_spin_ns", "<i8"),  # how long a worker spins for work before it sleeps
-        ("completion_armed", "<u4"),  # 1: ring the completion eventfd; 0: main is spinning
+        ("completion_armed", "<u4"),  # 1: ring the completion eventfd; 0: main looks anyway
         ("main_cpu", "<i4"),  # CPU the main process last spun on (-1: never); a hint
         ("worker_cpu", "<i4"),  # CPU a worker last spun on (-1: never); a hint
     ],

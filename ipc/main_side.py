@@ -5,7 +5,8 @@ reserves a descriptor, writes the image into its input slot and submits it; the 
 collects finished requests, expires due ones and frees both; a client's disconnect abandons
 its requests; a full queue sheds its newest lowest-priority request for a more urgent one.
 The main process is the only one that moves descriptors to or from FREE, so its free list
-lives in its own memory (``QueueCore.free_list``). The order of writes of submit, collect
+lives in its own memory (``_native.Core``'s, which ``reserve`` takes from and ``collect`` and
+``QueueCore.make_free`` add to). The order of writes of submit, collect
 and expiry is in ``ipc/queue.py``'s docstring, and so is the handshake that lets
 ``wait_for_completions`` spin without missing a completion.
 """
@@ -13,12 +14,12 @@ and expiry is in ``ipc/queue.py``'s docstring, and so is the handshake that lets
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from scratchd.ipc._native import Contended
-from scratchd.ipc.core import DONE, EXPIRED, FREE, QUEUED, WRITTEN, QueueCore
+from scratchd.ipc.core import DONE, EXPIRED, QUEUED, WRITTEN, QueueCore
 from scratchd.ipc.layout import PRIORITIES
 from scratchd.ipc.records import (
     Completion,
@@ -50,23 +51,18 @@ class MainSide:
         # snapshots, one look each).
         self.free_count: Callable[[], int] = core.native.free_count
         self.load_ahead: Callable[[int], tuple[int, int, int]] = core.native.load_ahead
+        # reserve(keep=0): a FREE descriptor, now WRITTEN and the caller's (a Handle); None
+        # when no more than ``keep`` are FREE, or none is (overloaded). C: the free list
+        # (FREE descriptors, oldest freed first) lives in this process's memory, checked
+        # on use and refilled by a scan when empty (ipc/_native.c).
+        self.reserve = cast(Callable[..., Handle | None], core.native.reserve)
+        # An event loop that never spins, awake: quiet_completions() (workers skip the
+        # completion doorbell) until rearm_completions() right before it may sleep, which
+        # looks once more: True if finished requests wait (collect them, without a drain).
+        self.quiet_completions: Callable[[], None] = core.native.quiet
+        self.rearm_completions: Callable[[], bool] = core.native.rearm
 
     # ---------------------------------------------------------------- requests in
-    def reserve(self) -> Handle | None:
-        """A FREE descriptor, now WRITTEN and owned by the caller; None when full (overloaded)."""
-        core = self._core
-        state, free_list = core.d.state, core.free_list
-        while True:
-            if not free_list:
-                scan = np.flatnonzero(core.seg.descs["state"] == FREE)
-                free_list.extend(scan.tolist())
-                if not free_list:
-                    return None
-            i = free_list.popleft()
-            if state[i] == FREE:
-                state[i] = WRITTEN
-                return Handle(i, int(core.d.generation[i]))
-
     def payload(self, h: Handle) -> memoryview:
         """The writable input slot (``slot_bytes``) of a WRITTEN descriptor."""
         core = self._core
@@ -170,15 +166,15 @@ class MainSide:
         return len(mine)
 
     # ---------------------------------------------------------------- answers out
-    def collect_completed(self) -> list[Completion]:
+    def collect_completed(self, drain: bool = True) -> list[Completion]:
         """Every finished (DONE / EXPIRED / FAILED) request as a Completion, oldest first;
         their descriptors are FREE afterwards.
 
-        Drains the completion doorbell first, so a completion that lands later rings again.
-        Requests whose client left are freed without a Completion.
+        Drains the completion doorbell first (``drain``), so a completion that lands later
+        rings again. Requests whose client left are freed without a Completion.
         """
         core = self._core
-        if core.completion is not None:
+        if drain and core.completion is not None:
             core.completion.drain()
         # [lock] pop the done stack, free each in the same hold [unlock]
         finished = core.native.collect(False)
@@ -186,10 +182,8 @@ class MainSide:
             finished = core.contended(finished, core.native.collect)
         # FREE but not reused before we return (only this process reserves): read unlocked.
         out = [self._completion_of(row) for row in finished if not row[3]]  # 3: abandoned
-        if core.seg.owner:
-            freed = [row[0] for row in finished]
-            core.free_list.extend(freed)
-            self._regions.unpin(freed)
+        if core.seg.owner:  # collect put them on the free list
+            self._regions.unpin([row[0] for row in finished])
         return out
 
     def wait_for_completions(self, timeout_s: float | None, spin_us: int = 0) -> bool:

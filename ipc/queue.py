@@ -98,7 +98,10 @@ handshake that keeps a completion from being missed::
 
 Either the worker's load sees ``armed = 1`` (it rings) or the main's look sees the push:
 both fences are sequentially consistent, so they cannot both miss. The daemon's event loop
-never spins: ``armed`` stays 1 and every completion rings.
+never spins; it uses the same handshake without the spin: ``quiet_completions`` (armed = 0)
+while it is awake and has scheduled one look before it can next sleep, and that look is
+``rearm_completions`` (armed = 1, fence, done_head != NIL?), so completions made while it is
+busy anyway cost no ring and no wake-up (``daemon/frontend/dispatch.py``).
 
 Between looks a spinner pauses and, if the other side was last seen spinning on the same
 CPU (header ``main_cpu`` / ``worker_cpu``) or never spun, yields the CPU: the process it
@@ -182,6 +185,8 @@ class RequestQueue:
         self.abandon_connection = main.abandon_connection
         self.collect_completed = main.collect_completed
         self.wait_for_completions = main.wait_for_completions
+        self.quiet_completions = main.quiet_completions
+        self.rearm_completions = main.rearm_completions
         self.expire_due = main.expire_due
         self.next_deadline_ns = main.next_deadline_ns
         self.depth_by_priority = main.depth_by_priority

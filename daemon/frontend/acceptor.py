@@ -120,6 +120,7 @@ class Acceptor:
         self.lend_limit = max(1, config.queue.slots // 4)
         self.connections: dict[int, Connection] = {}
         self.classes = PartClasses(config)
+        self._keep = [overload.keep_free(p, config.queue) for p in range(wire.PRIORITIES)]
         self.gate = AccessGate.from_config(config.server.allowed_uids, config.server.allowed_gids)
         self.regions = RegionDesk(lambda: self.config.server, queue.regions)
         self.places: Places[Connection] = Places(Caps.of(config.server))
@@ -381,19 +382,17 @@ class Acceptor:
         priority is queued to shed. ``lent``: the slot it was received into (kept, unless it
         is refused; lent only while free slots abound, so that is a reserved-share case)."""
         queue, limits, priority = self.queue, self.config.queue, flight.priority
-        ahead, queued, workers = queue.load_ahead(priority)
-        ahead += sum(self.converting[priority:])  # decoding now, queued before this one
-        in_service = max(0, len(self.dispatcher.pending) - queued)
-        now = time.monotonic_ns()
-        refusal = self.dispatcher.service.refusal(
-            now, flight.deadline_ns, ahead, in_service, workers
-        )
+        refusal = overload.late(self.dispatcher.service, queue, flight.deadline_ns, priority,
+                                len(self.dispatcher.pending), self.converting)  # fmt: skip
         if refusal is None and lent is not None:
             if overload.place(priority, queue.free_count() + 1, limits):
                 return lent
             refusal = overload.full_reason(priority, limits)
-        if refusal is None:
-            handle, shed = overload.take_slot(queue, priority, limits)
+        if refusal is None:  # the usual: a slot its priority may take, or make room
+            handle = queue.reserve(self._keep[priority])
+            if handle is not None:
+                return handle
+            handle, shed = overload.make_room(queue, priority)
             if shed is not None:
                 self.dispatcher.shed(shed)
             if handle is not None:
@@ -493,6 +492,7 @@ class Acceptor:
         and the queue geometry do not change while running."""
         self.config = config
         self.classes = PartClasses(config)
+        self._keep = [overload.keep_free(p, config.queue) for p in range(wire.PRIORITIES)]
         self.places.caps = Caps.of(config.server)
         self.gate.policy = AccessPolicy.from_lists(
             config.server.allowed_uids, config.server.allowed_gids

@@ -6,6 +6,13 @@ Every request the acceptor enqueues is recorded here under its queue handle
 - the queue's completion doorbell (an eventfd rung by a worker after it flips a descriptor
   to DONE, and by reclaims) is registered with ``loop.add_reader``; its callback calls
   ``collect_completed``, which drains it first (a completion landing meanwhile rings again);
+- while the loop is awake anyway (a completion or a request being handled), workers need not
+  ring: ``_awake`` tells them so (``RequestQueue.quiet_completions``) and schedules one look
+  (``_look``, ``call_soon``) that re-arms the doorbell and collects what finished meanwhile.
+  A scheduled callback runs before the loop next sleeps (its poll does not block while one
+  is pending), and the re-arm is the queue's handshake (a worker that finishes after the look
+  sees it armed and rings), so a completion is never left unseen; it is answered in the same
+  turn or earlier than its ring would have been, and the loop is woken less;
 - deadlines: a single loop timer armed at the earliest queued deadline (no earlier than one
   tick from now, so a deadline inside the current wheel tick cannot spin the loop) calls
   ``expire_due``; the wheel answers expired requests ``timeout`` within a tick. A descriptor
@@ -106,12 +113,17 @@ class Dispatcher:
         self._loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_ns = 0
+        self._looking: asyncio.Handle | None = None  # the doorbell is quiet, this _look due
 
     def start(self) -> None:
         self._loop.add_reader(self.queue.completion_fd, self.collect)
 
     def stop(self) -> None:
         self._loop.remove_reader(self.queue.completion_fd)
+        if self._looking is not None:  # nobody looks any more: workers ring again
+            self._looking.cancel()
+            self._looking = None
+            self.queue.rearm_completions()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -136,7 +148,10 @@ class Dispatcher:
         assert flight.handle is not None
         self.pending[flight.handle] = flight
         flight.conn.in_queue.add(flight.handle)
-        self.idle.clear()
+        if len(self.pending) == 1:  # idle is only ever set with nothing pending
+            self.idle.clear()
+        if self._looking is None:
+            self._awake()
         if self._timer is None or self._timer_ns > flight.deadline_ns:
             self._arm_at(flight.deadline_ns)  # else the armed timer fires first: no clock read
 
@@ -156,11 +171,28 @@ class Dispatcher:
 
     def collect(self) -> None:
         """Answer everything the queue has finished (it drains the doorbell first)."""
+        if self._looking is None:
+            self._awake()
+        self._collect(True)
+
+    def _collect(self, drain: bool) -> None:
         finish = self._finish
-        for completion in self.queue.collect_completed():
+        for completion in self.queue.collect_completed(drain):
             finish(completion)
         if not self.pending:
             self.idle.set()
+
+    def _awake(self) -> None:
+        """The loop is awake: workers need not ring until ``_look``, which runs before it
+        next sleeps (module docstring)."""
+        self.queue.quiet_completions()
+        self._looking = self._loop.call_soon(self._look)
+
+    def _look(self) -> None:
+        """Re-arm the doorbell, then answer what finished while it was quiet."""
+        self._looking = None
+        if self.queue.rearm_completions():
+            self._collect(False)
 
     def requeued(self) -> None:
         """A dead worker's claims went back to the queue: answer what the reclaim finished

@@ -28,6 +28,7 @@ shed for one of its own priority or lower.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Final
 
@@ -80,6 +81,32 @@ class ServiceRate:
             f"{expected / NS_PER_MS:.0f} ms, {left_ms:.0f} ms are left"
         )
 
+    def surely_in_time(self, now_ns: int, deadline_ns: int, most: int) -> bool:
+        """True when a request due at ``deadline_ns`` is in time whatever the load, as long
+        as ``ahead + in_service / 2 <= most`` (then ``refusal`` would be None: the estimate
+        grows with the load and falls with the workers, of which there is at least one).
+        The usual request's answer without looking at the queue; False says nothing."""
+        return now_ns + (most + 1) * self.per_request_ns <= deadline_ns
+
+
+def late(
+    service: ServiceRate, queue: RequestQueue, deadline_ns: int, priority: int, pending: int,
+    converting: list[int],
+) -> str | None:  # fmt: skip
+    """Why a request of ``priority`` due at ``deadline_ns`` cannot be served in time behind
+    the work queued ahead of it (``ServiceRate.refusal``), or None. ``pending``: requests
+    submitted and not answered; ``converting``: images being decoded, by priority. The queue
+    is only looked at when the deadline is near enough for its load to matter."""
+    if service.per_request_ns == 0.0:
+        return None  # nothing measured yet: nothing refused this way
+    now = time.monotonic_ns()
+    most = queue.geometry.slots + sum(converting) + pending  # >= ahead + in_service / 2
+    if service.surely_in_time(now, deadline_ns, most):
+        return None
+    ahead, queued, workers = queue.load_ahead(priority)
+    ahead += sum(converting[priority:])  # decoding now, queued before it once submitted
+    return service.refusal(now, deadline_ns, ahead, max(0, pending - queued), workers)
+
 
 def reserved_slots(queue: QueueConfig) -> int:
     """Slots only requests of ``reserved_priority`` or higher may take."""
@@ -94,15 +121,26 @@ def place(priority: int, free: int, queue: QueueConfig) -> bool:
     return free > reserved_slots(queue)
 
 
+def keep_free(priority: int, queue: QueueConfig) -> int:
+    """How many free slots a request of ``priority`` must leave to others: it may take one
+    only while more than that many are free (``place``; ``RequestQueue.reserve(keep)``)."""
+    return 0 if priority >= queue.reserved_priority else reserved_slots(queue)
+
+
 def take_slot(
     queue: RequestQueue, priority: int, limits: QueueConfig
 ) -> tuple[Handle | None, Completion | None]:
     """A WRITTEN slot for a request of ``priority`` (None: refuse it, ``full_reason``), and
     the request shed to make room for it, whose Completion the caller must answer."""
-    if place(priority, queue.free_count(), limits):
-        handle = queue.reserve()
-        if handle is not None:
-            return handle, None
+    handle = queue.reserve(keep_free(priority, limits))
+    if handle is not None:
+        return handle, None
+    return make_room(queue, priority)
+
+
+def make_room(queue: RequestQueue, priority: int) -> tuple[Handle | None, Completion | None]:
+    """No slot a request of ``priority`` may take is free: shed a queued one of lower
+    priority and take its slot (None, None: there is none to shed)."""
     shed = queue.shed(priority, shed_reason(priority))
     if shed is None:
         return None, None

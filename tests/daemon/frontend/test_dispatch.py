@@ -126,3 +126,46 @@ def test_a_result_that_arrives_after_its_deadline_is_answered_timeout_not_ok(
     assert replies[2].status == "ok" and replies[2].timings.total_ms <= 60_000
     statuses = {rid: (status, c.status if c else None) for rid, status, c in accounted}
     assert statuses == {1: ("timeout", Status.OK), 2: ("ok", Status.OK)}
+
+
+def test_a_completion_while_the_loop_is_awake_is_answered_without_a_ring(
+    queue: RequestQueue,
+) -> None:
+    """While the loop is awake (a request just queued) workers skip the doorbell; the look
+    before the loop sleeps answers what finished meanwhile, then re-arms it, so the next
+    completion rings as usual. Each request is answered once."""
+
+    async def scenario() -> tuple[FakeConn, list[bool], int]:
+        dispatcher = Dispatcher(queue, NS_PER_MS, lambda *_: None, lambda _: "w0")
+        dispatcher.start()
+        conn = FakeConn()
+        queue.register_worker(0, os.getpid())
+        armed: list[bool] = []
+        bell = queue._core.completion
+        assert bell is not None
+        try:
+            _enqueue(dispatcher, conn, 1, 60_000)  # the loop is awake: quiet
+            armed.append(queue._core.native.completion_armed())
+            (claim,) = queue.claim_batch(0, 1, time.monotonic_ns())
+            assert queue.complete(0, claim, Result(Status.OK, score=0.5))  # rings nobody
+            rung_while_quiet = bell.drain()
+            await asyncio.sleep(0)  # the turn ends: the look answers it
+            armed.append(queue._core.native.completion_armed())
+            answered_by_look = len(conn.sent)
+            _enqueue(dispatcher, conn, 2, 60_000)
+            await asyncio.sleep(0)  # looked: nothing finished, armed again
+            (claim,) = queue.claim_batch(0, 1, time.monotonic_ns())
+            assert queue.complete(0, claim, Result(Status.OK, score=0.5))  # rings: wakes it
+            await asyncio.wait_for(dispatcher.idle.wait(), 5.0)
+            _enqueue(dispatcher, conn, 3, 60_000)  # quiet again: stopping re-arms it
+        finally:
+            dispatcher.stop()
+        armed.append(queue._core.native.completion_armed())
+        await asyncio.sleep(0)  # the look was cancelled: nothing collected after the stop
+        assert answered_by_look == 1 and len(conn.sent) == 2
+        return conn, armed, rung_while_quiet
+
+    conn, armed, rung_while_quiet = asyncio.run(scenario())
+    assert armed == [False, True, True]
+    assert rung_while_quiet == 0
+    assert [(reply.id, reply.status) for _, reply in conn.sent] == [(1, "ok"), (2, "ok")]

@@ -56,6 +56,27 @@ def test_the_estimate_follows_the_service_time() -> None:
     assert rate.per_request_ns == pytest.approx(30 * MS, rel=1e-3)
 
 
+@given(
+    per_ms=st.floats(0.01, 100.0),
+    most=st.integers(0, 1000),
+    left_ms=st.floats(0.0, 100_000.0),
+    ahead=st.integers(0, 1000),
+    in_service=st.integers(0, 2000),
+    workers=st.integers(0, 64),
+)
+def test_a_request_surely_in_time_is_never_refused_on_the_estimate(
+    per_ms: float, most: int, left_ms: float, ahead: int, in_service: int, workers: int
+) -> None:
+    """The shortcut that skips looking at the queue never lets in what ``refusal`` would
+    refuse, for any load within the bound it was given."""
+    rate = overload.ServiceRate()
+    rate.observe(_done(per_ms, 1))
+    now, deadline = 10**12, 10**12 + int(left_ms * MS)
+    if ahead + in_service / 2 > most or not rate.surely_in_time(now, deadline, most):
+        return
+    assert rate.refusal(now, deadline, ahead, in_service, workers) is None
+
+
 def test_reserved_share_is_checked_and_rounds_up() -> None:
     assert overload.reserved_slots(QueueConfig(slots=8, reserved_share=0.125)) == 1
     assert overload.reserved_slots(QueueConfig(slots=10, reserved_share=0.125)) == 2
