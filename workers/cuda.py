@@ -276,7 +276,8 @@ class CudaBackend:
                     continue
                 chunk = Chunk(
                     g, part, [images[i] for i in part], [bool(want_mask[i]) for i in part],
-                    want_prob=part[0] in batch.small,  # a chunk holds frames of one size
+                    # a small frame at 2x may share its size with frames of that size
+                    want_prob=any(i in batch.small for i in part),
                 )  # fmt: skip
                 if id(g) not in seen:
                     seen.add(id(g))
