@@ -243,8 +243,33 @@ class Acceptor:
 
     def frame(self, conn: Connection, body: memoryview, received_ns: int) -> None:
         self.places.spoke(conn)
-        try:
-            self.handle_frame(conn, body, received_ns)
+        try:  # decode, then answer it or admit it: one frame (frames cost, per request)
+            try:
+                message = wire.decode_client_frame(body)
+            except wire.DecodeError as exc:  # whatever the body: wire raises nothing else
+                rid = wire.salvage_request_id(body)
+                self._malformed.log(logging.WARNING, conn=conn.id, id=rid, reason=str(exc))
+                flight = InFlight(conn, rid, "unknown", 0, received_ns)
+                self.dispatcher.reject(flight, "invalid", f"malformed request: {exc}")
+                return
+            if not isinstance(message, wire.InferFrame):  # the rare kinds: one test for the usual
+                if isinstance(message, wire.StatusRequest):
+                    conn.send(self.status(message.id))
+                elif isinstance(message, wire.Ping):
+                    conn.send(wire.Pong(id=message.id))
+                else:
+                    self.regions.register(conn, message)
+                return
+            region = None
+            if message.region:  # zero-copy: the pixels are read from the client's region
+                try:
+                    message, region = self.regions.resolve(conn, message)
+                except Invalid as exc:
+                    flight = InFlight(conn, message.id, "unknown", 0, received_ns)
+                    flight.want_mask = message.want_mask
+                    self.dispatcher.reject(flight, "invalid", str(exc))
+                    return
+            self._admit(conn, message, received_ns, None, region)
         except Exception as exc:
             self._answer_bug(conn, wire.salvage_request_id(body), received_ns, exc)
 
@@ -294,33 +319,6 @@ class Acceptor:
         except Exception as exc:
             self._answer_bug(conn, request.id, received_ns, exc)
         return True
-
-    def handle_frame(self, conn: Connection, body: memoryview | bytes, received_ns: int) -> None:
-        try:
-            message = wire.decode_client_frame(body)
-        except wire.DecodeError as exc:  # whatever the body: wire raises nothing else
-            rid = wire.salvage_request_id(body)
-            self._malformed.log(logging.WARNING, conn=conn.id, id=rid, reason=str(exc))
-            flight = InFlight(conn, rid, "unknown", 0, received_ns)
-            self.dispatcher.reject(flight, "invalid", f"malformed request: {exc}")
-            return
-        if not isinstance(message, wire.InferFrame):  # the rare kinds: one test for the usual
-            if isinstance(message, wire.StatusRequest):
-                conn.send(self.status(message.id))
-            elif isinstance(message, wire.Ping):
-                conn.send(wire.Pong(id=message.id))
-            else:
-                self.regions.register(conn, message)
-            return
-        region = None
-        if message.region:  # zero-copy: the pixels are read from the client's region
-            try:
-                message, region = self.regions.resolve(conn, message)
-            except Invalid as exc:
-                flight = InFlight(conn, message.id, "unknown", 0, received_ns, message.want_mask)
-                self.dispatcher.reject(flight, "invalid", str(exc))
-                return
-        self._admit(conn, message, received_ns, None, region)
 
     def new_peer_id(self) -> int:
         """A connection id no Unix-socket connection has: for another front end's peers."""

@@ -285,27 +285,8 @@ class Connection(asyncio.BufferedProtocol):
             elif self._got == self._granted:
                 self._ask_budget()
             return
+        # HEAD: handle every complete frame in head; keep a partial one for the next read
         self._have += nbytes
-        self._parse_head()
-
-    def eof_received(self) -> bool | None:
-        if self._refused is not None:
-            self._refused.feed_eof()
-        return None  # the transport closes itself
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._out.clear()
-        if self._refused is not None:
-            self._refused.feed_eof()
-        self._enter(ReadState.CLOSED)
-        self._mark_closed()
-        if not self.gone.done():
-            self.gone.set_result(None)
-
-    # ---- frames -----------------------------------------------------------------------
-
-    def _parse_head(self) -> None:
-        """Handle every complete frame in head; keep a partial one for the next read."""
         pos, have, view, prefix = 0, self._have, self._head_view, wire.LENGTH_PREFIX.unpack_from
         while self.state is ReadState.HEAD and have - pos >= wire.PREFIX_BYTES:
             (length,) = prefix(view, pos)
@@ -314,7 +295,8 @@ class Connection(asyncio.BufferedProtocol):
                 return
             start = pos + wire.PREFIX_BYTES
             if have - start >= length:
-                self._disarm()
+                if self._timer is not None:
+                    self._disarm()
                 self._peek = False  # not a large frame after all: read all of head again
                 self.handler.frame(self, view[start : start + length], time.monotonic_ns())
                 pos = start + length
@@ -331,6 +313,22 @@ class Connection(asyncio.BufferedProtocol):
         if self.state is ReadState.HEAD:  # the partial frame moves to the front
             view[: have - pos] = view[pos:have]
             self._have = have - pos
+
+    def eof_received(self) -> bool | None:
+        if self._refused is not None:
+            self._refused.feed_eof()
+        return None  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._out.clear()
+        if self._refused is not None:
+            self._refused.feed_eof()
+        self._enter(ReadState.CLOSED)
+        self._mark_closed()
+        if not self.gone.done():
+            self.gone.set_result(None)
+
+    # ---- frames -----------------------------------------------------------------------
 
     def _start_slot(self, length: int, start: int) -> bool:
         """Receive the rest of a large frame's pixels straight into a lent payload slot, if

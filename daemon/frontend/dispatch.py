@@ -7,8 +7,9 @@ Every request the acceptor enqueues is recorded here under its queue handle
   to DONE, and by reclaims) is registered with ``loop.add_reader``; its callback calls
   ``collect_completed``, which drains it first (a completion landing meanwhile rings again);
 - while the loop is awake anyway (a completion or a request being handled), workers need not
-  ring: ``_awake`` tells them so (``RequestQueue.quiet_completions``) and schedules one look
-  (``_look``, ``call_soon``) that re-arms the doorbell and collects what finished meanwhile.
+  ring: the first ``enqueued`` or ``collect`` of a turn tells them so
+  (``RequestQueue.quiet_completions``) and schedules one look (``_look``, ``call_soon``)
+  that re-arms the doorbell and collects what finished meanwhile.
   A scheduled callback runs before the loop next sleeps (its poll does not block while one
   is pending), and the re-arm is the queue's handshake (a worker that finishes after the look
   sees it armed and rings), so a completion is never left unseen; it is answered in the same
@@ -151,8 +152,9 @@ class Dispatcher:
         flight.conn.in_queue.add(flight.handle)
         if len(self.pending) == 1:  # idle is only ever set with nothing pending
             self.idle.clear()
-        if self._looking is None:
-            self._awake()
+        if self._looking is None:  # the loop is awake: workers need not ring until _look
+            self.queue.quiet_completions()
+            self._looking = self._loop.call_soon(self._look)
         if self._timer is None or self._timer_ns > flight.deadline_ns:
             self._arm_at(flight.deadline_ns)  # else the armed timer fires first: no clock read
 
@@ -172,8 +174,9 @@ class Dispatcher:
 
     def collect(self) -> None:
         """Answer everything the queue has finished (it drains the doorbell first)."""
-        if self._looking is None:
-            self._awake()
+        if self._looking is None:  # as in enqueued
+            self.queue.quiet_completions()
+            self._looking = self._loop.call_soon(self._look)
         self._collect(True)
 
     def _collect(self, drain: bool) -> None:
@@ -194,14 +197,9 @@ class Dispatcher:
         if not pending:
             self.idle.set()
 
-    def _awake(self) -> None:
-        """The loop is awake: workers need not ring until ``_look``, which runs before it
-        next sleeps (module docstring)."""
-        self.queue.quiet_completions()
-        self._looking = self._loop.call_soon(self._look)
-
     def _look(self) -> None:
-        """Re-arm the doorbell, then answer what finished while it was quiet."""
+        """Re-arm the doorbell, then answer what finished while it was quiet (scheduled by
+        the turn's first ``enqueued`` or ``collect``; runs before the loop next sleeps)."""
         self._looking = None
         if self.queue.rearm_completions():
             self._collect(False)
