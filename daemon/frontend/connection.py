@@ -191,7 +191,8 @@ class Connection(asyncio.BufferedProtocol):
         if self._out and not self.closed and self.transport is not None:
             self.transport.write(wire.encode_frames(self._out))
         self._out.clear()
-        self._end_if_answered()
+        if self.state is ReadState.ENDING:
+            self._end_if_answered()
 
     def end(self, last: wire.DaemonMessage) -> None:
         """Read no more (the stream cannot be trusted); once every request accepted on it is
