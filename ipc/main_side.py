@@ -13,6 +13,7 @@ and expiry is in ``ipc/queue.py``'s docstring, and so is the handshake that lets
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:  # a type the stub names (ipc/_native.pyi), not a runtime attr
     from scratchd.ipc._native import FinishedRow
 
 _TIMEOUT_REASON = "deadline passed while queued"
+_INDEX = operator.itemgetter(0)  # a FinishedRow's descriptor index
 
 
 class MainSide:
@@ -191,7 +193,7 @@ class MainSide:
         seg = core.seg
         out = self._reader.completions(seg.mm, finished, seg.r.histogram, self._masked)
         if core.seg.owner:  # collect put them on the free list
-            self._regions.unpin([row[0] for row in finished])
+            self._regions.unpin(map(_INDEX, finished))
         return out
 
     def wait_for_completions(self, timeout_s: float | None, spin_us: int = 0) -> bool:

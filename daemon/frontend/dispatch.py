@@ -172,16 +172,13 @@ class Dispatcher:
         self._note_idle()
         return dropped
 
-    def collect(self) -> None:
-        """Answer everything the queue has finished (it drains the doorbell first)."""
-        if self._looking is None:  # as in enqueued
+    def collect(self, drain: bool = True) -> None:
+        """Answer everything the queue has finished (``drain``: the doorbell first; ``_look``
+        collects without, having re-armed it), the batch in one frame: what ``_finish`` does
+        for each completion (the usual way out: ``answer``'s send and account, written out)."""
+        if drain and self._looking is None:  # as in enqueued
             self.queue.quiet_completions()
             self._looking = self._loop.call_soon(self._look)
-        self._collect(True)
-
-    def _collect(self, drain: bool) -> None:
-        """Answer a collected batch: what ``_finish`` does for each completion, in one frame
-        (the usual way out: ``answer``'s send and account, written out here)."""
         completions = self.queue.collect_completed(drain)
         self.service.observe_all(completions)
         pending, reply, account = self.pending, self._reply, self.account
@@ -202,7 +199,7 @@ class Dispatcher:
         the turn's first ``enqueued`` or ``collect``; runs before the loop next sleeps)."""
         self._looking = None
         if self.queue.rearm_completions():
-            self._collect(False)
+            self.collect(False)
 
     def requeued(self) -> None:
         """A dead worker's claims went back to the queue: answer what the reclaim finished
