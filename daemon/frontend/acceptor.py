@@ -245,12 +245,12 @@ class Acceptor:
         self.places.spoke(conn)
         try:  # decode, then answer it or admit it: one frame (frames cost, per request)
             try:
-                message = wire.decode_client_frame(body)
-            except wire.DecodeError as exc:  # whatever the body: wire raises nothing else
-                rid = wire.salvage_request_id(body)
-                self._malformed.log(logging.WARNING, conn=conn.id, id=rid, reason=str(exc))
+                message = wire.decode_client_frame_raw(body)
+            except Exception as exc:  # whatever the body: a malformed one, never a bug here
+                rid, reason = wire.salvage_request_id(body), wire.decode_failure(exc)
+                self._malformed.log(logging.WARNING, conn=conn.id, id=rid, reason=reason)
                 flight = InFlight(conn, rid, "unknown", 0, received_ns)
-                self.dispatcher.reject(flight, "invalid", f"malformed request: {exc}")
+                self.dispatcher.reject(flight, "invalid", f"malformed request: {reason}")
                 return
             if not isinstance(message, wire.InferFrame):  # the rare kinds: one test for the usual
                 if isinstance(message, wire.StatusRequest):
