@@ -58,7 +58,8 @@ Who writes what (``ipc/queue.py``'s docstring gives the order of writes inside t
 
 The C fast path (``ipc/_native.c``) reads the same bytes: :func:`native_offsets` hands it
 every offset it uses, after checking each field's dtype against the C type it is read as
-(:data:`NATIVE_FIELDS`), so this module stays the single source of the layout.
+(:data:`NATIVE_FIELDS`), so this module stays the single source of the layout; so does
+:func:`result_offsets` for ``ipc/_results.c``, which reads the result rows.
 """
 
 from __future__ import annotations
