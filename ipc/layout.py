@@ -58,7 +58,8 @@ Who writes what (``ipc/queue.py``'s docstring gives the order of writes inside t
 
 The C fast path (``ipc/_native.c``) reads the same bytes: :func:`native_offsets` hands it
 every offset it uses, after checking each field's dtype against the C type it is read as
-(:data:`NATIVE_FIELDS`), so this module stays the single source of the layout.
+(:data:`NATIVE_FIELDS`), so this module stays the single source of the layout; so does
+:func:`result_offsets` for ``ipc/_results.c``, which reads the result rows.
 """
 
 from __future__ import annotations
@@ -358,5 +359,32 @@ def native_offsets(header: np.ndarray) -> dict[str, int]:
         wheel_head=index + 12 * PRIORITIES, wheel_ticks=int(header["wheel_ticks"]),
         base_ns=int(header["clock_base_ns"]), tick_ns=int(header["tick_ms"]) * NS_PER_MS,
         mutex=MUTEX_OFFSET,
+    )  # fmt: skip
+    return out
+
+
+# The result row's fields ipc/_results.c reads, with the C type it reads them as.
+RESULT_NATIVE_FIELDS: dict[str, str] = {
+    "status": "u1", "verdict": "u1", "has_mask": "u1", "n_boxes": "<u2", "error_len": "<u2",
+    "batch_size": "<u4", "score": "<f4", "entropy": "<f4", "compute_ns": "<i8",
+    "boxes": "<f4", "error": "u1",
+}  # fmt: skip
+
+
+def result_offsets(header: np.ndarray) -> dict[str, int]:
+    """Everything ``_results.Reader`` needs to read a mapped segment's result rows: the
+    table's offset and stride, each field's offset in a row (``"r.score"``; a sub-array's
+    item type checked), the slots and the sub-arrays' sizes."""
+    out: dict[str, int] = {}
+    fields = RESULT_DTYPE.fields
+    assert fields is not None
+    for name, code in RESULT_NATIVE_FIELDS.items():
+        field_dtype, offset = fields[name][:2]
+        item = field_dtype.base if field_dtype.subdtype else field_dtype
+        assert item == np.dtype(code), f"r.{name}: C reads it as {code}"
+        out[f"r.{name}"] = offset
+    out.update(
+        result_off=int(header["result_off"]), result_stride=RESULT_DTYPE.itemsize,
+        slots=int(header["slots"]), max_boxes=MAX_BOXES, error_bytes=ERROR_BYTES,
     )  # fmt: skip
     return out

@@ -13,19 +13,22 @@ and expiry is in ``ipc/queue.py``'s docstring, and so is the handshake that lets
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from scratchd.ipc._native import Contended
+from scratchd.ipc._results import Reader
 from scratchd.ipc.core import DONE, EXPIRED, QUEUED, WRITTEN, QueueCore
-from scratchd.ipc.layout import PRIORITIES
+from scratchd.ipc.layout import PRIORITIES, result_offsets
 from scratchd.ipc.records import (
     Completion,
     DescState,
     Handle,
     QueueError,
+    Result,
     Status,
     read_result,
 )
@@ -35,6 +38,7 @@ if TYPE_CHECKING:  # a type the stub names (ipc/_native.pyi), not a runtime attr
     from scratchd.ipc._native import FinishedRow
 
 _TIMEOUT_REASON = "deadline passed while queued"
+_INDEX = operator.itemgetter(0)  # a FinishedRow's descriptor index
 
 
 class MainSide:
@@ -61,6 +65,11 @@ class MainSide:
         # looks once more: True if finished requests wait (collect them, without a drain).
         self.quiet_completions: Callable[[], None] = core.native.quiet
         self.rearm_completions: Callable[[], bool] = core.native.rearm
+        # A collected batch's Completions, built in C from its FinishedRows and the result
+        # rows (ipc/_results.c; _completion_of is the definition it follows).
+        self._reader_kit = (Completion, Result, Handle, tuple(Status), Status.TIMEOUT,
+                            Status.ERROR, _TIMEOUT_REASON)  # fmt: skip
+        self._reader = Reader(result_offsets(core.seg.header), self._reader_kit)
 
     # ---------------------------------------------------------------- requests in
     def payload(self, h: Handle) -> memoryview:
@@ -181,9 +190,10 @@ class MainSide:
         if isinstance(finished, Contended):
             finished = core.contended(finished, core.native.collect)
         # FREE but not reused before we return (only this process reserves): read unlocked.
-        out = [self._completion_of(row) for row in finished if not row[3]]  # 3: abandoned
+        seg = core.seg
+        out = self._reader.completions(seg.mm, finished, seg.r.histogram, self._masked)
         if core.seg.owner:  # collect put them on the free list
-            self._regions.unpin([row[0] for row in finished])
+            self._regions.unpin(map(_INDEX, finished))
         return out
 
     def wait_for_completions(self, timeout_s: float | None, spin_us: int = 0) -> bool:
@@ -245,6 +255,11 @@ class MainSide:
         """Descriptors per state (a lock-free snapshot)."""
         counts = np.bincount(self._core.seg.descs["state"], minlength=len(DescState))
         return {s: int(counts[s.value]) for s in DescState}
+
+    def _masked(self, i: int, height: int, width: int) -> Result:
+        """Descriptor ``i``'s result with its mask (the reader's one call back to Python)."""
+        seg = self._core.seg
+        return read_result(seg.result_block, self._core.r, seg.masks, i, height, width)
 
     def _completion_of(self, row: FinishedRow) -> Completion:
         i, gen, state, _, rid, conn, enqueued, part, h, w, prio, kills, claimed, done, worker = row

@@ -36,6 +36,7 @@ RGB ones are converted there.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable
 from typing import Final
 
 import numpy as np
@@ -90,7 +91,7 @@ class RegionTable:
         self._pinned[index] = row
         self._pins[row] += 1
 
-    def unpin(self, indices: list[int]) -> None:
+    def unpin(self, indices: Iterable[int]) -> None:
         """Descriptors ``indices`` are free: the rows they named lose a pin each."""
         pinned = self._pinned
         if not pinned:

@@ -420,6 +420,17 @@ def salvage_request_id(body: bytes | memoryview) -> int:
     return 0
 
 
+decode_client_frame_raw: Final = _frame_decoder.decode
+"""``decode_client_frame`` without its wrapper's Python frame (the daemon's per-request call):
+for a malformed body it may raise any exception, which ``decode_failure`` explains."""
+
+
+def decode_failure(exc: Exception) -> str:
+    """Why ``decode_client_frame_raw`` refused a body: what ``decode_client_frame``'s
+    :data:`DecodeError` would say for the same exception."""
+    return str(exc) if isinstance(exc, DecodeError) else _undecodable(exc)
+
+
 def _undecodable(exc: Exception) -> str:
     if isinstance(exc, RecursionError):
         return "malformed msgpack: nested too deeply"

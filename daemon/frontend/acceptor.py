@@ -62,18 +62,12 @@ from typing import Final
 import msgspec
 
 from scratchd.daemon.config import Config
-from scratchd.daemon.frontend import overload, raw_frames
+from scratchd.daemon.frontend import images, overload, raw_frames
 from scratchd.daemon.frontend.access import AccessGate, AccessPolicy, peer_ids
 from scratchd.daemon.frontend.admission import Admission, PartClasses, Refused
 from scratchd.daemon.frontend.buffers import BufferPool, ReceiveBudget
 from scratchd.daemon.frontend.connection import Connection, SlotLoan
 from scratchd.daemon.frontend.dispatch import Dispatcher, InFlight, Peer
-from scratchd.daemon.frontend.images import (
-    Invalid,
-    check_image,
-    convert_into,
-    write_raw_grey,
-)
 from scratchd.daemon.frontend.places import UNKNOWN, Caps, Places
 from scratchd.daemon.frontend.receiver import ReceivePool
 from scratchd.daemon.frontend.regions import RegionDesk
@@ -243,8 +237,33 @@ class Acceptor:
 
     def frame(self, conn: Connection, body: memoryview, received_ns: int) -> None:
         self.places.spoke(conn)
-        try:
-            self.handle_frame(conn, body, received_ns)
+        try:  # decode, then answer it or admit it: one frame (frames cost, per request)
+            try:
+                message = wire.decode_client_frame_raw(body)
+            except Exception as exc:  # whatever the body: a malformed one, never a bug here
+                rid, reason = wire.salvage_request_id(body), wire.decode_failure(exc)
+                self._malformed.log(logging.WARNING, conn=conn.id, id=rid, reason=reason)
+                flight = InFlight(conn, rid, "unknown", 0, received_ns)
+                self.dispatcher.reject(flight, "invalid", f"malformed request: {reason}")
+                return
+            if not isinstance(message, wire.InferFrame):  # the rare kinds: one test for the usual
+                if isinstance(message, wire.StatusRequest):
+                    conn.send(self.status(message.id))
+                elif isinstance(message, wire.Ping):
+                    conn.send(wire.Pong(id=message.id))
+                else:
+                    self.regions.register(conn, message)
+                return
+            region = None
+            if message.region:  # zero-copy: the pixels are read from the client's region
+                try:
+                    message, region = self.regions.resolve(conn, message)
+                except images.Invalid as exc:
+                    flight = InFlight(conn, message.id, "unknown", 0, received_ns)
+                    flight.want_mask = message.want_mask
+                    self.dispatcher.reject(flight, "invalid", str(exc))
+                    return
+            self._admit(conn, message, received_ns, None, region)
         except Exception as exc:
             self._answer_bug(conn, wire.salvage_request_id(body), received_ns, exc)
 
@@ -295,33 +314,6 @@ class Acceptor:
             self._answer_bug(conn, request.id, received_ns, exc)
         return True
 
-    def handle_frame(self, conn: Connection, body: memoryview | bytes, received_ns: int) -> None:
-        try:
-            message = wire.decode_client_frame(body)
-        except wire.DecodeError as exc:  # whatever the body: wire raises nothing else
-            rid = wire.salvage_request_id(body)
-            self._malformed.log(logging.WARNING, conn=conn.id, id=rid, reason=str(exc))
-            flight = InFlight(conn, rid, "unknown", 0, received_ns)
-            self.dispatcher.reject(flight, "invalid", f"malformed request: {exc}")
-            return
-        if not isinstance(message, wire.InferFrame):  # the rare kinds: one test for the usual
-            if isinstance(message, wire.StatusRequest):
-                conn.send(self.status(message.id))
-            elif isinstance(message, wire.Ping):
-                conn.send(wire.Pong(id=message.id))
-            else:
-                self.regions.register(conn, message)
-            return
-        region = None
-        if message.region:  # zero-copy: the pixels are read from the client's region
-            try:
-                message, region = self.regions.resolve(conn, message)
-            except Invalid as exc:
-                flight = InFlight(conn, message.id, "unknown", 0, received_ns, message.want_mask)
-                self.dispatcher.reject(flight, "invalid", str(exc))
-                return
-        self._admit(conn, message, received_ns, None, region)
-
     def new_peer_id(self) -> int:
         """A connection id no Unix-socket connection has: for another front end's peers."""
         return next(self._ids)
@@ -363,7 +355,7 @@ class Acceptor:
                 if region is not None and region.row is not None:  # read in place by workers
                     named = (region.row, region.generation, request.offset)
                 elif lent is None:
-                    shape = write_raw_grey(self.queue.payload(handle), request)
+                    shape = images.write_raw_grey(self.queue.payload(handle), request)
                 self._submit(flight, admission, shape, named)
                 return
             if request.pixels is not None and not request.region:  # raw RGB: off the frame
@@ -429,8 +421,12 @@ class Acceptor:
         try:
             admission = self.classes.classify(request)
             flight.part_class, flight.priority = admission.class_name, admission.priority
-            check_image(request, self.config.queue.slot_bytes, in_region=region)
-        except Invalid as exc:
+            slot_bytes = self.config.queue.slot_bytes
+            if region:  # the bytes it names were checked there: only its shape is left
+                images.check_shape(request.height, request.width, request.channels, slot_bytes)
+            else:
+                images.check_image(request, slot_bytes)
+        except images.Invalid as exc:
             raise Refused("invalid", str(exc)) from None
         refusal = self._refusal_at_door(flight.conn)
         if refusal is not None:
@@ -456,7 +452,7 @@ class Acceptor:
         try:
             payload = self.queue.payload(handle)
             loop = asyncio.get_running_loop()
-            shape = await loop.run_in_executor(self._pool, convert_into, payload, request)
+            shape = await loop.run_in_executor(self._pool, images.convert_into, payload, request)
             if not flight.conn.closed:
                 self._submit(flight, admission, shape)
                 submitted = True

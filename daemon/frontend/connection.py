@@ -51,12 +51,11 @@ error) is fewer bytes: another job if a burst is there again, else reading resum
 loop receives the rest, ``SLOT_READ_BYTES`` a read, checking after each whether a burst waits
 for a thread. The stall timer runs throughout. Closed or lost meanwhile, the job is cancelled
 and ``_received`` returns the slot, once. After a frame finished off the loop the next read of
-head asks only ``PEEK_BYTES`` (``_peek``): a client that sent one large frame likely sends
-another, whose first 64 KiB of pixels had better not be copied on the loop first.
+head asks only ``PEEK_BYTES`` (``_peek``): a next large frame's pixels are not copied on the loop.
 
 Replies (``send``) are queued and written together at the end of the loop's turn, encoded into
-one buffer: one ``write``; ``close`` writes what is queued first. ``end`` stops reading
-but writes on until every request accepted on the connection is answered.
+one buffer: one ``write``; ``close`` writes what is queued first. ``end`` stops reading but
+writes on until every request accepted on the connection is answered.
 
 A refused connection (allow-list, connection limit) is decided in ``connection_made``; it is
 then handed to ``AccessGate.linger`` through a ``StreamReader`` this protocol feeds.
@@ -101,6 +100,9 @@ class ReadState(enum.Enum):
     BODY = "body"
     ENDING = "ending"
     CLOSED = "closed"
+
+
+HEAD, SLOT, BODY, ENDING, CLOSED = ReadState  # constants: ReadState.X is a descriptor call
 
 
 class FrameHandler(Protocol):
@@ -149,7 +151,7 @@ class Connection(asyncio.BufferedProtocol):
         self.converting = 0  # images of this connection in the decode pool, not yet queued
         self.transport: asyncio.Transport | None = None
         self._fd = -1  # the transport's socket's descriptor (connection_made), -1: none
-        self.state = ReadState.HEAD
+        self.state = HEAD
         self._loop = asyncio.get_running_loop()  # looked up once: each look is a getpid()
         self.gone: asyncio.Future[None] = self._loop.create_future()
         self._head_view = memoryview(bytearray(HEAD_BYTES))
@@ -180,7 +182,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def send(self, message: wire.DaemonMessage) -> None:
         """Queue a reply; those of one turn of the loop are encoded and written together."""
-        if self.closed or self.transport is None or self.state is ReadState.CLOSED:
+        if self.closed or self.transport is None or self.state is CLOSED:
             return
         if not self._out:
             self._loop.call_soon(self.flush)
@@ -191,27 +193,28 @@ class Connection(asyncio.BufferedProtocol):
         if self._out and not self.closed and self.transport is not None:
             self.transport.write(wire.encode_frames(self._out))
         self._out.clear()
-        self._end_if_answered()
+        if self.state is ENDING:
+            self._end_if_answered()
 
     def end(self, last: wire.DaemonMessage) -> None:
         """Read no more (the stream cannot be trusted); once every request accepted on it is
         answered (or timed out, as usual), send ``last`` and close. Once only."""
-        if self.state not in (ReadState.ENDING, ReadState.CLOSED):
+        if self.state not in (ENDING, CLOSED):
             self._last = last
-            self._enter(ReadState.ENDING)
+            self._enter(ENDING)
             if self.transport is not None:
                 self.transport.pause_reading()
             self._end_if_answered()
 
     def _end_if_answered(self) -> None:
-        if self.state is ReadState.ENDING and self.in_flight() == 0 and self._last is not None:
+        if self.state is ENDING and self.in_flight() == 0 and self._last is not None:
             self._out.append(self._last)
             self.close()
 
     def close(self) -> None:
         """Stop handling frames; what was sent is written, the acceptor forgets the
         connection's requests (``FrameHandler.closed``), then the transport closes."""
-        self._enter(ReadState.CLOSED)
+        self._enter(CLOSED)
         self.flush()
         self._mark_closed()
         if self.transport is not None:
@@ -239,11 +242,11 @@ class Connection(asyncio.BufferedProtocol):
             self.send(wire.Reply(id=0, status="error", error=refusal))
             self.flush()  # before linger half-closes the write side
             self._refused = asyncio.StreamReader()
-            self._enter(ReadState.CLOSED)
+            self._enter(CLOSED)
             self.handler.refused(self, self._refused)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self.state is ReadState.SLOT:
+        if self.state is SLOT:
             at, loan = self._at, self._loan
             assert at is not None and loan is not None
             end = at.start + at.length
@@ -251,31 +254,31 @@ class Connection(asyncio.BufferedProtocol):
                 stop = end if self.handler.receiver is None else self._got + SLOT_READ_BYTES
                 return loan.view[self._got - at.start : stop - at.start]
             return self._head_view[at.hidden_end + self._got - end : at.hidden_length(self._length)]
-        if self.state is ReadState.BODY:
+        if self.state is BODY:
             assert self._body is not None
             # Paused while nothing is granted; a read that comes anyway is taken, never lost.
             stop = self._granted if self._granted > self._got else self._got + mmap.PAGESIZE
             return memoryview(self._body)[self._got : min(stop, self._length)]
-        if self.state in (ReadState.ENDING, ReadState.CLOSED):
+        if self.state in (ENDING, CLOSED):
             return _DISCARD
         if self._peek and self._have < PEEK_BYTES:
             return self._head_view[self._have : PEEK_BYTES]
         return self._head_view[self._have :]
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self.state in (ReadState.ENDING, ReadState.CLOSED):
+        if self.state in (ENDING, CLOSED):
             if self._refused is not None and self._fed < REFUSED_FEED_BYTES:
                 self._refused.feed_data(bytes(_DISCARD[:nbytes]))
                 self._fed += nbytes
             return
-        if self.state is ReadState.SLOT:
+        if self.state is SLOT:
             self._got += nbytes
             if self._got == self._length:
                 self._finish_slot()
             elif self.handler.receiver is not None:
                 self._receive_off_loop()
             return
-        if self.state is ReadState.BODY:
+        if self.state is BODY:
             self._got += nbytes
             if self._got > self._granted:
                 self.handler.budget.force(self, self._got - self._granted)
@@ -285,29 +288,10 @@ class Connection(asyncio.BufferedProtocol):
             elif self._got == self._granted:
                 self._ask_budget()
             return
+        # HEAD: handle every complete frame in head; keep a partial one for the next read
         self._have += nbytes
-        self._parse_head()
-
-    def eof_received(self) -> bool | None:
-        if self._refused is not None:
-            self._refused.feed_eof()
-        return None  # the transport closes itself
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._out.clear()
-        if self._refused is not None:
-            self._refused.feed_eof()
-        self._enter(ReadState.CLOSED)
-        self._mark_closed()
-        if not self.gone.done():
-            self.gone.set_result(None)
-
-    # ---- frames -----------------------------------------------------------------------
-
-    def _parse_head(self) -> None:
-        """Handle every complete frame in head; keep a partial one for the next read."""
         pos, have, view, prefix = 0, self._have, self._head_view, wire.LENGTH_PREFIX.unpack_from
-        while self.state is ReadState.HEAD and have - pos >= wire.PREFIX_BYTES:
+        while self.state is HEAD and have - pos >= wire.PREFIX_BYTES:
             (length,) = prefix(view, pos)
             if length > self.handler.max_frame:
                 self.handler.oversized(self, length)
@@ -328,9 +312,25 @@ class Connection(asyncio.BufferedProtocol):
                     self._start_body(length, view[start:have])
                 return
             break
-        if self.state is ReadState.HEAD:  # the partial frame moves to the front
+        if self.state is HEAD:  # the partial frame moves to the front
             view[: have - pos] = view[pos:have]
             self._have = have - pos
+
+    def eof_received(self) -> bool | None:
+        if self._refused is not None:
+            self._refused.feed_eof()
+        return None  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._out.clear()
+        if self._refused is not None:
+            self._refused.feed_eof()
+        self._enter(CLOSED)
+        self._mark_closed()
+        if not self.gone.done():
+            self.gone.set_result(None)
+
+    # ---- frames -----------------------------------------------------------------------
 
     def _start_slot(self, length: int, start: int) -> bool:
         """Receive the rest of a large frame's pixels straight into a lent payload slot, if
@@ -354,7 +354,7 @@ class Connection(asyncio.BufferedProtocol):
         view[: at.header] = view[start : start + at.header]  # the body's start to the front
         raw_frames.hide_pixels(view, at)
         self._loan, self._at, self._length, self._got = loan, at, length, got
-        self._enter(ReadState.SLOT)  # got < length: head holds less than a large frame
+        self._enter(SLOT)  # got < length: head holds less than a large frame
         self._receive_off_loop()
         return True
 
@@ -384,7 +384,7 @@ class Connection(asyncio.BufferedProtocol):
         """On the loop, once the receive thread has let go of the socket and of ``loan``:
         ``received`` more pixels are in the slot, as if ``buffer_updated`` had seen them."""
         self._job = None
-        if self.state is not ReadState.SLOT:  # closed or lost meanwhile (_enter kept the slot)
+        if self.state is not SLOT:  # closed or lost meanwhile (_enter kept the slot)
             self.handler.return_slot(loan)
             return
         self._got += received
@@ -408,7 +408,7 @@ class Connection(asyncio.BufferedProtocol):
         body = self._head_view[: at.hidden_length(length)]
         self._loan = None  # the handler's now, or given back below
         self._disarm()
-        self._enter(ReadState.HEAD)
+        self._enter(HEAD)
         received_ns = time.monotonic_ns()
         if self.handler.slot_frame(self, body, loan, received_ns):
             return
@@ -424,7 +424,7 @@ class Connection(asyncio.BufferedProtocol):
         self._length, self._got = length, len(already)
         self._body[: self._got] = already
         self._have = 0
-        self._enter(ReadState.BODY)
+        self._enter(BODY)
         self._granted = self._got  # already received: granted unasked (at most a head's)
         self.handler.budget.force(self, self._got)
         if self._got == length:
@@ -451,7 +451,7 @@ class Connection(asyncio.BufferedProtocol):
         body, length = self._body, self._length
         assert body is not None
         self._disarm()
-        self._enter(ReadState.HEAD)
+        self._enter(HEAD)
         self._handle_pooled(body, length, time.monotonic_ns())
 
     def _handle_pooled(self, buf: mmap.mmap, length: int, received_ns: int) -> None:
@@ -473,25 +473,25 @@ class Connection(asyncio.BufferedProtocol):
             self._timer = None
 
     def _enter(self, state: ReadState) -> None:
-        if state is not ReadState.HEAD:
+        if state is not HEAD:
             self._have = 0
-        if self.state is ReadState.BODY and state is not ReadState.BODY:
+        if self.state is BODY and state is not BODY:
             self.handler.budget.release(self)  # the frame is done or gone: its grant goes
             self._granted = 0
-        if state in (ReadState.ENDING, ReadState.CLOSED):
+        if state in (ENDING, CLOSED):
             self._head_view = _DISCARD[:0]  # the connection's head goes (a frame's view keeps it)
             self._disarm()
-            if self._body is not None and self.state is ReadState.BODY:
+            if self._body is not None and self.state is BODY:
                 self.handler.pool.give(self._body)
             if self._job is not None:  # a thread is filling the slot: _received returns it
                 self._job.cancel()
             elif self._loan is not None:  # closed mid-frame: the slot goes back at once
                 self.handler.return_slot(self._loan)
-        if state is not ReadState.BODY:
+        if state is not BODY:
             self._body = None
-        if state is not ReadState.SLOT:
+        if state is not SLOT:
             self._loan, self._at = None, None
-        if state not in (ReadState.BODY, ReadState.SLOT):
+        if state not in (BODY, SLOT):
             self._length, self._got = 0, 0
         self.state = state
 

@@ -7,8 +7,9 @@ Every request the acceptor enqueues is recorded here under its queue handle
   to DONE, and by reclaims) is registered with ``loop.add_reader``; its callback calls
   ``collect_completed``, which drains it first (a completion landing meanwhile rings again);
 - while the loop is awake anyway (a completion or a request being handled), workers need not
-  ring: ``_awake`` tells them so (``RequestQueue.quiet_completions``) and schedules one look
-  (``_look``, ``call_soon``) that re-arms the doorbell and collects what finished meanwhile.
+  ring: the first ``enqueued`` or ``collect`` of a turn tells them so
+  (``RequestQueue.quiet_completions``) and schedules one look (``_look``, ``call_soon``)
+  that re-arms the doorbell and collects what finished meanwhile.
   A scheduled callback runs before the loop next sleeps (its poll does not block while one
   is pending), and the re-arm is the queue's handshake (a worker that finishes after the look
   sees it armed and rings), so a completion is never left unseen; it is answered in the same
@@ -26,11 +27,12 @@ answered ``timeout`` ("finished … ms after its deadline"), never ``ok``; the c
 reply's ``total_ms`` read the same clock reading, and the reply is written in the same turn.
 The accountant tells such a reply by its completion's status (``OK``) and counts it apart.
 
-Exactly once: a reply is sent only by :meth:`Dispatcher.answer`, and a queued request only
+Exactly once: a reply is sent only by :meth:`Dispatcher.answer` (or, for a collected batch,
+by ``_collect``, which does what ``answer`` does for each), and a queued request only
 after its entry is *popped* from the table, so a completion that shows up twice (say, from
 both a reclaim and a collect) or for a connection already gone is dropped, never re-sent.
 
-:meth:`Dispatcher.answer` is also the one place where each finished request is accounted
+The same two are the only places where each finished request is accounted
 (``account(flight, reply, completion)``): metrics hook in there.
 """
 
@@ -150,8 +152,9 @@ class Dispatcher:
         flight.conn.in_queue.add(flight.handle)
         if len(self.pending) == 1:  # idle is only ever set with nothing pending
             self.idle.clear()
-        if self._looking is None:
-            self._awake()
+        if self._looking is None:  # the loop is awake: workers need not ring until _look
+            self.queue.quiet_completions()
+            self._looking = self._loop.call_soon(self._look)
         if self._timer is None or self._timer_ns > flight.deadline_ns:
             self._arm_at(flight.deadline_ns)  # else the armed timer fires first: no clock read
 
@@ -169,30 +172,34 @@ class Dispatcher:
         self._note_idle()
         return dropped
 
-    def collect(self) -> None:
-        """Answer everything the queue has finished (it drains the doorbell first)."""
-        if self._looking is None:
-            self._awake()
-        self._collect(True)
-
-    def _collect(self, drain: bool) -> None:
-        finish = self._finish
-        for completion in self.queue.collect_completed(drain):
-            finish(completion)
-        if not self.pending:
+    def collect(self, drain: bool = True) -> None:
+        """Answer everything the queue has finished (``drain``: the doorbell first; ``_look``
+        collects without, having re-armed it), the batch in one frame: what ``_finish`` does
+        for each completion (the usual way out: ``answer``'s send and account, written out)."""
+        if drain and self._looking is None:  # as in enqueued
+            self.queue.quiet_completions()
+            self._looking = self._loop.call_soon(self._look)
+        completions = self.queue.collect_completed(drain)
+        self.service.observe_all(completions)
+        pending, reply, account = self.pending, self._reply, self.account
+        for completion in completions:
+            handle = completion.handle
+            flight = pending.pop(handle, None)
+            if flight is None:
+                continue  # its client left (abandoned) or it was answered already
+            flight.conn.in_queue.discard(handle)
+            message = reply(flight, completion)
+            flight.conn.send(message)
+            account(flight, message, completion)
+        if not pending:
             self.idle.set()
 
-    def _awake(self) -> None:
-        """The loop is awake: workers need not ring until ``_look``, which runs before it
-        next sleeps (module docstring)."""
-        self.queue.quiet_completions()
-        self._looking = self._loop.call_soon(self._look)
-
     def _look(self) -> None:
-        """Re-arm the doorbell, then answer what finished while it was quiet."""
+        """Re-arm the doorbell, then answer what finished while it was quiet (scheduled by
+        the turn's first ``enqueued`` or ``collect``; runs before the loop next sleeps)."""
         self._looking = None
         if self.queue.rearm_completions():
-            self._collect(False)
+            self.collect(False)
 
     def requeued(self) -> None:
         """A dead worker's claims went back to the queue: answer what the reclaim finished

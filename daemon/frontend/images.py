@@ -30,13 +30,10 @@ class Invalid(ValueError):
     """A request that cannot be served as sent; the message goes back to the client."""
 
 
-def check_image(request: AnyInferRequest, slot_bytes: int, *, in_region: bool = False) -> None:
-    """Reject what can be seen to be wrong before any pixel is touched. ``in_region``: its
-    pixels lie in a client region, where their bytes were checked (``RegionDesk.resolve``),
-    so only the shape is left to check."""
-    if in_region:
-        check_shape(request.height, request.width, request.channels, slot_bytes)
-        return
+def check_image(request: AnyInferRequest, slot_bytes: int) -> None:
+    """Reject what can be seen to be wrong before any pixel is touched. (A request whose
+    pixels lie in a client region has its bytes checked there, ``RegionDesk.resolve``, and
+    only its shape here: ``check_shape``.)"""
     if (request.pixels is None) == (request.encoded is None):
         raise Invalid("exactly one of 'pixels' (raw) or 'encoded' (PNG/BMP/JPEG) must be set")
     if request.encoded is not None:

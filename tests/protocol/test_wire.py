@@ -169,6 +169,36 @@ def test_garbage_is_refused_by_both_decoders_with_the_same_reason(body: bytes) -
         assert not isinstance(frame, tuple)
 
 
+def _raw(body: bytes) -> object:
+    try:
+        return wire.decode_client_frame_raw(body)
+    except Exception as exc:  # any exception: decode_failure says why
+        return ("error", wire.decode_failure(exc))
+
+
+@given(
+    st.one_of(
+        st.binary(max_size=200),
+        requests.map(lambda r: _body(wire.encode_frame(r))),
+        st.integers(1, 5000).map(lambda n: b"\x81\xa2id" + b"\x91" * n + b"\x01"),  # deep
+    )
+)
+def test_the_raw_frame_decoder_says_what_decode_client_frame_says(body: bytes) -> None:
+    """The daemon's per-request call (no wrapper) decodes what ``decode_client_frame``
+    decodes and, for any other body, ``decode_failure`` gives its DecodeError's reason."""
+    raw, wrapped = _raw(body), _decoded(wire.decode_client_frame, body)
+    if isinstance(wrapped, tuple):
+        assert raw == wrapped
+    else:
+        assert raw == wrapped and type(raw) is type(wrapped)
+
+
+def test_a_body_nested_too_deeply_is_explained_as_decode_client_frame_explains_it() -> None:
+    body = b"\x81\xa2id" + b"\x91" * 100_000 + b"\x01"
+    assert _raw(body) == ("error", "malformed msgpack: nested too deeply")
+    assert _decoded(wire.decode_client_frame, body) == _raw(body)
+
+
 def test_raw_pixels_are_a_view_of_the_received_frame_not_a_copy() -> None:
     pixels = bytes(range(256)) * 16
     body = bytearray(_body(wire.encode_frame(wire.InferRequest(id=1, pixels=pixels))))
