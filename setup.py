@@ -11,8 +11,18 @@ CFLAGS = ["-O3", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit-function-decl
 
 EXTENSIONS: list[Extension] = [
     # Each entry: Extension("scratchd.<subpkg>._<name>", ["<subpkg>/_<name>.c"], ...)
-    Extension("scratchd.ipc._native", ["ipc/_native.c"], extra_compile_args=CFLAGS),
-    Extension("scratchd.ipc._results", ["ipc/_results.c"], extra_compile_args=CFLAGS),
+    Extension(
+        "scratchd.ipc._native",
+        ["ipc/_native.c"],
+        depends=["ipc/layout_fields.h"],
+        extra_compile_args=CFLAGS,
+    ),
+    Extension(
+        "scratchd.ipc._results",
+        ["ipc/_results.c"],
+        depends=["ipc/layout_fields.h"],
+        extra_compile_args=CFLAGS,
+    ),
     Extension(
         "scratchd.cpu._cpu",
         ["cpu/_cpu.c"],

@@ -37,6 +37,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "layout_fields.h"
+
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
@@ -242,12 +244,6 @@ typedef struct {
 #define W(c, s, T, f) (*(T *)((c)->workers + (Py_ssize_t)(s) * (c)->worker_stride + (c)->f))
 #define PUBLISH(ptr, value) __atomic_store_n((ptr), (value), __ATOMIC_RELEASE)
 
-typedef struct {
-    const char *key;
-    Py_ssize_t size; /* bytes of the C type this file reads the field as */
-    size_t member;
-} Field;
-
 #define M(name) offsetof(Core, name)
 static const Field DESC_FIELDS[] = {
     {"d.priority", 1, M(d_priority)}, {"d.abandoned", 1, M(d_abandoned)},
@@ -275,16 +271,8 @@ static const Field HEADER_FIELDS[] = {
     {"h.done_head", 4, M(h_done_head)}, {"h.completion_armed", 4, M(h_completion_armed)},
     {"h.main_cpu", 4, M(h_main_cpu)}, {"h.worker_cpu", 4, M(h_worker_cpu)},
 };
-#define COUNT(a) (sizeof(a) / sizeof((a)[0]))
-
 static int offset_of(PyObject *offsets, const char *key, Py_ssize_t *out) {
-    PyObject *v = PyDict_GetItemString(offsets, key); /* borrowed */
-    if (!v) {
-        PyErr_Format(PyExc_KeyError, "native layout: offset %s missing", key);
-        return -1;
-    }
-    *out = PyLong_AsSsize_t(v);
-    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+    return layout_offset(offsets, "native layout", key, PY_SSIZE_T_MIN, out);
 }
 
 /* Bind a table's per-row fields: each naturally aligned and inside the row. */

@@ -27,6 +27,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "layout_fields.h"
+
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -44,12 +46,6 @@ typedef struct {
     PyObject *completion, *result, *handle, *statuses, *timeout, *error_status, *reason;
 } Reader;
 
-typedef struct {
-    const char *key;
-    Py_ssize_t size; /* bytes of the C type the field is read as (sub-arrays: one item) */
-    size_t member;
-} Field;
-
 #define M(name) offsetof(Reader, name)
 static const Field FIELDS[] = {
     {"r.status", 1, M(status)},         {"r.verdict", 1, M(verdict)},
@@ -59,21 +55,9 @@ static const Field FIELDS[] = {
     {"r.compute_ns", 8, M(compute_ns)}, {"r.boxes", 4, M(boxes)},
     {"r.error", 1, M(error)},
 };
-#define COUNT(a) (sizeof(a) / sizeof((a)[0]))
 
 static int get(PyObject *offsets, const char *key, Py_ssize_t lo, Py_ssize_t *out) {
-    PyObject *v = PyDict_GetItemString(offsets, key); /* borrowed */
-    if (!v) {
-        PyErr_Format(PyExc_KeyError, "result layout: %s missing", key);
-        return -1;
-    }
-    *out = PyLong_AsSsize_t(v);
-    if (*out == -1 && PyErr_Occurred()) return -1;
-    if (*out < lo) {
-        PyErr_Format(PyExc_ValueError, "result layout: %s = %zd is below %zd", key, *out, lo);
-        return -1;
-    }
-    return 0;
+    return layout_offset(offsets, "result layout", key, lo, out);
 }
 
 static int Reader_init(Reader *self, PyObject *args, PyObject *kw) {
