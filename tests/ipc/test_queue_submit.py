@@ -174,15 +174,19 @@ def test_a_submitted_request_reads_back_as_written_or_is_refused_untouched(
         q.close()
 
 
+def _submit_one_pixel(queue: RequestQueue, handle: Handle, request_id: int) -> None:
+    queue.submit(
+        handle, request_id=request_id, conn_id=1, priority=0, part_class=0,
+        deadline_ns=time.monotonic_ns(), height=1, width=1, want_mask=False,
+    )  # fmt: skip
+
+
 def test_submit_with_a_stale_handle_raises_and_writes_nothing(queue: RequestQueue) -> None:
     h = queue.reserve()
     assert h is not None
     queue.release(h)  # h is stale now: its descriptor is FREE under the next generation
     with pytest.raises(StaleHandle):
-        queue.submit(
-            h, request_id=7, conn_id=1, priority=0, part_class=0,
-            deadline_ns=time.monotonic_ns(), height=1, width=1, want_mask=False,
-        )  # fmt: skip
+        _submit_one_pixel(queue, h, 7)
     assert queue.counts_by_state()[DescState.FREE] == SLOTS
     assert int(queue._core.seg.descs[h.index]["request_id"]) != 7
 
@@ -190,8 +194,5 @@ def test_submit_with_a_stale_handle_raises_and_writes_nothing(queue: RequestQueu
 def test_submit_with_a_handle_naming_no_descriptor_raises_stale(queue: RequestQueue) -> None:
     for bogus in (Handle(-1, 0), Handle(SLOTS, 0), Handle(0, 2**40)):
         with pytest.raises(StaleHandle):
-            queue.submit(
-                bogus, request_id=1, conn_id=1, priority=0, part_class=0,
-                deadline_ns=time.monotonic_ns(), height=1, width=1, want_mask=False,
-            )  # fmt: skip
+            _submit_one_pixel(queue, bogus, 1)
     assert queue.counts_by_state()[DescState.FREE] == SLOTS

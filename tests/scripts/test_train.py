@@ -15,7 +15,10 @@ import pytest
 import torch
 from PIL import Image
 
+from scratchd.model.net import NetConfig
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+TINY = NetConfig(widths=(8, 16, 16, 16), depths=(1, 1, 1, 1), dilations=(2,), dec_depth=1)
 
 
 def _mod(name: str) -> ModuleType:
@@ -89,11 +92,11 @@ def test_the_torch_pass_on_small_images_is_the_numpy_forward(tmp_path: Path) -> 
     """``predict_probs`` (training's inner-split pass) and ``ScratchNet.forward`` agree with
     and without the 2x rule, so the operating point is chosen on what serving computes."""
     report = _mod("train_report")
-    from scratchd.model.net import NetConfig, count_params
+    from scratchd.model.net import count_params
     from scratchd.model.scratchnet import ModelMeta, ScratchNet
     from scratchd.model.torchnet import TorchScratchNet, export_weights
 
-    cfg = NetConfig(widths=(8, 16, 16, 16), depths=(1, 1, 1, 1), dilations=(2,), dec_depth=1)
+    cfg = TINY
     torch.manual_seed(0)
     net = TorchScratchNet(cfg).eval()
     meta = ModelMeta(
@@ -157,29 +160,16 @@ def test_calibrate_and_measure_on_perfect_maps() -> None:
 
 
 def test_resume_continues_the_same_run(tmp_path: Path) -> None:
-    data, loop = _mod("train_data"), _mod("train_loop")
-    from scratchd.model.net import NetConfig
-    from scratchd.model.torchnet import TorchScratchNet
-
-    cfg = NetConfig(widths=(8, 16, 16, 16), depths=(1, 1, 1, 1), dilations=(2,), dec_depth=1)
-    recipe = loop.Recipe(batch=2, minutes=0.0, steps=4, warmup=1)
-    dev = torch.device("cpu")
-    images = data.GpuImages(examples(6), dev)
-    probs = torch.full((6,), 1 / 6)
-
-    def trainer() -> Any:
-        torch.manual_seed(3)
-        return loop.Trainer(TorchScratchNet(cfg), recipe, dev, seed=3)
-
-    straight = trainer()
+    loop = _mod("train_loop")
+    straight, images, probs = _tiny_trainer(4)  # the same initial weights each time
     straight.run(images, probs, 0.2, 0.3, float("inf"))
     assert straight.step == 4
-    first = trainer()
+    first = _tiny_trainer(4)[0]
     for _ in range(2):
         first.train_step(images, probs, 0.2, 0.3)
     loop.save_checkpoint(tmp_path / "c.pt", first, {})
-    second = trainer()
-    second.load_state(loop.load_checkpoint(tmp_path / "c.pt", dev))
+    second = _tiny_trainer(4)[0]
+    second.load_state(loop.load_checkpoint(tmp_path / "c.pt", torch.device("cpu")))
     second.run(images, probs, 0.2, 0.3, float("inf"))
     assert second.step == 4
     for a, b in zip(
@@ -191,16 +181,8 @@ def test_resume_continues_the_same_run(tmp_path: Path) -> None:
 def test_a_stop_request_ends_training_after_the_step_in_progress(tmp_path: Path) -> None:
     # What SIGTERM sets in train.py: the run ends after the current step, and the trainer
     # is left whole (its checkpoint resumes like any other).
-    data, loop = _mod("train_data"), _mod("train_loop")
-    from scratchd.model.net import NetConfig
-    from scratchd.model.torchnet import TorchScratchNet
-
-    cfg = NetConfig(widths=(8, 16, 16, 16), depths=(1, 1, 1, 1), dilations=(2,), dec_depth=1)
-    recipe = loop.Recipe(batch=2, minutes=0.0, steps=50, warmup=1)
-    dev = torch.device("cpu")
-    images = data.GpuImages(examples(6), dev)
-    probs = torch.full((6,), 1 / 6)
-    trainer = loop.Trainer(TorchScratchNet(cfg), recipe, dev, seed=3)
+    loop = _mod("train_loop")
+    trainer, images, probs = _tiny_trainer(50)
     step = trainer.train_step
 
     def step_then_stop(*args: Any) -> float:
@@ -213,26 +195,27 @@ def test_a_stop_request_ends_training_after_the_step_in_progress(tmp_path: Path)
     trainer.run(images, probs, 0.2, 0.3, float("inf"))
     assert trainer.step == 3
     loop.save_checkpoint(tmp_path / "c.pt", trainer, {})
-    again = loop.Trainer(TorchScratchNet(cfg), recipe, dev, seed=3)
-    again.load_state(loop.load_checkpoint(tmp_path / "c.pt", dev))
+    again = _tiny_trainer(50)[0]
+    again.load_state(loop.load_checkpoint(tmp_path / "c.pt", torch.device("cpu")))
     again.run(images, probs, 0.2, 0.3, float("inf"))
     assert again.step == 50
 
 
-def _tiny_trainer(steps: int) -> tuple[Any, Any, Any]:
+def _tiny_trainer(steps: int, ema: float = 0.999) -> tuple[Any, Any, Any]:
+    """A tiny net's trainer (the same initial weights each call), its images and sampling
+    probabilities, on the CPU."""
     data, loop = _mod("train_data"), _mod("train_loop")
-    from scratchd.model.net import NetConfig
     from scratchd.model.torchnet import TorchScratchNet
 
-    cfg = NetConfig(widths=(8, 16, 16, 16), depths=(1, 1, 1, 1), dilations=(2,), dec_depth=1)
-    recipe = loop.Recipe(batch=2, minutes=0.0, steps=steps, warmup=1, ema=0.9)
+    recipe = loop.Recipe(batch=2, minutes=0.0, steps=steps, warmup=1, ema=ema)
     dev = torch.device("cpu")
-    trainer = loop.Trainer(TorchScratchNet(cfg), recipe, dev, seed=3)
+    torch.manual_seed(3)
+    trainer = loop.Trainer(TorchScratchNet(TINY), recipe, dev, seed=3)
     return trainer, data.GpuImages(examples(6), dev), torch.full((6,), 1 / 6)
 
 
 def test_ema_follows_the_weights_by_its_decay() -> None:
-    trainer, images, probs = _tiny_trainer(10)
+    trainer, images, probs = _tiny_trainer(10, ema=0.9)
     for _ in range(3):
         trainer.train_step(images, probs, 0.2, 0.3)
     before = {k: v.clone() for k, v in trainer.ema.state_dict().items()}
