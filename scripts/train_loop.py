@@ -175,17 +175,19 @@ class Trainer:
 
     def _update_ema(self) -> None:
         decay = min(self.recipe.ema, (1 + self.step) / (10 + self.step))
-        pairs = list(
-            zip(self.ema.state_dict().values(), self.model.state_dict().values(), strict=True)
-        )
+        weights: list[torch.Tensor] = []
+        targets: list[torch.Tensor] = []
         with torch.no_grad():
-            # One fused launch for the floating tensors (weights, BN statistics) instead of one
-            # per tensor; the BN batch counters are copied.
-            floats = [(e, m) for e, m in pairs if e.dtype.is_floating_point]
-            torch._foreach_lerp_([e for e, _ in floats], [m for _, m in floats], 1 - decay)
-            for e, m in pairs:
-                if not e.dtype.is_floating_point:
+            for e, m in zip(
+                self.ema.state_dict().values(), self.model.state_dict().values(), strict=True
+            ):
+                if e.dtype.is_floating_point:
+                    weights.append(e)
+                    targets.append(m)
+                else:  # BatchNorm's batch counters
                     e.copy_(m)
+            # One fused launch for the floating tensors instead of one per tensor.
+            torch._foreach_lerp_(weights, targets, 1 - decay)
 
     def profile(
         self, data: GpuImages, probs: torch.Tensor, mean: float, std: float, steps: int,

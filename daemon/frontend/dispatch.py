@@ -160,7 +160,7 @@ class Dispatcher:
 
     def shed(self, completion: Completion) -> None:
         """Answer a request the queue shed (``RequestQueue.shed``: already out of the queue)."""
-        self._finish(completion)
+        self._finish([completion])
         self._note_idle()
 
     def forget_connection(self, conn: Peer) -> int:
@@ -174,24 +174,12 @@ class Dispatcher:
 
     def collect(self, drain: bool = True) -> None:
         """Answer everything the queue has finished (``drain``: the doorbell first; ``_look``
-        collects without, having re-armed it), the batch in one frame: what ``_finish`` does
-        for each completion (the usual way out: ``answer``'s send and account, written out)."""
+        collects without, having re-armed it)."""
         if drain and self._looking is None:  # as in enqueued
             self.queue.quiet_completions()
             self._looking = self._loop.call_soon(self._look)
-        completions = self.queue.collect_completed(drain)
-        self.service.observe_all(completions)
-        pending, reply, account = self.pending, self._reply, self.account
-        for completion in completions:
-            handle = completion.handle
-            flight = pending.pop(handle, None)
-            if flight is None:
-                continue  # its client left (abandoned) or it was answered already
-            flight.conn.in_queue.discard(handle)
-            message = reply(flight, completion)
-            flight.conn.send(message)
-            account(flight, message, completion)
-        if not pending:
+        self._finish(self.queue.collect_completed(drain))
+        if not self.pending:
             self.idle.set()
 
     def _look(self) -> None:
@@ -209,8 +197,7 @@ class Dispatcher:
 
     def _on_timer(self) -> None:
         self._timer = None
-        for completion in self.queue.expire_due(time.monotonic_ns()):
-            self._finish(completion)
+        self._finish(self.queue.expire_due(time.monotonic_ns()))
         self.collect()
         self.arm_expiry()
 
@@ -230,14 +217,21 @@ class Dispatcher:
         self._timer_ns = at
         self._timer = self._loop.call_at(self._loop.time() + (at - now) / 1e9, self._on_timer)
 
-    def _finish(self, completion: Completion) -> None:
-        self.service.observe(completion)
-        handle = completion.handle
-        flight = self.pending.pop(handle, None)
-        if flight is None:
-            return  # its client left (abandoned) or it was answered already
-        flight.conn.in_queue.discard(handle)
-        self.answer(flight, self._reply(flight, completion), completion)
+    def _finish(self, completions: list[Completion]) -> None:
+        """Answer finished requests, in one frame for a whole batch (the hot path): the
+        service estimate takes them in one call, then each still-pending one is replied to
+        and accounted (``answer``'s send and account, written out)."""
+        self.service.observe_all(completions)
+        pending, reply, account = self.pending, self._reply, self.account
+        for completion in completions:
+            handle = completion.handle
+            flight = pending.pop(handle, None)
+            if flight is None:
+                continue  # its client left (abandoned) or it was answered already
+            flight.conn.in_queue.discard(handle)
+            message = reply(flight, completion)
+            flight.conn.send(message)
+            account(flight, message, completion)
 
     def _reply(self, flight: InFlight, c: Completion) -> wire.Reply:
         now = time.monotonic_ns()

@@ -49,10 +49,6 @@ class ServiceRate:
 
     per_request_ns: float = 0.0
 
-    def observe(self, completion: Completion) -> None:
-        """Fold a computed result in (the dispatcher calls this for every completion)."""
-        self.observe_all((completion,))
-
     def observe_all(self, completions: Iterable[Completion]) -> None:
         """Fold in each computed result, in order (a collected batch: one call)."""
         for completion in completions:

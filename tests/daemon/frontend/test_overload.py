@@ -31,13 +31,13 @@ def _done(compute_ms: float, batch: int, status: Status = Status.OK) -> Completi
 def test_nothing_is_refused_on_the_estimate_before_anything_is_measured() -> None:
     rate = overload.ServiceRate()
     assert rate.refusal(0, 1 * MS, ahead=10_000, in_service=2, workers=1) is None
-    rate.observe(_done(40.0, 2, Status.ERROR))  # a failure measures nothing
+    rate.observe_all([_done(40.0, 2, Status.ERROR)])  # a failure measures nothing
     assert rate.per_request_ns == 0.0
 
 
 def test_the_estimate_is_the_work_ahead_spread_over_the_workers_plus_its_own() -> None:
     rate = overload.ServiceRate()
-    rate.observe(_done(40.0, 2))  # 20 ms per request of one worker
+    rate.observe_all([_done(40.0, 2)])  # 20 ms per request of one worker
     assert rate.per_request_ns == 20 * MS
     # 6 queued + 2 half-done in service on 2 workers: 3.5 rounds, then its own: 90 ms
     assert rate.expected_ns(6, 2, 2) == 90 * MS
@@ -50,9 +50,9 @@ def test_the_estimate_is_the_work_ahead_spread_over_the_workers_plus_its_own() -
 
 def test_the_estimate_follows_the_service_time() -> None:
     rate = overload.ServiceRate()
-    rate.observe(_done(10.0, 1))
+    rate.observe_all([_done(10.0, 1)])
     for _ in range(200):
-        rate.observe(_done(30.0, 1))
+        rate.observe_all([_done(30.0, 1)])
     assert rate.per_request_ns == pytest.approx(30 * MS, rel=1e-3)
 
 
@@ -70,7 +70,7 @@ def test_a_request_surely_in_time_is_never_refused_on_the_estimate(
     """The shortcut that skips looking at the queue never lets in what ``refusal`` would
     refuse, for any load within the bound it was given."""
     rate = overload.ServiceRate()
-    rate.observe(_done(per_ms, 1))
+    rate.observe_all([_done(per_ms, 1)])
     now, deadline = 10**12, 10**12 + int(left_ms * MS)
     if ahead + in_service / 2 > most or not rate.surely_in_time(now, deadline, most):
         return
