@@ -28,14 +28,14 @@ from train_report import measure
 
 from scratchd.kernels.normalize_pad import padded_size
 from scratchd.model.scratchnet import load_model
-from scratchd.model.torchnet import full_logits, load_weights
+from scratchd.model.torchnet import TorchScratchNet, full_logits, load_weights
 
 BINS = (0.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 @torch.no_grad()
 def scaled_prob(
-    net: torch.nn.Module, image: np.ndarray, scale: float, mean: float, std: float
+    net: TorchScratchNet, image: np.ndarray, scale: float, mean: float, std: float
 ) -> np.ndarray:
     h, w = image.shape
     x = torch.from_numpy(image.copy()).float()[None, None] / 255.0
