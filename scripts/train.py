@@ -21,10 +21,13 @@ The ``scratchnet-2`` recipe: one forward pass has to carry what four test-time v
    each crop's top-k logit mean; AdamW, warm-up then cosine over ``--minutes`` of *training
    time* (``--minutes 0``: over ``--steps``, reproducible step for step), bf16 autocast on
    CUDA, EMA of the weights.
-4. Checkpoint and resume: ``--stop-minutes`` ends this process early (the schedule goes on
+4. ``--init CHECKPOINT`` fine-tunes: a new schedule (this command's recipe, fresh optimiser,
+   step 0) from that checkpoint's EMA weights; the parent's sha256, steps, seconds and
+   commands go into the metadata (``fine_tuned_from``).
+5. Checkpoint and resume: ``--stop-minutes`` ends this process early (the schedule goes on
    from ``OUT/checkpoint.pt`` with ``--resume``), so one schedule spans several device
    commands. Every process records its command line; steps and training seconds add up.
-5. At the end of each process: the EMA model is evaluated on the inner split, the operating
+6. At the end of each process: the EMA model is evaluated on the inner split, the operating
    point is chosen there (pixel threshold, score window, and the image-score threshold
    keeping ``--recall`` of each group's defective images), and ``OUT/scratchnet.npz``
    (views ``identity``), ``OUT/curve.png`` and ``OUT/train_log.json`` are written.
@@ -90,6 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--stop-minutes", type=float, default=0.0, help="this process (0: all)")
     ap.add_argument("--steps", type=int, default=1_000_000)
     ap.add_argument("--resume", type=Path, help="checkpoint to go on from")
+    ap.add_argument(
+        "--init", type=Path,
+        help="fine-tune: a new schedule from this checkpoint's weights (same architecture)",
+    )  # fmt: skip
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=300)
     ap.add_argument("--lr", type=float, default=4e-3)
@@ -167,6 +174,13 @@ def main(argv: list[str] | None = None) -> None:
         TorchScratchNet(cfg), recipe, dev, args.seed, MEMORY_FORMATS[args.memory_format],
         args.precision,
     )  # fmt: skip
+    if args.resume is not None and args.init is not None:
+        raise SystemExit("--resume goes on with a schedule, --init starts one: give one")
+    if args.init is not None:
+        state = load_checkpoint(args.init, dev)
+        if state["extra"]["architecture"] != cfg.to_json():
+            raise SystemExit(f"{args.init}: its architecture differs from this command's")
+        trainer.init_from(state, hashlib.sha256(args.init.read_bytes()).hexdigest())
     if args.resume is not None:
         state = load_checkpoint(args.resume, dev)
         saved = state["extra"]
@@ -223,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         "warmup_seconds": round(trainer.warmup_seconds, 1),
         "schedule_done": done,
         "commands": trainer.commands,
+        "fine_tuned_from": trainer.parent,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "train_images": len(train_set),
         "fit_images": len(fit),

@@ -133,6 +133,8 @@ class Trainer:
         self.log: list[dict[str, float]] = []
         self.evals: list[dict[str, Any]] = []
         self.commands: list[str] = []
+        # The checkpoint a fine-tune started from: its sha256, steps, seconds and commands.
+        self.parent: dict[str, Any] | None = None
         self.stop_requested = False  # end after the step in progress (run's loop checks it)
 
     def progress(self) -> float:
@@ -294,6 +296,7 @@ class Trainer:
             "log": self.log,
             "evals": self.evals,
             "commands": self.commands,
+            "parent": self.parent,
         }
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -309,6 +312,23 @@ class Trainer:
         self.warmup_seconds = float(state.get("warmup_seconds", 0.0))
         self.log, self.evals = list(state["log"]), list(state["evals"])
         self.commands = list(state["commands"])
+        self.parent = state.get("parent")
+
+    def init_from(self, state: dict[str, Any], sha256: str) -> None:
+        """Start a new schedule (fresh optimiser, step 0) from a checkpoint's weights: the
+        model and its EMA both take the checkpoint's EMA weights (the better of its two, and
+        the one it exported), the auxiliary heads its heads. The parent's record (sha256,
+        steps, seconds, commands, and its own parent) is kept in :attr:`parent`."""
+        self.model.load_state_dict(state["ema"])
+        self.ema.load_state_dict(state["ema"])
+        self.aux.load_state_dict(state["aux"])
+        self.parent = {
+            "sha256": sha256,
+            "steps": int(state["step"]),
+            "seconds": round(float(state["seconds"]), 1),
+            "commands": list(state["commands"]),
+            "parent": state.get("parent"),
+        }
 
 
 def save_checkpoint(path: Path, trainer: Trainer, extra: dict[str, Any]) -> None:
@@ -318,5 +338,5 @@ def save_checkpoint(path: Path, trainer: Trainer, extra: dict[str, Any]) -> None
 
 
 def load_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
-    state: dict[str, Any] = torch.load(path, map_location=device, weights_only=False)
+    state: dict[str, Any] = torch.load(path, map_location=device, weights_only=True)
     return state

@@ -178,6 +178,35 @@ def test_resume_continues_the_same_run(tmp_path: Path) -> None:
         torch.testing.assert_close(a, b)
 
 
+def test_a_fine_tune_starts_a_new_schedule_from_the_parents_ema(tmp_path: Path) -> None:
+    loop = _mod("train_loop")
+    parent, images, probs = _tiny_trainer(3, ema=0.5)
+    parent.commands.append("train.py --minutes 3")
+    parent.run(images, probs, 0.2, 0.3, float("inf"))
+    loop.save_checkpoint(tmp_path / "p.pt", parent, {})
+    child = _tiny_trainer(5)[0]
+    child.init_from(loop.load_checkpoint(tmp_path / "p.pt", torch.device("cpu")), "ab12")
+    assert child.step == 0 and child.seconds == 0.0 and not child.opt.state
+    for want, model, ema in zip(
+        parent.ema.state_dict().values(),
+        child.model.state_dict().values(),
+        child.ema.state_dict().values(),
+        strict=True,
+    ):
+        assert torch.equal(model, want) and torch.equal(ema, want)
+    assert child.parent == {
+        "sha256": "ab12", "steps": 3, "seconds": round(parent.seconds, 1),
+        "commands": ["train.py --minutes 3"], "parent": None,
+    }  # fmt: skip
+    child.run(images, probs, 0.2, 0.3, float("inf"))
+    assert child.step == 5
+    # The record survives the child's own checkpoint, which resumes like any other.
+    loop.save_checkpoint(tmp_path / "c.pt", child, {})
+    again = _tiny_trainer(5)[0]
+    again.load_state(loop.load_checkpoint(tmp_path / "c.pt", torch.device("cpu")))
+    assert again.parent == child.parent and again.step == 5
+
+
 def test_a_stop_request_ends_training_after_the_step_in_progress(tmp_path: Path) -> None:
     # What SIGTERM sets in train.py: the run ends after the current step, and the trainer
     # is left whole (its checkpoint resumes like any other).
