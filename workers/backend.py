@@ -53,11 +53,17 @@ class DeviceMemory(Protocol):
         ...
 
     def register_region(self, pixels: np.ndarray) -> None:
-        """Page-lock a client region's read-only mapping when the worker maps it."""
+        """A client region's read-only mapping the worker mapped: to be page-locked, a piece
+        at a time, by :meth:`pin_pending`."""
         ...
 
     def unregister_region(self, pixels: np.ndarray) -> None:
-        """Undo :meth:`register_region` before the worker unmaps the region."""
+        """The worker unmaps the region: no upload reads it from now on."""
+        ...
+
+    def pin_pending(self) -> bool:
+        """One piece of page-locking (or unlocking) work; True while some is left. The worker
+        loop calls it only when it has nothing to claim."""
         ...
 
     def batch_limit(self) -> int:

@@ -23,9 +23,10 @@ ordering by events::
 k+1 while batch k computes (workers/main.py's pipelined loop); before an input buffer is
 written again, the copy stream waits for the event recorded after the launch that read it.
 Frames in a client's region (``ipc/region_maps.py``) are uploaded straight from the worker's
-read-only mapping of it, page-locked once when first mapped (``register_region``). Frames
-that are not in registered memory (tests, a device that cannot page-lock read-only memory) go
-through one pinned staging buffer instead — same streams, one extra host copy
+read-only mapping of it, page-locked piece by piece while the worker has nothing to claim
+(``register_region``, ``pin_pending``). Frames that are not in registered memory (a region
+not locked yet, tests, a device that cannot page-lock read-only memory) go through one pinned
+staging buffer instead — same streams, one extra host copy
 (``workers/host_memory.py``).
 
 GPU compute time per batch is the start → end event interval, carried in every reply's
@@ -214,12 +215,18 @@ class CudaBackend:
         self.boot_ms["host_register"] = _ms(t0)
 
     def register_region(self, pixels: np.ndarray) -> None:
-        """Page-lock a client region's read-only mapping (``ipc/region_maps.py``), once."""
-        self.host.register(pixels, read_only=True)
+        """A client region's read-only mapping (``ipc/region_maps.py``) is to be page-locked,
+        piece by piece in :meth:`pin_pending` (``workers/host_memory.py`` says why)."""
+        self.host.adopt(pixels)
 
     def unregister_region(self, pixels: np.ndarray) -> None:
-        """Undo :meth:`register_region` (before the worker unmaps the region)."""
-        self.host.unregister(pixels)
+        """The worker unmaps a region: uploads stop reading it; :meth:`pin_pending` unlocks
+        it (the mapping lives until then)."""
+        self.host.retire(pixels)
+
+    def pin_pending(self) -> bool:
+        """One piece of page-locking or unlocking of client regions; True while some is left."""
+        return self.host.pin_pending()
 
     def unregister_host(self) -> None:
         """Undo every page-locking (before the memory is unmapped)."""

@@ -1,24 +1,33 @@
 """Host memory a CUDA worker uploads from: ranges page-locked with CUDA, and a pinned staging
 buffer for frames that lie outside them.
 
-Two kinds of range are page-locked (``cudaHostRegister``), each once:
+Two kinds of range are page-locked (``cudaHostRegister``):
 
-- the queue's input slots (read-write shared memory), at boot;
-- each client region a claim names (``ipc/region_maps.py``), when the worker first maps it.
-  That mapping is ``PROT_READ``, so it is registered with ``cudaHostRegisterReadOnly``: the
-  device only reads it, which is all an upload does. It is unregistered before the worker
-  unmaps it. A device that cannot register read-only memory (the flag needs the device
-  attribute ``cudaDevAttrHostRegisterReadOnlySupported``) leaves it unregistered: its frames
-  go through the staging buffer, correct but with one more host copy.
+- the queue's input slots (read-write shared memory), at boot, whole (:meth:`register`);
+- each client region a claim names (``ipc/region_maps.py``), once the worker maps it
+  (:meth:`adopt`). Page-locking faults in and pins every page of the range, which takes
+  long for a gateway's region (``scripts/bench_host_register.py``; docs/benchmarks.md): done
+  on the claim path of the batch that first names a region, it held the queue for that
+  long. So a region is locked in ``CHUNK``-byte pieces by :meth:`pin_pending`, one piece a
+  call, which the worker loop calls only when it has nothing to claim; until a frame's piece is locked, the frame goes through the staging
+  buffer. The mapping is ``PROT_READ``, so it is registered with ``cudaHostRegisterReadOnly``
+  (the device only reads it, which is all an upload does). A device that cannot register
+  read-only memory (the flag needs ``cudaDevAttrHostRegisterReadOnlySupported``) leaves every
+  region unregistered: its frames go through the staging buffer, correct but with one more
+  host copy. A region the worker unmaps (:meth:`retire`) leaves the lookup at once; its
+  pieces are unlocked by :meth:`pin_pending` the same way, a piece a call, and its array
+  (which keeps the mapping alive) is let go after the last.
 
-``source`` is what an upload reads: the frame itself when it lies, contiguous, inside a
+``source`` is what an upload reads: the frame itself when it lies, contiguous, inside one
 registered range (the DMA reads the slot or the client's region directly), else a copy in the
 staging buffer, reused only once the copy stream has drained it.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
@@ -28,6 +37,22 @@ from scratchd.protocol.log import log_event
 HOST_REGISTER_READ_ONLY: Final = 8  # cudaHostRegisterReadOnly
 """CUDA's flag for page-locking memory the device will only read (a read-only mapping)."""
 
+CHUNK: Final = 4 << 20
+"""Bytes of a client region page-locked (or unlocked) per :meth:`PinnedHost.pin_pending`: a
+request arriving meanwhile waits for one piece at most."""
+
+
+@dataclass(eq=False)
+class _Region:
+    """A client region's mapping: ``locked`` pieces so far (their addresses), the next at
+    ``base + done``. ``array`` keeps the mapping alive until its pieces are unlocked."""
+
+    array: np.ndarray
+    base: int
+    nbytes: int
+    done: int = 0
+    locked: list[int] = field(default_factory=list)
+
 
 class PinnedHost:
     """The page-locked ranges of one worker and its staging buffer. ``cp`` is CuPy (or a
@@ -36,43 +61,97 @@ class PinnedHost:
     def __init__(self, cp: Any, copy_stream: Any) -> None:
         self.cp = cp
         self.copy_stream = copy_stream
-        self.ranges: dict[int, int] = {}  # ptr -> nbytes, registered with CUDA
+        self.ranges: dict[int, int] = {}  # ptr -> nbytes, registered with CUDA, looked up
+        self._starts: list[int] = []  # the ranges' addresses, sorted (disjoint ranges)
+        self._regions: dict[int, _Region] = {}  # adopted client regions by address
+        self._retiring: list[_Region] = []  # retired regions with pieces still locked
         self._staging: Any = None
         self._read_only_refused = False
 
-    def register(self, array: np.ndarray, *, read_only: bool = False) -> bool:
-        """Page-lock ``array``'s memory; True when registered. A read-only range the device
-        cannot register is left to the staging buffer (False, logged once)."""
+    def register(self, array: np.ndarray) -> None:
+        """Page-lock ``array``'s memory (read-write, whole, now): the queue's input slots."""
         ptr, nbytes = int(array.ctypes.data), int(array.nbytes)
         if ptr in self.ranges or nbytes == 0:
-            return ptr in self.ranges
-        if not read_only:
-            self.cp.cuda.runtime.hostRegister(ptr, nbytes, 0)
-        else:
-            try:
-                self.cp.cuda.runtime.hostRegister(ptr, nbytes, HOST_REGISTER_READ_ONLY)
-            except self.cp.cuda.runtime.CUDARuntimeError as exc:
-                if not self._read_only_refused:
-                    self._read_only_refused = True
-                    log_event("region_not_page_locked", logging.WARNING, reason=str(exc))
-                return False
-        self.ranges[ptr] = nbytes
-        return True
+            return
+        self.cp.cuda.runtime.hostRegister(ptr, nbytes, 0)
+        self._add(ptr, nbytes)
 
-    def unregister(self, array: np.ndarray) -> None:
-        """Undo :meth:`register` for ``array`` (before its memory is unmapped)."""
-        ptr = int(array.ctypes.data)
-        if self.ranges.pop(ptr, None) is not None:
-            self.cp.cuda.runtime.hostUnregister(ptr)
+    def adopt(self, array: np.ndarray) -> None:
+        """A client region's read-only mapping, to be page-locked by :meth:`pin_pending`."""
+        base = int(array.ctypes.data)
+        if array.nbytes and base not in self._regions and not self._read_only_refused:
+            self._regions[base] = _Region(array, base, int(array.nbytes))
+
+    def retire(self, array: np.ndarray) -> None:
+        """The worker unmaps ``array`` (an adopted region): no upload reads it from now on;
+        :meth:`pin_pending` unlocks its pieces and then lets the array, and so the mapping,
+        go."""
+        region = self._regions.pop(int(array.ctypes.data), None)
+        if region is None:
+            return
+        for ptr in region.locked:
+            self._remove(ptr)
+        if region.locked:
+            self._retiring.append(region)
+
+    def pin_pending(self) -> bool:
+        """Unlock one piece of a retired region, or else lock the next piece of an adopted
+        one; True while work of either kind is left."""
+        rt = self.cp.cuda.runtime
+        if self._retiring:
+            region = self._retiring[0]
+            rt.hostUnregister(region.locked.pop())
+            if not region.locked:
+                self._retiring.pop(0)
+        else:
+            pending = next((r for r in self._regions.values() if r.done < r.nbytes), None)
+            if pending is not None:
+                self._lock_piece(pending)
+        return bool(self._retiring) or any(r.done < r.nbytes for r in self._regions.values())
+
+    def _lock_piece(self, region: _Region) -> None:
+        ptr = region.base + region.done
+        nbytes = min(CHUNK, region.nbytes - region.done)
+        try:
+            self.cp.cuda.runtime.hostRegister(ptr, nbytes, HOST_REGISTER_READ_ONLY)
+        except self.cp.cuda.runtime.CUDARuntimeError as exc:
+            # The device cannot lock read-only memory: no region will be, all go staged.
+            self._read_only_refused = True
+            log_event("region_not_page_locked", logging.WARNING, reason=str(exc))
+            for r in list(self._regions.values()):
+                self.retire(r.array)
+            return
+        region.done += nbytes
+        region.locked.append(ptr)
+        self._add(ptr, nbytes)
 
     def unregister_all(self) -> None:
+        """Undo every page-locking now (before the memory is unmapped)."""
+        for region in list(self._regions.values()):
+            self.retire(region.array)
         for ptr in list(self.ranges):
-            del self.ranges[ptr]
+            self._remove(ptr)
             self.cp.cuda.runtime.hostUnregister(ptr)
+        for region in self._retiring:
+            for ptr in region.locked:
+                self.cp.cuda.runtime.hostUnregister(ptr)
+        self._retiring.clear()
 
     def registered(self, ptr: int, nbytes: int) -> bool:
         """Whether ``nbytes`` at ``ptr`` lie inside one registered range."""
-        return any(lo <= ptr and ptr + nbytes <= lo + size for lo, size in self.ranges.items())
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        if i < 0:
+            return False
+        lo = self._starts[i]
+        return ptr + nbytes <= lo + self.ranges[lo]
+
+    def _add(self, ptr: int, nbytes: int) -> None:
+        self.ranges[ptr] = nbytes
+        bisect.insort(self._starts, ptr)
+
+    def _remove(self, ptr: int) -> None:
+        del self.ranges[ptr]
+        self._starts.remove(ptr)
 
     def source(self, img: np.ndarray, j: int, nbytes: int) -> int:
         """A page-locked address holding ``img`` (frame ``j`` of a chunk): the frame itself if

@@ -239,6 +239,8 @@ class WorkerLoop:
                     continue
             if self.settle() or plan.claim:
                 continue
+            if self.memory is not None and self.memory.pin_pending():
+                continue  # a piece of page-locking done: look for work again before more
             if plan.wake_ns is None:
                 self.queue.wait_for_work(self.slot, self.heartbeat_s)
             else:

@@ -96,6 +96,35 @@ class TimedBackend(FakeAsyncBackend):
 
 
 @dataclass
+class PinningBackend(FakeAsyncBackend):
+    """A backend with device memory (``workers/backend.py: DeviceMemory``) that has
+    ``pieces`` of page-locking to do, one a ``pin_pending`` call, logged."""
+
+    pieces: int = 5
+
+    def register_host(self, region: np.ndarray) -> None:
+        pass
+
+    def register_region(self, pixels: np.ndarray) -> None:
+        pass
+
+    def unregister_region(self, pixels: np.ndarray) -> None:
+        pass
+
+    def pin_pending(self) -> bool:
+        if self.pieces:
+            self.pieces -= 1
+            self.log.append(("pin", self.pieces))
+        return self.pieces > 0
+
+    def batch_limit(self) -> int:
+        return self.max_batch
+
+    def fragmentation_ratio(self) -> float:
+        return 0.0
+
+
+@dataclass
 class SlowFinishBackend(FakeAsyncBackend):
     """Finishes a frame every ``frame_s`` on the host, in reverse batch order (any order is
     allowed), and notes when it handed each request's result over."""
@@ -209,6 +238,20 @@ def test_every_request_completes_once_with_its_own_result_and_steps_overlap() ->
         if log.index(("start", n + 1)) < log.index(("finish", n))
     ]  # fmt: skip
     assert overlapped, f"no batch finished while the next one ran: {log}"
+
+
+def test_page_locking_waits_until_nothing_is_ready_then_runs_to_the_end() -> None:
+    backend = PinningBackend(pieces=5)
+    with running_loop(max_delay_ms=0, backend=backend, before=9) as (main, _):
+        deadline = time.monotonic() + 30
+        done = 0
+        while (done < 9 or backend.pieces) and time.monotonic() < deadline:
+            done += len(main.collect_completed())
+            time.sleep(0.001)
+        assert done == 9 and backend.pieces == 0  # it went on without new work to wake it
+    first_pin = backend.log.index(("pin", 4))
+    submits = [i for i, (step, _) in enumerate(backend.log) if step == "submit"]
+    assert len(submits) == 3 and submits[-1] < first_pin  # the queued frames went first
 
 
 def test_each_frame_is_completed_as_soon_as_the_host_has_finished_it() -> None:

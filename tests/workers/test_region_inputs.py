@@ -16,12 +16,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from scratchd.ipc.queue import Geometry, RequestQueue, Status
 from scratchd.ipc.regions import Region
 from scratchd.model.scratchnet import load_model
 from scratchd.protocol.image import decode_image
-from scratchd.workers.host_memory import HOST_REGISTER_READ_ONLY, PinnedHost
+from scratchd.workers.host_memory import CHUNK, HOST_REGISTER_READ_ONLY, PinnedHost
 from scratchd.workers.protocol import ExitCode
 
 from .test_main import MODEL, spawn, wait_completions
@@ -120,27 +123,128 @@ def fake_cupy(runtime: FakeRuntime) -> Any:
     return SimpleNamespace(cuda=SimpleNamespace(runtime=runtime))
 
 
-def test_a_region_mapping_is_page_locked_read_only_once_and_unlocked() -> None:
+def pin_all(host: PinnedHost) -> int:
+    """Call ``pin_pending`` until it reports nothing left; how many calls that took."""
+    calls = 1
+    while host.pin_pending():
+        calls += 1
+        assert calls < 10_000, "pin_pending never finishes"
+    return calls
+
+
+def test_a_region_is_page_locked_read_only_a_piece_a_call_and_unlocked_the_same_way() -> None:
     runtime = FakeRuntime(read_only_supported=True)
     host = PinnedHost(fake_cupy(runtime), copy_stream=None)
-    slots, region = np.zeros(1 << 16, np.uint8), np.zeros(1 << 16, np.uint8)
-    assert host.register(slots) and host.register(region, read_only=True)
-    assert host.register(region, read_only=True)  # again: already locked, no second call
+    slots, region = np.zeros(1 << 16, np.uint8), np.zeros(2 * CHUNK + 100, np.uint8)
+    base = region.ctypes.data
+    host.register(slots)  # at boot, whole, read-write
+    host.adopt(region)
+    host.adopt(region)  # again (mapped again by the same address): one region
+    # Nothing is locked on the claim path: until its piece is, a frame goes staged.
+    assert list(runtime.locked) == [slots.ctypes.data]
+    assert not host.registered(base, 16)
+    assert host.pin_pending()  # the first piece; more to come
+    assert host.registered(base, CHUNK) and not host.registered(base + CHUNK, 16)
+    assert not host.registered(base + CHUNK - 8, 16)  # across two pieces: staged
+    assert pin_all(host) == 2
     flags = {ptr: f for ptr, (_, f) in runtime.locked.items()}
-    assert flags == {slots.ctypes.data: 0, region.ctypes.data: HOST_REGISTER_READ_ONLY}
-    assert host.registered(region.ctypes.data + 100, 1000)
-    assert not host.registered(region.ctypes.data + len(region) - 10, 20)  # runs past the end
-    host.unregister(region)
+    assert flags == {
+        slots.ctypes.data: 0, base: HOST_REGISTER_READ_ONLY,
+        base + CHUNK: HOST_REGISTER_READ_ONLY, base + 2 * CHUNK: HOST_REGISTER_READ_ONLY,
+    }  # fmt: skip
+    assert runtime.locked[base + 2 * CHUNK][0] == 100
+    assert host.registered(base + 2 * CHUNK + 50, 50)
+    assert not host.registered(base + len(region) - 10, 20)  # runs past the end
+    host.retire(region)  # unmapped: out of the lookup at once, unlocked a piece a call
+    assert not host.registered(base, 16)
+    assert len(runtime.locked) == 4
+    assert pin_all(host) == 3
     assert list(runtime.locked) == [slots.ctypes.data]
     host.unregister_all()
     assert runtime.locked == {}
 
 
+def test_unregister_all_undoes_every_piece_at_once() -> None:
+    runtime = FakeRuntime(read_only_supported=True)
+    host = PinnedHost(fake_cupy(runtime), copy_stream=None)
+    a, b = np.zeros(3 * CHUNK, np.uint8), np.zeros(CHUNK, np.uint8)
+    host.adopt(a)
+    host.adopt(b)
+    host.pin_pending()
+    host.pin_pending()
+    host.retire(a)  # two pieces of a locked, retiring
+    host.pin_pending()  # unlocks one of them before locking any of b
+    assert len(runtime.locked) == 1 and host.ranges == {}
+    slots = np.zeros(4096, np.uint8)
+    host.register(slots)
+    assert len(runtime.locked) == 2
+    host.unregister_all()
+    assert runtime.locked == {} and host.ranges == {} and not host.pin_pending()
+
+
 def test_a_device_that_cannot_lock_read_only_memory_falls_back_to_staging() -> None:
     runtime = FakeRuntime(read_only_supported=False)
     host = PinnedHost(fake_cupy(runtime), copy_stream=None)
-    region = np.zeros(4096, np.uint8)
-    assert not host.register(region, read_only=True)
+    region, other = np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)
+    host.adopt(region)
+    host.adopt(other)
+    assert not host.pin_pending()  # refused once: no region is tried again
     assert not host.registered(region.ctypes.data, 16)  # its frames go through the staging
-    host.unregister(region)  # nothing to undo, nothing raised
+    host.adopt(np.zeros(4096, np.uint8))
+    assert not host.pin_pending()
+    host.retire(region)  # nothing to undo, nothing raised
     assert runtime.locked == {}
+
+
+class PinningMachine(RuleBasedStateMachine):
+    """Whatever the order of maps, unmaps and pinning turns: a range counts as registered
+    only while CUDA holds it locked and its region is mapped, nothing is locked twice, and
+    once the turns run out every mapped region is locked whole and every unmapped one
+    unlocked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runtime = FakeRuntime(read_only_supported=True)
+        self.host = PinnedHost(fake_cupy(self.runtime), copy_stream=None)
+        self.arrays = [np.zeros(n, np.uint8) for n in (CHUNK // 2, CHUNK, 2 * CHUNK + 1, 5)]
+        self.mapped: set[int] = set()
+
+    @rule(i=st.integers(0, 3))
+    def map(self, i: int) -> None:
+        self.host.adopt(self.arrays[i])
+        self.mapped.add(i)
+
+    @rule(i=st.integers(0, 3))
+    def unmap(self, i: int) -> None:
+        self.host.retire(self.arrays[i])
+        self.mapped.discard(i)
+
+    @rule()
+    def turn(self) -> None:
+        self.host.pin_pending()
+
+    @invariant()
+    def lookups_only_see_locked_mapped_memory(self) -> None:
+        for ptr, nbytes in self.host.ranges.items():
+            assert self.runtime.locked[ptr][0] == nbytes
+            owner = [
+                i
+                for i, a in enumerate(self.arrays)
+                if a.ctypes.data <= ptr < a.ctypes.data + a.nbytes
+            ]
+            assert owner and owner[0] in self.mapped
+
+    def teardown(self) -> None:
+        pin_all(self.host)
+        for i, a in enumerate(self.arrays):
+            whole = self.host.registered(a.ctypes.data, min(a.nbytes, CHUNK))
+            assert whole == (i in self.mapped)
+            locked = sum(n for p, (n, _) in self.runtime.locked.items()
+                         if a.ctypes.data <= p < a.ctypes.data + a.nbytes)  # fmt: skip
+            assert locked == (a.nbytes if i in self.mapped else 0)
+        self.host.unregister_all()
+        assert self.runtime.locked == {}
+
+
+TestPinning = PinningMachine.TestCase
+TestPinning.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
