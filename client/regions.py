@@ -67,12 +67,7 @@ def create_memfd(size: int, name: str = "scratchd-region") -> int:
 
 class SlotRing:
     """A memfd of ``slots`` image slots of ``slot_bytes`` each, mapped read-write here; each
-    slot holds one request's pixels from :meth:`place` until :meth:`release` of its reply.
-
-    The memfd's pages are allocated when the ring is made (``MAP_POPULATE``), not on first
-    use: a GPU worker page-locks the region, and locking pages nobody has touched makes it
-    allocate and zero them, several times the work of locking allocated ones
-    (``scripts/bench_host_register.py``), during which that worker serves nothing."""
+    slot holds one request's pixels from :meth:`place` until :meth:`release` of its reply."""
 
     def __init__(self, slots: int = DEFAULT_SLOTS, slot_bytes: int = DEFAULT_SLOT_BYTES) -> None:
         if slots < 1 or slot_bytes < 1:
@@ -83,7 +78,7 @@ class SlotRing:
         self.size = slots * self.slot_bytes
         self.fd = create_memfd(self.size)
         try:
-            self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+            self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(self.fd)
             raise

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scratchd.client.regions import SlotRing, create_memfd
+from scratchd.client.regions import create_memfd
 from scratchd.ipc.regions import Region, RegionError, map_region
 
 SIZE = 64 * 1024
@@ -56,16 +56,6 @@ def test_the_clients_own_memfd_helper_makes_what_the_daemon_accepts() -> None:
         with pytest.raises(PermissionError):
             os.ftruncate(fd, SIZE * 2)  # sealed against growing too
     region.close()
-
-
-def test_a_clients_ring_has_its_pages_allocated_when_it_is_made() -> None:
-    # A worker page-locking untouched pages would allocate and zero them while serving
-    # nothing (client/regions.py SlotRing): the ring allocates them itself.
-    ring = SlotRing(slots=4, slot_bytes=1 << 20)
-    try:
-        assert os.fstat(ring.fd).st_blocks * 512 >= ring.size
-    finally:
-        ring.close()
 
 
 @pytest.mark.parametrize(
