@@ -483,10 +483,10 @@ class CudaBackend:
         base = int(dst.data.ptr)
         frame_bytes = int(dst[0].nbytes)
         for j, img in enumerate(c.frames):
-            src = self.host.source(img, j, frame_bytes)
-            cp.cuda.runtime.memcpyAsync(
-                base + j * frame_bytes, src, frame_bytes, H2D, self.copy_stream.ptr
-            )
+            at = base + j * frame_bytes
+            for src, n in self.host.sources(img, j, frame_bytes):
+                cp.cuda.runtime.memcpyAsync(at, src, n, H2D, self.copy_stream.ptr)
+                at += n
         c.uploaded = cp.cuda.Event(disable_timing=True)
         c.uploaded.record(self.copy_stream)
 

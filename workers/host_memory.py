@@ -5,22 +5,24 @@ Two kinds of range are page-locked (``cudaHostRegister``):
 
 - the queue's input slots (read-write shared memory), at boot, whole (:meth:`register`);
 - each client region a claim names (``ipc/region_maps.py``), once the worker maps it
-  (:meth:`adopt`). Page-locking faults in and pins every page of the range, which takes
-  long for a gateway's region (``scripts/bench_host_register.py``; docs/benchmarks.md): done
-  on the claim path of the batch that first names a region, it held the queue for that
-  long. So a region is locked in ``CHUNK``-byte pieces by :meth:`pin_pending`, one piece a
-  call, which the worker loop calls only when it has nothing to claim; until a frame's piece is locked, the frame goes through the staging
-  buffer. The mapping is ``PROT_READ``, so it is registered with ``cudaHostRegisterReadOnly``
-  (the device only reads it, which is all an upload does). A device that cannot register
-  read-only memory (the flag needs ``cudaDevAttrHostRegisterReadOnlySupported``) leaves every
-  region unregistered: its frames go through the staging buffer, correct but with one more
-  host copy. A region the worker unmaps (:meth:`retire`) leaves the lookup at once; its
-  pieces are unlocked by :meth:`pin_pending` the same way, a piece a call, and its array
-  (which keeps the mapping alive) is let go after the last.
+  (:meth:`adopt`). Page-locking faults in and pins every page of the range, which takes long
+  for a gateway's region (``scripts/bench_host_register.py``; docs/benchmarks.md): done on the
+  claim path of the batch that first names a region, it held the queue for that long. So a
+  region is locked in ``CHUNK``-byte pieces by :meth:`pin_pending`, one piece a call, which the
+  worker loop calls only when it has nothing to claim; until a frame's piece is locked, the
+  frame goes through the staging buffer. The mapping is ``PROT_READ``, so it is registered with
+  ``cudaHostRegisterReadOnly`` (the device only reads it, which is all an upload does). A
+  device that cannot register read-only memory (the flag needs
+  ``cudaDevAttrHostRegisterReadOnlySupported``) leaves every region unregistered: its frames go
+  through the staging buffer, correct but with one more host copy. A region the worker unmaps
+  (:meth:`retire`) leaves the lookup at once; its pieces are unlocked by :meth:`pin_pending`
+  the same way, a piece a call, and its array (which keeps the mapping alive) is let go after
+  the last.
 
-``source`` is what an upload reads: the frame itself when it lies, contiguous, inside one
-registered range (the DMA reads the slot or the client's region directly), else a copy in the
-staging buffer, reused only once the copy stream has drained it.
+``sources`` is what an upload reads: the frame itself when it lies, contiguous, in registered
+memory (the DMA reads the slot or the client's region directly, one copy per registered range
+it spans: a frame larger than ``CHUNK``, or across two pieces, is two or more copies), else a
+copy in the staging buffer, reused only once the copy stream has drained it.
 """
 
 from __future__ import annotations
@@ -137,13 +139,28 @@ class PinnedHost:
                 self.cp.cuda.runtime.hostUnregister(ptr)
         self._retiring.clear()
 
-    def registered(self, ptr: int, nbytes: int) -> bool:
-        """Whether ``nbytes`` at ``ptr`` lie inside one registered range."""
+    def pieces(self, ptr: int, nbytes: int) -> list[tuple[int, int]] | None:
+        """``(address, length)`` pieces, in order, of ``nbytes`` at ``ptr`` each inside one
+        registered range (a frame across a region's adjacent pieces is several), or None if
+        some byte is not registered."""
         i = bisect.bisect_right(self._starts, ptr) - 1
-        if i < 0:
-            return False
-        lo = self._starts[i]
-        return ptr + nbytes <= lo + self.ranges[lo]
+        at, end, out = ptr, ptr + nbytes, []
+        while i >= 0 and i < len(self._starts):
+            lo = self._starts[i]
+            hi = lo + self.ranges[lo]
+            if not lo <= at < hi:
+                return None  # a gap
+            take = min(hi, end) - at
+            out.append((at, take))
+            at += take
+            if at >= end:
+                return out
+            i += 1
+        return None
+
+    def registered(self, ptr: int, nbytes: int) -> bool:
+        """Whether every one of ``nbytes`` at ``ptr`` is registered."""
+        return self.pieces(ptr, nbytes) is not None
 
     def _add(self, ptr: int, nbytes: int) -> None:
         self.ranges[ptr] = nbytes
@@ -153,12 +170,16 @@ class PinnedHost:
         del self.ranges[ptr]
         self._starts.remove(ptr)
 
-    def source(self, img: np.ndarray, j: int, nbytes: int) -> int:
-        """A page-locked address holding ``img`` (frame ``j`` of a chunk): the frame itself if
-        it lies in registered memory (and is contiguous), else a copy in the staging buffer."""
+    def sources(self, img: np.ndarray, j: int, nbytes: int) -> list[tuple[int, int]]:
+        """Page-locked ``(address, length)`` pieces that hold ``img`` (frame ``j`` of a chunk)
+        in order: the frame itself if it lies in registered memory (and is contiguous), one
+        piece per registered range it spans (each copy reads inside one registration), else
+        one copy in the staging buffer."""
         ptr = int(img.ctypes.data)
-        if img.flags.c_contiguous and self.registered(ptr, nbytes):
-            return ptr
+        if img.flags.c_contiguous:
+            found = self.pieces(ptr, nbytes)
+            if found is not None:
+                return found
         # The staging buffer is reused only after the copy stream has drained it.
         self.copy_stream.synchronize()
         need = (j + 1) * nbytes
@@ -167,4 +188,4 @@ class PinnedHost:
 
             self._staging = cupyx.empty_pinned((max(need, 16 * nbytes),), np.uint8)
         self._staging[j * nbytes : need] = np.ascontiguousarray(img).reshape(-1)
-        return int(self._staging.ctypes.data) + j * nbytes
+        return [(int(self._staging.ctypes.data) + j * nbytes, nbytes)]

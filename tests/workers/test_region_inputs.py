@@ -6,6 +6,7 @@ mappings, with a stand-in for CUDA's runtime (the GPU path itself: tests/workers
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
 import signal
 import time
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -145,7 +146,7 @@ def test_a_region_is_page_locked_read_only_a_piece_a_call_and_unlocked_the_same_
     assert not host.registered(base, 16)
     assert host.pin_pending()  # the first piece; more to come
     assert host.registered(base, CHUNK) and not host.registered(base + CHUNK, 16)
-    assert not host.registered(base + CHUNK - 8, 16)  # across two pieces: staged
+    assert not host.registered(base + CHUNK - 8, 16)  # the second piece is not locked yet
     assert pin_all(host) == 2
     flags = {ptr: f for ptr, (_, f) in runtime.locked.items()}
     assert flags == {
@@ -154,6 +155,10 @@ def test_a_region_is_page_locked_read_only_a_piece_a_call_and_unlocked_the_same_
     }  # fmt: skip
     assert runtime.locked[base + 2 * CHUNK][0] == 100
     assert host.registered(base + 2 * CHUNK + 50, 50)
+    # A frame across pieces is read in place, one copy per piece.
+    assert host.pieces(base + CHUNK - 8, CHUNK + 16) == [
+        (base + CHUNK - 8, 8), (base + CHUNK, CHUNK), (base + 2 * CHUNK, 8),
+    ]  # fmt: skip
     assert not host.registered(base + len(region) - 10, 20)  # runs past the end
     host.retire(region)  # unmapped: out of the lookup at once, unlocked a piece a call
     assert not host.registered(base, 16)
@@ -194,6 +199,38 @@ def test_a_device_that_cannot_lock_read_only_memory_falls_back_to_staging() -> N
     assert not host.pin_pending()
     host.retire(region)  # nothing to undo, nothing raised
     assert runtime.locked == {}
+
+
+@given(
+    cuts=st.lists(st.integers(1, 255), min_size=1, max_size=12, unique=True),
+    keep=st.lists(st.booleans(), min_size=13, max_size=13),
+    start=st.integers(0, 255),
+    length=st.integers(1, 256),
+)
+def test_pieces_cover_a_frame_exactly_with_registered_ranges_or_say_none(
+    cuts: list[int], keep: list[bool], start: int, length: int
+) -> None:
+    host = PinnedHost(fake_cupy(FakeRuntime(read_only_supported=True)), copy_stream=None)
+    buf = np.zeros(512, np.uint8)
+    bounds = [0, *sorted(cuts), 256]
+    covered: set[int] = set()
+    for (lo, hi), k in zip(itertools.pairwise(bounds), keep, strict=False):
+        if k:  # adjacent registered ranges, as a region's pieces are
+            host.register(buf[lo:hi])
+            covered.update(range(lo, hi))
+    base = buf.ctypes.data
+    got = host.pieces(base + start, length)
+    wanted = set(range(start, start + length))
+    if not wanted <= covered:
+        assert got is None
+        return
+    assert got is not None
+    at = base + start
+    for ptr, n in got:  # in order, contiguous, each inside one registered range
+        assert ptr == at and n > 0
+        assert any(lo <= ptr and ptr + n <= lo + size for lo, size in host.ranges.items())
+        at += n
+    assert at == base + start + length
 
 
 class PinningMachine(RuleBasedStateMachine):
