@@ -136,9 +136,13 @@ def run_load(args: argparse.Namespace, sock: str, pattern: str, rate: float) -> 
     port, pid = daemon_ports(sock) if args.size else (0, 0)
     before, cpu_before = sl.scrape_compute(port), sl.process_cpu_s(pid)
     with sl.NvmlSampler() as nvml:
-        results = collect(start_clients(args, sock, pattern, rate, args.duration))
+        results = collect(start_clients(args, sock, pattern, rate, args.duration, trace=True))
     main_cpu_s = sl.process_cpu_s(pid) - cpu_before
     row = sl.summarize(results, args.duration)
+    # When in the load its latency rose: a whole-run p99 hides a stall of the first second.
+    start = min((r["trace"]["due_s"][0] for r in results if r["trace"]["due_s"]), default=0.0)
+    row["timeline"] = sl.timeline(results, start, TIMELINE_BIN_S)
+    row["timeline_bin_s"] = TIMELINE_BIN_S
     load = "burst" if pattern == "burst" else f"poisson@{rate:g}/s"
     if not args.size:
         keep = ("sent", "statuses", "lost", "throughput", "p50_ms", "p99_ms", "p999_ms")
@@ -152,6 +156,8 @@ def run_load(args: argparse.Namespace, sock: str, pattern: str, rate: float) -> 
     row["main_cpu_us_per_request"] = round(main_cpu_s / max(row["sent"], 1) * 1e6, 1)
     print(f"  {load}: p50 {row['p50_ms']} p99 {row['p99_ms']} ms, {row['statuses']}", flush=True)
     print(f"    daemon's timings: {row['parts']}", flush=True)
+    bins = ", ".join(f"{b['p99_ms']}" for b in row["timeline"])
+    print(f"    p99 ms per {TIMELINE_BIN_S:g} s: {bins}", flush=True)
     return row
 
 
