@@ -23,7 +23,9 @@ The ``scratchnet-2`` recipe: one forward pass has to carry what four test-time v
    CUDA, EMA of the weights.
 4. ``--init CHECKPOINT`` fine-tunes: a new schedule (this command's recipe, fresh optimiser,
    step 0) from that checkpoint's EMA weights; the parent's sha256, steps, seconds and
-   commands go into the metadata (``fine_tuned_from``).
+   commands go into the metadata (``fine_tuned_from``). The architecture may add residual
+   blocks to the checkpoint's (one more ``--dilations`` entry: a wider receptive field at
+   H/16); they start as the identity (:func:`train_loop.grown_blocks`, ``init_from``).
 5. Checkpoint and resume: ``--stop-minutes`` ends this process early (the schedule goes on
    from ``OUT/checkpoint.pt`` with ``--resume``), so one schedule spans several device
    commands. Every process records its command line; steps and training seconds add up.
@@ -95,7 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--resume", type=Path, help="checkpoint to go on from")
     ap.add_argument(
         "--init", type=Path,
-        help="fine-tune: a new schedule from this checkpoint's weights (same architecture)",
+        help="fine-tune: a new schedule from this checkpoint's weights (its architecture, or "
+        "it grown by residual blocks, e.g. one more --dilations entry)",
     )  # fmt: skip
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--warmup", type=int, default=300)
@@ -178,9 +181,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--resume goes on with a schedule, --init starts one: give one")
     if args.init is not None:
         state = load_checkpoint(args.init, dev)
-        if state["extra"]["architecture"] != cfg.to_json():
-            raise SystemExit(f"{args.init}: its architecture differs from this command's")
-        trainer.init_from(state, hashlib.sha256(args.init.read_bytes()).hexdigest())
+        parent_cfg = NetConfig.from_json(state["extra"]["architecture"])
+        try:
+            sha = hashlib.sha256(args.init.read_bytes()).hexdigest()
+            trainer.init_from(state, sha, parent_cfg)
+        except ValueError as exc:
+            raise SystemExit(f"{args.init}: cannot start this architecture from it: {exc}") from exc
     if args.resume is not None:
         state = load_checkpoint(args.resume, dev)
         saved = state["extra"]

@@ -33,7 +33,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from torch import nn
 from train_data import Augment, GpuImages
 
-from scratchd.model.torchnet import TorchScratchNet
+from scratchd.model.net import NetConfig, block_plan
+from scratchd.model.torchnet import DSBlock, TorchScratchNet
 
 CROPS = (224, 256, 288)
 AUX_STAGES = ("dec2", "dec1")
@@ -314,13 +315,29 @@ class Trainer:
         self.commands = list(state["commands"])
         self.parent = state.get("parent")
 
-    def init_from(self, state: dict[str, Any], sha256: str) -> None:
+    def init_from(self, state: dict[str, Any], sha256: str, parent_cfg: NetConfig) -> None:
         """Start a new schedule (fresh optimiser, step 0) from a checkpoint's weights: the
         model and its EMA both take the checkpoint's EMA weights (the better of its two, and
         the one it exported), the auxiliary heads its heads. The parent's record (sha256,
-        steps, seconds, commands, and its own parent) is kept in :attr:`parent`."""
-        self.model.load_state_dict(state["ema"])
-        self.ema.load_state_dict(state["ema"])
+        steps, seconds, commands, and its own parent) is kept in :attr:`parent`.
+
+        The model may be the parent grown by residual blocks (:func:`grown_blocks`: say one
+        more dilated block at H/16): each new block's last BatchNorm starts at zero scale
+        and shift, so the block starts as the identity on its input (non-negative, after a
+        ReLU) and the grown net computes exactly what the parent did."""
+        new = grown_blocks(parent_cfg, self.model.cfg)
+        for net in (self.model, self.ema):
+            missing, unexpected = net.load_state_dict(state["ema"], strict=False)
+            if unexpected or any(k.split(".")[1] not in new for k in missing):
+                raise ValueError(f"weights do not fit: {unexpected or missing}")
+            for name in new:
+                block = net.blocks[name]
+                assert isinstance(block, DSBlock)
+                bn = block.pw.bn
+                if bn is None:
+                    raise ValueError("a fused (inference) net cannot be trained")
+                nn.init.zeros_(bn.weight)
+                nn.init.zeros_(bn.bias)
         self.aux.load_state_dict(state["aux"])
         self.parent = {
             "sha256": sha256,
@@ -328,7 +345,29 @@ class Trainer:
             "seconds": round(float(state["seconds"]), 1),
             "commands": list(state["commands"]),
             "parent": state.get("parent"),
+            "grown_by": sorted(new),
         }
+
+
+def grown_blocks(parent: NetConfig, child: NetConfig) -> set[str]:
+    """The blocks (module names) ``child`` adds to ``parent``: every block of the parent must
+    be in the child unchanged and every added block residual (so it can start as the
+    identity); ValueError otherwise. Empty for the same architecture."""
+    have = {b.name: b for b in block_plan(parent)}
+    added = set()
+    for b in block_plan(child):
+        if b.name in have:
+            if have.pop(b.name) != b:
+                raise ValueError(f"block {b.name} differs between the two architectures")
+        elif b.residual:
+            added.add(b.name.replace(".", "_"))
+        else:
+            raise ValueError(f"block {b.name} is new and not residual: it cannot start as identity")
+    if have:
+        raise ValueError(f"blocks {sorted(have)} of the parent are not in this architecture")
+    if parent.widths != child.widths:
+        raise ValueError("the widths differ (the stem and head would not carry over)")
+    return added
 
 
 def save_checkpoint(path: Path, trainer: Trainer, extra: dict[str, Any]) -> None:

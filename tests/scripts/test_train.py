@@ -185,7 +185,7 @@ def test_a_fine_tune_starts_a_new_schedule_from_the_parents_ema(tmp_path: Path) 
     parent.run(images, probs, 0.2, 0.3, float("inf"))
     loop.save_checkpoint(tmp_path / "p.pt", parent, {})
     child = _tiny_trainer(5)[0]
-    child.init_from(loop.load_checkpoint(tmp_path / "p.pt", torch.device("cpu")), "ab12")
+    child.init_from(loop.load_checkpoint(tmp_path / "p.pt", torch.device("cpu")), "ab12", TINY)
     assert child.step == 0 and child.seconds == 0.0 and not child.opt.state
     for want, model, ema in zip(
         parent.ema.state_dict().values(),
@@ -196,7 +196,7 @@ def test_a_fine_tune_starts_a_new_schedule_from_the_parents_ema(tmp_path: Path) 
         assert torch.equal(model, want) and torch.equal(ema, want)
     assert child.parent == {
         "sha256": "ab12", "steps": 3, "seconds": round(parent.seconds, 1),
-        "commands": ["train.py --minutes 3"], "parent": None,
+        "commands": ["train.py --minutes 3"], "parent": None, "grown_by": [],
     }  # fmt: skip
     child.run(images, probs, 0.2, 0.3, float("inf"))
     assert child.step == 5
@@ -205,6 +205,44 @@ def test_a_fine_tune_starts_a_new_schedule_from_the_parents_ema(tmp_path: Path) 
     again = _tiny_trainer(5)[0]
     again.load_state(loop.load_checkpoint(tmp_path / "c.pt", torch.device("cpu")))
     assert again.parent == child.parent and again.step == 5
+
+
+def test_a_net_grown_by_a_dilated_block_starts_computing_what_its_parent_did(
+    tmp_path: Path,
+) -> None:
+    loop = _mod("train_loop")
+    from scratchd.model.torchnet import TorchScratchNet
+
+    parent, images, probs = _tiny_trainer(3, ema=0.5)
+    parent.run(images, probs, 0.2, 0.3, float("inf"))
+    loop.save_checkpoint(tmp_path / "p.pt", parent, {})
+    wider = dataclasses.replace(TINY, dilations=(2, 4))
+    child = loop.Trainer(TorchScratchNet(wider), parent.recipe, torch.device("cpu"), seed=3)
+    child.init_from(loop.load_checkpoint(tmp_path / "p.pt", torch.device("cpu")), "ab", TINY)
+    assert child.parent["grown_by"] == ["enc3_d1"]
+    x = torch.from_numpy(np.random.default_rng(0).normal(size=(2, 1, 64, 96))).float()
+    with torch.no_grad():
+        torch.testing.assert_close(child.ema.eval()(x), parent.ema.eval()(x))
+        torch.testing.assert_close(child.model.eval()(x), parent.ema.eval()(x))
+    child.model.train()
+    child.train_step(images, probs, 0.2, 0.3)  # and it trains: the new block moves
+    assert child.model.blocks["enc3_d1"].pw.bn.weight.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    ("parent", "child", "why"),
+    [
+        (TINY, dataclasses.replace(TINY, widths=(8, 16, 16, 32)), "differs"),
+        (TINY, dataclasses.replace(TINY, dilations=()), "not in this architecture"),
+        (dataclasses.replace(TINY, dec_depth=2), TINY, "not in this architecture"),
+    ],
+)
+def test_growth_is_refused_where_it_cannot_start_as_the_parent(
+    parent: Any, child: Any, why: str
+) -> None:
+    loop = _mod("train_loop")
+    with pytest.raises(ValueError, match=why):
+        loop.grown_blocks(parent, child)
 
 
 def test_a_stop_request_ends_training_after_the_step_in_progress(tmp_path: Path) -> None:
