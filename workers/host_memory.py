@@ -34,6 +34,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from scratchd.kernels._checks import env_choice
 from scratchd.protocol.log import log_event
 
 HOST_REGISTER_READ_ONLY: Final = 8  # cudaHostRegisterReadOnly
@@ -41,7 +42,10 @@ HOST_REGISTER_READ_ONLY: Final = 8  # cudaHostRegisterReadOnly
 
 CHUNK: Final = 4 << 20
 """Bytes of a client region page-locked (or unlocked) per :meth:`PinnedHost.pin_pending`: a
-request arriving meanwhile waits for one piece at most."""
+request arriving meanwhile waits for one piece at most. ``PIECE_ENV`` (MiB) overrides it, for
+benchmarks comparing piece sizes."""
+
+PIECE_ENV: Final = "SCRATCHD_PIN_PIECE_MIB"
 
 
 @dataclass(eq=False)
@@ -69,6 +73,7 @@ class PinnedHost:
         self._retiring: list[_Region] = []  # retired regions with pieces still locked
         self._staging: Any = None
         self._read_only_refused = False
+        self.piece = int(env_choice(PIECE_ENV, str(CHUNK >> 20), ("1", "2", "4", "8", "16"))) << 20
 
     def register(self, array: np.ndarray) -> None:
         """Page-lock ``array``'s memory (read-write, whole, now): the queue's input slots."""
@@ -118,7 +123,7 @@ class PinnedHost:
 
     def _lock_piece(self, region: _Region) -> None:
         ptr = region.base + region.done
-        nbytes = min(CHUNK, region.nbytes - region.done)
+        nbytes = min(self.piece, region.nbytes - region.done)
         try:
             self.cp.cuda.runtime.hostRegister(ptr, nbytes, HOST_REGISTER_READ_ONLY)
         except self.cp.cuda.runtime.CUDARuntimeError as exc:

@@ -169,6 +169,21 @@ def test_a_region_is_page_locked_read_only_a_piece_a_call_and_unlocked_the_same_
     assert runtime.locked == {}
 
 
+def test_the_piece_size_can_be_set_for_benchmarks_and_a_bad_one_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    runtime = FakeRuntime(read_only_supported=True)
+    monkeypatch.setenv("SCRATCHD_PIN_PIECE_MIB", "1")
+    host = PinnedHost(fake_cupy(runtime), copy_stream=None)
+    region = np.zeros(3 << 20, np.uint8)
+    host.adopt(region)
+    assert pin_all(host) == 3
+    assert sorted(n for n, _ in runtime.locked.values()) == [1 << 20] * 3
+    monkeypatch.setenv("SCRATCHD_PIN_PIECE_MIB", "3")
+    with pytest.raises(ValueError, match="SCRATCHD_PIN_PIECE_MIB"):
+        PinnedHost(fake_cupy(runtime), copy_stream=None)
+
+
 def test_unregister_all_undoes_every_piece_at_once() -> None:
     runtime = FakeRuntime(read_only_supported=True)
     host = PinnedHost(fake_cupy(runtime), copy_stream=None)
