@@ -129,7 +129,7 @@ assert MUTEX_OFFSET + MUTEX_BYTES <= HEADER_BYTES
 DESC_DTYPE = np.dtype(
     [
         # The request block: written by the acceptor while it owns the descriptor (WRITTEN),
-        # in one C call (REQUEST_FIELDS: ``_native.Core.submit_request``).
+        # in one C call (``_native.Core.submit_request``, request_id .. region_offset).
         ("request_id", "<u8"),
         ("conn_id", "<u8"),
         ("enqueue_ns", "<i8"),
@@ -166,7 +166,6 @@ DESC_DTYPE = np.dtype(
     ],
     align=True,
 )
-REQUEST_FIELDS = ("request_id", "region_offset")  # first and last field of the request block
 
 RESULT_DTYPE = np.dtype(
     [
