@@ -343,16 +343,7 @@ static int Core_init(Core *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_RuntimeError, "Core is already bound to a buffer");
         return -1;
     }
-    /* A Handle is built here as tuple_new builds a tuple subclass's instance (tp_alloc with
-     * two items): so only a tuple subclass that adds nothing to a tuple's layout (a
-     * NamedTuple: __slots__ = ()) is taken. */
-    if (handle != Py_None &&
-        (!PyType_Check(handle) || !PyType_IsSubtype((PyTypeObject *)handle, &PyTuple_Type) ||
-         ((PyTypeObject *)handle)->tp_basicsize != PyTuple_Type.tp_basicsize ||
-         ((PyTypeObject *)handle)->tp_itemsize != PyTuple_Type.tp_itemsize)) {
-        PyErr_SetString(PyExc_TypeError, "handle must be a tuple subclass without added fields");
-        return -1;
-    }
+    if (handle != Py_None && !handle_type_ok(handle)) return -1;
     if (PyObject_GetBuffer(buf, &self->view, PyBUF_WRITABLE) < 0) return -1;
     self->base = self->view.buf;
     if (bind_layout(self, offsets) < 0 ||
@@ -518,22 +509,10 @@ static int32_t free_pop(Core *c) {
     }
 }
 
-/* records.Handle(i, generation) (a plain tuple without a handle type), built as tuple_new
- * builds a subclass's instance: the items set in the fresh object, no Python __new__ run. */
+/* records.Handle(i, generation) (a plain tuple without a handle type). */
 static PyObject *make_handle(Core *c, int32_t i) {
-    PyObject *index = PyLong_FromLong(i);
-    PyObject *gen = PyLong_FromUnsignedLong(F(c, i, uint32_t, d_generation));
-    PyObject *h = !index || !gen ? NULL
-                  : c->handle    ? c->handle->tp_alloc(c->handle, 2)
-                                 : PyTuple_New(2);
-    if (!h) {
-        Py_XDECREF(index);
-        Py_XDECREF(gen);
-        return NULL;
-    }
-    PyTuple_SET_ITEM(h, 0, index);
-    PyTuple_SET_ITEM(h, 1, gen);
-    return h;
+    return new_handle(c->handle, PyLong_FromLong(i),
+                      PyLong_FromUnsignedLong(F(c, i, uint32_t, d_generation)));
 }
 
 /* ------------------------------------------------------- critical sections (lock held) */

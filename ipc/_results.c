@@ -97,14 +97,7 @@ static int Reader_init(Reader *self, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTuple(kit, "OOO!O!OOU", &completion, &result, &PyType_Type, &handle,
                           &PyTuple_Type, &statuses, &timeout, &error_status, &reason))
         return -1;
-    /* A Handle is built as _native.c's make_handle builds one: a tuple subclass that adds
-     * nothing to a tuple's layout (a NamedTuple). */
-    PyTypeObject *h = (PyTypeObject *)handle;
-    if (!PyType_IsSubtype(h, &PyTuple_Type) || h->tp_basicsize != PyTuple_Type.tp_basicsize ||
-        h->tp_itemsize != PyTuple_Type.tp_itemsize) {
-        PyErr_SetString(PyExc_TypeError, "handle must be a tuple subclass without added fields");
-        return -1;
-    }
+    if (!handle_type_ok(handle)) return -1;
     if (!PyCallable_Check(completion) || !PyCallable_Check(result)) {
         PyErr_SetString(PyExc_TypeError, "Completion and Result must be callable");
         return -1;
@@ -182,14 +175,6 @@ static PyObject *result_of(Reader *self, const char *row, PyObject *histogram, l
     return out;
 }
 
-static PyObject *make_handle(Reader *self, PyObject *index, PyObject *generation) {
-    PyObject *h = ((PyTypeObject *)self->handle)->tp_alloc((PyTypeObject *)self->handle, 2);
-    if (!h) return NULL;
-    PyTuple_SET_ITEM(h, 0, Py_NewRef(index));
-    PyTuple_SET_ITEM(h, 1, Py_NewRef(generation));
-    return h;
-}
-
 /* The Completion of one FinishedRow: (index, generation, state, abandoned, request_id,
  * conn_id, enqueue_ns, part_class, height, width, priority, kills, claim_ns, done_ns,
  * worker), as main_side._completion_of builds it. */
@@ -219,7 +204,8 @@ static PyObject *completion_of(Reader *self, const char *base, PyObject *t, PyOb
         error = PyUnicode_FromFormat(
             "quarantined: %S workers died while processing this request", f[11]);
     }
-    PyObject *handle = make_handle(self, f[0], f[1]), *out = NULL;
+    PyObject *handle = new_handle((PyTypeObject *)self->handle, Py_NewRef(f[0]), Py_NewRef(f[1]));
+    PyObject *out = NULL;
     if (handle && status && error) {
         PyObject *a[COMPLETION_ARGS] = {handle, f[4],  f[5],  f[7],  f[10], status,
                                         result, f[6],  f[12], f[13], f[14], error};
