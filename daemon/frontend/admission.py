@@ -12,6 +12,7 @@ acceptor weighs that when it takes a slot (``daemon/frontend/overload.py``).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from scratchd.daemon.config import MAX_DEADLINE_MS, Config
@@ -49,9 +50,8 @@ class PartClasses:
         # class's Admission as is: built and checked once here, shared (it is frozen).
         self._plain: dict[str, Admission] = {}
         for name, cls in config.classes.items():
-            if 0 <= cls.priority <= 7 and 0 < cls.deadline_ms <= MAX_DEADLINE_MS:
-                self._plain[name] = Admission(name, self._index[name], cls.priority,
-                                              cls.deadline_ms)  # fmt: skip
+            with contextlib.suppress(Invalid):  # a class whose own values are refused
+                self._plain[name] = self._admission(name, cls.priority, cls.deadline_ms)
 
     def classify(self, request: AnyInferRequest) -> Admission:
         """The request's class, priority and deadline (its own values override the class's)."""
@@ -64,14 +64,17 @@ class PartClasses:
             known = ", ".join(self.config.class_names())
             raise Invalid(f"unknown part class {request.part_class!r}; configured: {known}")
         priority = cls.priority if request.priority is None else request.priority
+        deadline_ms = cls.deadline_ms if request.deadline_ms is None else request.deadline_ms
+        return self._admission(request.part_class, priority, deadline_ms)
+
+    def _admission(self, name: str, priority: int, deadline_ms: int) -> Admission:
+        """Class ``name``'s Admission with these values; :class:`Invalid` if one is refused."""
         if not 0 <= priority <= 7:
             raise Invalid(f"priority {priority} outside 0..7")
-        deadline_ms = cls.deadline_ms if request.deadline_ms is None else request.deadline_ms
         if deadline_ms <= 0:
             raise Invalid(f"deadline_ms must be positive, got {deadline_ms}")
         if deadline_ms > MAX_DEADLINE_MS:
             raise Invalid(
                 f"deadline_ms {deadline_ms} exceeds the maximum {MAX_DEADLINE_MS} (1 day)"
             )
-        index = self._index[request.part_class]
-        return Admission(request.part_class, index, priority, deadline_ms)
+        return Admission(name, self._index[name], priority, deadline_ms)
