@@ -381,10 +381,7 @@ class Acceptor:
                 return lent
             refusal = overload.full_reason(priority, limits)
         if refusal is None:  # the usual: a slot its priority may take, or make room
-            handle = queue.reserve(self._keep[priority])
-            if handle is not None:
-                return handle
-            handle, shed = overload.make_room(queue, priority)
+            handle, shed = overload.take_slot(queue, priority, self._keep[priority])
             if shed is not None:
                 self.dispatcher.shed(shed)
             if handle is not None:

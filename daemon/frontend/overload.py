@@ -131,19 +131,15 @@ def keep_free(priority: int, queue: QueueConfig) -> int:
 
 
 def take_slot(
-    queue: RequestQueue, priority: int, limits: QueueConfig
+    queue: RequestQueue, priority: int, keep: int
 ) -> tuple[Handle | None, Completion | None]:
-    """A WRITTEN slot for a request of ``priority`` (None: refuse it, ``full_reason``), and
-    the request shed to make room for it, whose Completion the caller must answer."""
-    handle = queue.reserve(keep_free(priority, limits))
+    """A WRITTEN slot for a request of ``priority`` that must leave ``keep`` free slots to
+    others (``keep_free``; None: refuse it, ``full_reason``), and the request shed to make
+    room for it, whose Completion the caller must answer."""
+    handle = queue.reserve(keep)
     if handle is not None:
         return handle, None
-    return make_room(queue, priority)
-
-
-def make_room(queue: RequestQueue, priority: int) -> tuple[Handle | None, Completion | None]:
-    """No slot a request of ``priority`` may take is free: shed a queued one of lower
-    priority and take its slot (None, None: there is none to shed)."""
+    # None it may take is free: shed a queued request of lower priority and take its slot.
     shed = queue.shed(priority, shed_reason(priority))
     if shed is None:
         return None, None

@@ -159,7 +159,7 @@ def test_admission_and_shedding_follow_the_model(
         for op, arg in ops:
             if op == "arrive":
                 rid = next(ids)
-                handle, shed = overload.take_slot(queue, arg, limits)
+                handle, shed = overload.take_slot(queue, arg, overload.keep_free(arg, limits))
                 admitted, victim = model.arrive(arg, rid)
                 assert (handle is not None, shed.request_id if shed else None) == (admitted, victim)
                 if shed is not None:  # answered overloaded, and only ever a lower priority
