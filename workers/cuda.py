@@ -144,7 +144,7 @@ class CudaBackend:
         self.boot_ms["arena"] = _ms(t0)
         t0 = time.perf_counter()
         model = load_model(model_path or None, views=views or None)
-        self.net, self.model = CudaScratchNet(model), model
+        self.net = CudaScratchNet(model)
         self.boot_ms["weights"] = _ms(t0)
         self.version: str = model.version
         self.device = f"cuda:{bus_id.lower()}"
@@ -264,7 +264,7 @@ class CudaBackend:
                 reason = f"expected a non-empty uint8 (H, W) frame, got {img.shape}"
                 batch.errors[i] = (Status.INVALID, reason)
                 continue
-            if upscales(self.model.meta, *img.shape):  # small frames run at 2x (on the host)
+            if upscales(self.net.model.meta, *img.shape):  # small frames run at 2x (on the host)
                 batch.small[i] = img.copy()
                 images[i] = img = upscale2x(img[None])[0]
             by_size.setdefault((int(img.shape[0]), int(img.shape[1])), []).append(i)
@@ -346,7 +346,7 @@ class CudaBackend:
                     small = batch.small.get(pos)
                     frame = (
                         c.graph.finish_frame(c.collected, j, bool(want)) if small is None
-                        else finish_upscaled(self.model, small, c.collected.prob[j])
+                        else finish_upscaled(self.net.model, small, c.collected.prob[j])
                     )  # fmt: skip
                 except Exception as exc:  # answered and logged, never hidden
                     reason = f"host finish: {type(exc).__name__}: {exc}"
