@@ -24,11 +24,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_data import inner_split, load_split
-from train_report import measure
+from train_report import logits_of, measure
 
-from scratchd.kernels.normalize_pad import padded_size
 from scratchd.model.scratchnet import load_model
-from scratchd.model.torchnet import TorchScratchNet, full_logits, load_weights
+from scratchd.model.torchnet import TorchScratchNet, load_weights
 
 BINS = (0.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
@@ -38,14 +37,11 @@ def scaled_prob(
     net: TorchScratchNet, image: np.ndarray, scale: float, mean: float, std: float
 ) -> np.ndarray:
     h, w = image.shape
-    x = torch.from_numpy(image.copy()).float()[None, None] / 255.0
-    hs, ws = round(h * scale), round(w * scale)
+    x = torch.from_numpy(image.copy()).float()[None, None]
     if scale != 1.0:
-        x = F.interpolate(x, size=(hs, ws), mode="bilinear", align_corners=False)
-    x = F.pad(
-        (x - mean) / std, (0, padded_size(ws) - ws, 0, padded_size(hs) - hs), mode="replicate"
-    )
-    logits = full_logits(net, x)[:, :, :hs, :ws]
+        size = (round(h * scale), round(w * scale))
+        x = F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+    logits = logits_of(net, x, mean, std)
     if scale != 1.0:
         logits = F.interpolate(logits, size=(h, w), mode="bilinear", align_corners=False)
     return torch.sigmoid(logits)[0, 0].numpy()

@@ -37,6 +37,16 @@ WINDOWS = (1, 3, 5, 9, 15)
 
 
 @torch.no_grad()
+def logits_of(model: TorchScratchNet, x: torch.Tensor, mean: float, std: float) -> torch.Tensor:
+    """The deployed head's logits ``[1, 1, h, w]`` (fp32) of grey values ``x`` ``[1, 1, h, w]``
+    (0..255 floats): normalised, replicate-padded to 16, the net, bilinear 2x, cropped."""
+    h, w = x.shape[-2:]
+    x = x * (1.0 / (255.0 * std)) + (-mean / std)
+    x = F.pad(x, (0, padded_size(w) - w, 0, padded_size(h) - h), mode="replicate")
+    return full_logits(model, x.contiguous(memory_format=torch.channels_last))[:, :, :h, :w].float()
+
+
+@torch.no_grad()
 def predict_probs(
     model: TorchScratchNet, examples: list[Example], mean: float, std: float,
     device: torch.device, upscale_below: int = 0,
@@ -52,11 +62,7 @@ def predict_probs(
         if up:
             x = F.interpolate(x, scale_factor=2.0, mode="bilinear", align_corners=False)
             x = x.round().clamp(0, 255)
-        h, w = x.shape[-2:]
-        x = x * (1.0 / (255.0 * std)) + (-mean / std)
-        x = F.pad(x, (0, padded_size(w) - w, 0, padded_size(h) - h), mode="replicate")
-        prob = torch.sigmoid(full_logits(model, x.contiguous(memory_format=torch.channels_last)))
-        prob = prob[:, :, :h, :w].float()
+        prob = torch.sigmoid(logits_of(model, x, mean, std))
         if up:
             prob = F.avg_pool2d(prob, 2)
         out.append(prob[0, 0].cpu().numpy())
