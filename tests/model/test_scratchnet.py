@@ -189,7 +189,7 @@ def test_a_model_with_a_cascade_cannot_also_upscale() -> None:
     from scratchd.model.cascade_plan import CascadeSettings, receptive_halo
 
     base = random_model(0)
-    halo = -(-receptive_halo(base.config) // 16) * 16
+    halo = receptive_halo(base.config)  # a multiple of 16 already
     cascade = CascadeSettings(factor=2, threshold=0.2, margin=0, core=128, halo=halo)
     ScratchNet(base.weights, dataclasses.replace(base.meta, cascade=cascade))  # fine alone
     both = dataclasses.replace(base.meta, cascade=cascade, upscale_below=224)
