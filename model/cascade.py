@@ -70,10 +70,7 @@ class Cascade:
 
     def stage1(self, image: np.ndarray) -> np.ndarray:
         """Stage 1's probability map of one frame, at the frame's size."""
-        f = self.settings.factor
-        small = cp.downscale(image, f)
-        prob = self.net.forward(small[None])[0]
-        return cp.upsample(prob, f, *image.shape)
+        return stage1_map(self.net, image, self.settings.factor)
 
     def plan(self, prob1: np.ndarray) -> cp.Plan:
         """Which parts of the frame stage 2 must run, from stage 1's map."""
@@ -112,6 +109,12 @@ class Cascade:
         for i, img in enumerate(images):
             check_image(img, i)
         return [self.predict_one(img) for img in images]
+
+
+def stage1_map(net: ScratchNet, image: np.ndarray, factor: int) -> np.ndarray:
+    """The network's map of ``image`` downscaled ``factor`` times, back at the frame's size."""
+    prob = net.forward(cp.downscale(image, factor)[None])[0]
+    return cp.upsample(prob, factor, *image.shape)
 
 
 def stage1_macs(net: ScratchNet, settings: cp.CascadeSettings, height: int, width: int) -> int:

@@ -44,7 +44,7 @@ from train_data import Example, inner_split, load_split
 
 from scratchd.kernels.normalize_pad import padded_size
 from scratchd.model import cascade_plan as cp
-from scratchd.model.cascade import Cascade, plan_macs, stage1_macs
+from scratchd.model.cascade import Cascade, plan_macs, stage1_macs, stage1_map
 from scratchd.model.evaluate import Evaluation
 from scratchd.model.scratchnet import Prediction, ScratchNet, load_model, save_model
 
@@ -65,10 +65,7 @@ def prepare(net: ScratchNet, examples: list[Example], factors: list[int]) -> lis
     frames = []
     for e in examples:
         prob = net.forward(e.image[None])[0]
-        s1 = {}
-        for f in factors:
-            small = net.forward(cp.downscale(e.image, f)[None])[0]
-            s1[f] = cp.upsample(small, f, *e.image.shape)
+        s1 = {f: stage1_map(net, e.image, f) for f in factors}
         frames.append(Frame(e, prob, net.finish(e.image, prob), s1))
     return frames
 
@@ -101,11 +98,16 @@ class Tally:
         return out
 
 
+def mac_ratio(net: ScratchNet, s: cp.CascadeSettings, p: cp.Plan) -> float:
+    """The cascade's multiply-accumulates on plan ``p``'s frame against the full model's."""
+    cost = stage1_macs(net, s, p.height, p.width) + (plan_macs(net, p) if p.tiles else 0)
+    return cost / cp.macs(net.config, p.height, p.width)
+
+
 def run_setting(net: ScratchNet, frames: list[Frame], s: cp.CascadeSettings) -> Tally:
     """The cascade's answers, composed from the stored maps (see the module docstring)."""
     tally = Tally()
     for fr in frames:
-        h, w = fr.ex.image.shape
         prob1 = fr.stage1[s.factor]
         p = cp.plan(cp.suspicious(prob1, s.threshold, s.margin), s.core, s.halo)
         if p.whole:
@@ -113,8 +115,7 @@ def run_setting(net: ScratchNet, frames: list[Frame], s: cp.CascadeSettings) -> 
         else:
             cores = [fr.full_prob[t.y0 : t.y1, t.x0 : t.x1] for t in p.tiles]
             pred = net.finish(fr.ex.image, cp.compose(prob1, cores, p))
-        cost = stage1_macs(net, s, h, w) + (plan_macs(net, p) if p.tiles else 0)
-        tally.add(fr, pred, p, cost / cp.macs(net.config, h, w))
+        tally.add(fr, pred, p, mac_ratio(net, s, p))
     return tally
 
 
@@ -173,7 +174,6 @@ def measure_val(
     full, casc = Tally(), Tally()
     full_s = casc_s = 0.0
     for e in val:
-        h, w = e.image.shape
         t0 = time.perf_counter()
         ref = net.predict([e.image])[0]
         t1 = time.perf_counter()
@@ -184,8 +184,7 @@ def measure_val(
         p = cascade.plan(prob1)
         fr = Frame(e, ref.prob, ref, {})
         full.add(fr, ref, None, 1.0)
-        cost = stage1_macs(net, s, h, w) + (plan_macs(net, p) if p.tiles else 0)
-        casc.add(fr, pred, p, cost / cp.macs(net.config, h, w))
+        casc.add(fr, pred, p, mac_ratio(net, s, p))
     ref_s, casc_sum = full.summary(), casc.summary()
     return {
         "full": ref_s, "cascade": casc_sum,
