@@ -22,11 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train import parse_args, recipe_of
+from train import config_of, parse_args, recipe_of
 from train_data import GpuImages, inner_split, load_split, sample_weights
 from train_loop import CROPS, MEMORY_FORMATS, PRECISIONS, Trainer
 
-from scratchd.model.net import NetConfig
 from scratchd.model.torchnet import TorchScratchNet
 
 
@@ -43,10 +42,7 @@ def main() -> None:
     fit, _ = inner_split(train_set, args.inner_fraction)
     data = GpuImages(fit, dev, args.upscale_below)
     probs = torch.tensor(sample_weights(fit, args.free_weight), device=dev)
-    cfg = NetConfig(
-        widths=tuple(args.widths), depths=tuple(args.depths),
-        dilations=tuple(args.dilations), dec_depth=args.dec_depth,
-    )  # fmt: skip
+    cfg = config_of(args)
     trainers = {}
     for layout, fmt in MEMORY_FORMATS.items():
         for precision in PRECISIONS:

@@ -137,6 +137,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def config_of(args: argparse.Namespace) -> NetConfig:
+    """The architecture the command line asks for."""
+    return NetConfig(
+        widths=tuple(args.widths), depths=tuple(args.depths),
+        dilations=tuple(args.dilations), dec_depth=args.dec_depth,
+    )  # fmt: skip
+
+
 def recipe_of(args: argparse.Namespace) -> Recipe:
     base = Augment()
     aug = dataclasses.replace(
@@ -165,12 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"train {len(train_set)} = fit {len(fit)} + inner {len(inner)}; "
           f"mean {mean:.4f} std {std:.4f}", flush=True)  # fmt: skip
 
-    cfg = NetConfig(
-        widths=tuple(args.widths),
-        depths=tuple(args.depths),
-        dilations=tuple(args.dilations),
-        dec_depth=args.dec_depth,
-    )
+    cfg = config_of(args)
     recipe = recipe_of(args)
     torch.manual_seed(args.seed)  # the initial weights
     trainer = Trainer(
