@@ -57,6 +57,7 @@ from train_data import Augment, Example, GpuImages, inner_split, load_split, sam
 from train_loop import (
     CROPS,
     MEMORY_FORMATS,
+    OUTSIDE,
     PRECISIONS,
     Recipe,
     Trainer,
@@ -114,6 +115,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--aux", type=float, default=0.4, help="deep supervision weight (0: off)")
     ap.add_argument("--image-loss", type=float, default=0.2, help="top-k image BCE weight")
     ap.add_argument("--geometric", type=float, default=1.0, help="scale/rotation share factor")
+    ap.add_argument(
+        "--outside", choices=OUTSIDE, default="border",
+        help="what a crop larger than its image shows past the edge (train_loop's docstring)",
+    )  # fmt: skip
     ap.add_argument("--free-weight", type=float, default=0.5, help="sampling weight, clean")
     ap.add_argument("--min-area", type=int, default=16)
     ap.add_argument(
@@ -154,7 +159,7 @@ def recipe_of(args: argparse.Namespace) -> Recipe:
         loss=args.loss, aux=args.aux, image_loss=args.image_loss, min_area=args.min_area,
         batch=args.batch, lr=args.lr, wd=args.wd, warmup=args.warmup, ema=args.ema,
         minutes=args.minutes, steps=args.steps, free_weight=args.free_weight, augment=aug,
-        upscale_below=args.upscale_below,
+        upscale_below=args.upscale_below, outside=args.outside,
     )  # fmt: skip
 
 

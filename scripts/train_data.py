@@ -8,6 +8,10 @@
   and draws whole batches there: crop centres (half of the defect images' crops near a
   defect pixel), scale and rotation through one ``grid_sample``, exact flips and transposes,
   then photometric changes (gamma, contrast, brightness, blur, noise, uint8 quantisation).
+  Each batch also says which crop pixels are the image's own (:attr:`Batch.scored`) and
+  which the serving model's input would hold at all (:attr:`Batch.seen`: the image and its
+  edge padding to a multiple of 16; past that, serving's convolutions see zeros), so a
+  crop larger than its image can be trained as serving runs it.
   Nothing of a batch touches the CPU, so the CPUs are no bottleneck and several training
   processes can share one GPU.
 """
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from scratchd.dataset.shard import open_shards
+from scratchd.kernels.normalize_pad import padded_size
 from scratchd.protocol.image import decode_image
 
 Rand = Callable[..., torch.Tensor]
@@ -91,6 +96,16 @@ def sample_weights(examples: list[Example], free_weight: float = 0.5) -> np.ndar
 
 
 @dataclass(frozen=True)
+class Batch:
+    """One training batch, every tensor ``[B, 1, S, S]`` float32."""
+
+    x: torch.Tensor  # images in [0, 1]
+    y: torch.Tensor  # 0/1 masks
+    scored: torch.Tensor  # 1 where the crop shows the image itself
+    seen: torch.Tensor  # 1 where serving's padded input has pixels (image + edge padding)
+
+
+@dataclass(frozen=True)
 class Augment:
     """Probabilities and ranges of the batch augmentation (all on the device)."""
 
@@ -137,13 +152,18 @@ class GpuImages:
         self.sizes = torch.from_numpy(sizes).to(device)  # [N, 2] (h, w)
         # Image pixels per crop pixel before augmentation: 0.5 for upscaled images.
         small = sizes.max(axis=1) <= upscale_below
-        self.base_scale = torch.from_numpy(np.where(small, 0.5, 1.0).astype(np.float32)).to(device)
+        base = np.where(small, 0.5, 1.0).astype(np.float32)
+        self.base_scale = torch.from_numpy(base).to(device)
+        # What serving's normalize_pad makes of each image (of its 2x where upscaled), in
+        # image pixels: edge-replicated up to a multiple of 16.
+        served = [
+            [padded_size(round(v / f)) * f for v in hw] for hw, f in zip(sizes, base, strict=True)
+        ]
+        self.served = torch.tensor(served, dtype=torch.float32, device=device)  # [N, 2]
         self.canvas = (hc, wc)
 
-    def batch(
-        self, idx: torch.Tensor, size: int, aug: Augment, gen: torch.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Images in [0, 1] and 0/1 masks, both ``[B, 1, size, size]`` float32."""
+    def batch(self, idx: torch.Tensor, size: int, aug: Augment, gen: torch.Generator) -> Batch:
+        """``idx``'s images cropped to ``size`` x ``size``, augmented."""
         b, dev = idx.shape[0], self.device
 
         def rand(*shape: int) -> torch.Tensor:
@@ -178,8 +198,20 @@ class GpuImages:
             self.masks[idx, None].float(), grid, mode="bilinear", padding_mode="border",
             align_corners=False,
         )  # fmt: skip
-        x, y = _flips(x / 255.0, (y >= 0.5).float(), rand)
-        return _photometric(x, aug, rand, gen), y
+        # Where each crop pixel falls in its image (pixel centres at integers).
+        hc, wc = self.canvas
+        px = ((grid[..., 0] + 1) * wc - 1) / 2
+        py = ((grid[..., 1] + 1) * hc - 1) / 2
+
+        def inside(extent: torch.Tensor) -> torch.Tensor:  # extent [B, 2] (h, w)
+            h, w = extent[:, 0, None, None], extent[:, 1, None, None]
+            ok = (px > -0.5) & (px < w - 0.5) & (py > -0.5) & (py < h - 0.5)
+            return ok[:, None].float()
+
+        x, y, scored, seen = _flips(
+            [x / 255.0, (y >= 0.5).float(), inside(hw), inside(self.served[idx])], rand
+        )
+        return Batch(_photometric(x, aug, rand, gen), y, scored, seen)
 
 
 def _grid(
@@ -199,13 +231,14 @@ def _grid(
     return torch.stack([(2 * px + 1) / wc - 1, (2 * py + 1) / hc - 1], dim=-1)
 
 
-def _flips(x: torch.Tensor, y: torch.Tensor, rand: Rand) -> tuple[torch.Tensor, torch.Tensor]:
-    b = x.shape[0]
+def _flips(ts: list[torch.Tensor], rand: Rand) -> list[torch.Tensor]:
+    """The same random flips and transpose of each crop applied to every tensor of ``ts``."""
+    b = ts[0].shape[0]
     for dims in ((3,), (2,)):
         flip = (rand(b) < 0.5).view(b, 1, 1, 1)
-        x, y = torch.where(flip, x.flip(dims), x), torch.where(flip, y.flip(dims), y)
+        ts = [torch.where(flip, t.flip(dims), t) for t in ts]
     rot = (rand(b) < 0.5).view(b, 1, 1, 1)
-    return torch.where(rot, x.transpose(2, 3), x), torch.where(rot, y.transpose(2, 3), y)
+    return [torch.where(rot, t.transpose(2, 3), t) for t in ts]
 
 
 def _photometric(x: torch.Tensor, aug: Augment, u: Rand, gen: torch.Generator) -> torch.Tensor:

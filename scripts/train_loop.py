@@ -7,6 +7,11 @@
 - **Image loss** (``--image-loss W``): BCE of each crop's top-k mean logit against "the crop
   holds at least ``min_area`` defect pixels" (crops with fewer, but some, are ignored), so
   the peak of the map — what the image score reads — separates clean from defective parts.
+- **Outside the image** (``--outside``): a crop larger than its image (a 200 px steel strip in
+  a 256 px crop) shows, past the image's edge, ``border``: the edge pixels drawn out into
+  stripes, with the loss taken there too (scratchnet-2.0's recipe); ``serve``: what the
+  serving model's input holds there (edge padding to a multiple of 16, then zeros after
+  normalisation, as its convolutions pad), with the loss on the image's own pixels only.
 - **Deep supervision** (``--aux W``): 1x1 heads on ``dec2`` and ``dec1`` (upsampled to the
   crop), their loss weighted ``W`` and ``W/2``; training only, never exported.
 - An EMA of the weights is what is evaluated and exported.
@@ -31,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch import nn
-from train_data import Augment, GpuImages
+from train_data import Augment, Batch, GpuImages
 
 from scratchd.model.net import NetConfig, block_plan
 from scratchd.model.torchnet import DSBlock, TorchScratchNet
@@ -58,13 +63,24 @@ class Recipe:
     steps: int = 1_000_000
     free_weight: float = 0.5
     upscale_below: int = 0  # images with a longer side at most this run at twice their size
+    outside: str = "border"  # what a crop shows past its image's edge: border | serve
     augment: Augment = field(default_factory=Augment)
 
 
-def lovasz_hinge(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean over images of the Lovász hinge; ``logits``, ``target`` ``[B, P]``."""
+OUTSIDE = ("border", "serve")
+
+
+def lovasz_hinge(
+    logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean over images of the Lovász hinge; ``logits``, ``target`` ``[B, P]``. Pixels of
+    ``weight`` 0 count as absent: sorted last with no error and no defect, they change
+    neither the sum nor any prefix's Jaccard index."""
     signs = 2 * target - 1
     errors = 1 - logits * signs
+    if weight is not None:
+        errors = torch.where(weight > 0, errors, -1.0)
+        target = target * (weight > 0)
     errors_sorted, perm = torch.sort(errors, dim=1, descending=True)
     gt = torch.gather(target, 1, perm)
     gts = gt.sum(dim=1, keepdim=True)
@@ -75,20 +91,31 @@ def lovasz_hinge(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (F.relu(errors_sorted) * grad).sum(dim=1).mean()
 
 
-def seg_loss(logits: torch.Tensor, target: torch.Tensor, kind: str) -> torch.Tensor:
-    """``logits``, ``target`` ``[B, 1, S, S]`` float32."""
-    bce = F.binary_cross_entropy_with_logits(logits, target)
+def seg_loss(
+    logits: torch.Tensor, target: torch.Tensor, kind: str, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``logits``, ``target`` and the 0/1 ``weight`` (None: every pixel) ``[B, 1, S, S]``."""
+    w = torch.ones_like(target) if weight is None else weight
+    bce = (F.binary_cross_entropy_with_logits(logits, target, reduction="none") * w).sum()
+    bce = bce / w.sum().clamp(min=1)
     if kind == "bce+dice":
-        p = torch.sigmoid(logits)
+        p = torch.sigmoid(logits) * w
         inter = (p * target).sum()
-        return bce + 1 - (2 * inter + 1) / (p.sum() + target.sum() + 1)
+        return bce + 1 - (2 * inter + 1) / (p.sum() + (target * w).sum() + 1)
     if kind == "bce+lovasz":
-        return bce + lovasz_hinge(logits.flatten(1), target.flatten(1))
+        return bce + lovasz_hinge(logits.flatten(1), target.flatten(1), w.flatten(1))
     raise ValueError(f"unknown loss {kind!r}")
 
 
-def image_loss(logits: torch.Tensor, target: torch.Tensor, k: int, min_area: int) -> torch.Tensor:
-    """BCE of the top-``k`` mean logit per crop against 'has >= min_area defect pixels'."""
+def image_loss(
+    logits: torch.Tensor, target: torch.Tensor, k: int, min_area: int,
+    weight: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """BCE of the top-``k`` mean logit per crop against 'has >= min_area defect pixels',
+    both over the pixels of ``weight`` 1 (None: every pixel)."""
+    if weight is not None:
+        logits = torch.where(weight > 0, logits, torch.finfo(logits.dtype).min)
+        target = target * weight
     top = logits.flatten(1).topk(k, dim=1).values.mean(dim=1)
     area = target.flatten(1).sum(dim=1)
     label = (area >= min_area).float()
@@ -109,6 +136,8 @@ class Trainer:
         (``scripts/bench_train_step.py`` times them)."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if recipe.outside not in OUTSIDE:
+            raise ValueError(f"outside must be one of {OUTSIDE}, got {recipe.outside!r}")
         self.recipe, self.device, self.memory_format = recipe, device, memory_format
         self.precision = precision
         torch.manual_seed(seed)
@@ -150,8 +179,7 @@ class Trainer:
             g["lr"] = lr
         size = CROPS[self.step % len(CROPS)]
         idx = torch.multinomial(probs, r.batch, replacement=True, generator=self.gen)
-        x, y = data.batch(idx, size, r.augment, self.gen)
-        x = ((x - mean) / std).contiguous(memory_format=self.memory_format)
+        x, y, w = self._inputs(data.batch(idx, size, r.augment, self.gen), mean, std)
         amp = dev.type == "cuda" and self.precision == "bf16"
         # Set per step (a process may hold trainers of both kinds, scripts/bench_train_step.py);
         # cuDNN's TF32 is PyTorch's default already, matmuls' is not.
@@ -161,13 +189,13 @@ class Trainer:
             main = self.model.head(stages["dec0"])
             aux = {s: self.aux[s](stages[s]) for s in AUX_STAGES if r.aux > 0}
         up = F.interpolate(main.float(), size=(size, size), mode="bilinear", align_corners=False)
-        loss = seg_loss(up, y, r.loss)
+        loss = seg_loss(up, y, r.loss, w)
         for s, weight in zip(AUX_STAGES, (r.aux / 2, r.aux), strict=True):
             if s in aux:
                 a = F.interpolate(aux[s].float(), size=(size, size), mode="bilinear")
-                loss = loss + weight * seg_loss(a, y, r.loss)
+                loss = loss + weight * seg_loss(a, y, r.loss, w)
         if r.image_loss > 0:
-            loss = loss + r.image_loss * image_loss(up, y, r.top_k, r.min_area)
+            loss = loss + r.image_loss * image_loss(up, y, r.top_k, r.min_area, w)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([*self.model.parameters(), *self.aux.parameters()], 2.0)
@@ -175,6 +203,17 @@ class Trainer:
         self._update_ema()
         self.step += 1
         return lr
+
+    def _inputs(
+        self, b: Batch, mean: float, std: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The network's input, the target and the loss's pixel weights (None: all) under
+        the recipe's ``outside`` rule."""
+        x = (b.x - mean) / std
+        w = None
+        if self.recipe.outside == "serve":
+            x, w = x * b.seen, b.scored
+        return x.contiguous(memory_format=self.memory_format), b.y, w
 
     def _update_ema(self) -> None:
         decay = min(self.recipe.ema, (1 + self.step) / (10 + self.step))
@@ -278,11 +317,10 @@ class Trainer:
         """The main head's segmentation loss on one fresh batch (EMA model, no aux)."""
         r = self.recipe
         idx = torch.multinomial(probs, r.batch, replacement=True, generator=self.gen)
-        x, y = data.batch(idx, CROPS[1], r.augment, self.gen)
-        x = ((x - mean) / std).contiguous(memory_format=self.memory_format)
+        x, y, w = self._inputs(data.batch(idx, CROPS[1], r.augment, self.gen), mean, std)
         logits = self.ema(x).float()
         up = F.interpolate(logits, size=y.shape[-2:], mode="bilinear", align_corners=False)
-        return seg_loss(up, y, r.loss)
+        return seg_loss(up, y, r.loss, w)
 
     def state(self) -> dict[str, Any]:
         return {

@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from scratchd.model.net import NetConfig
@@ -63,7 +65,8 @@ def test_batches_keep_image_and_mask_aligned() -> None:
     images = data.GpuImages(ex, torch.device("cpu"))
     aug = dataclasses.replace(data.Augment(), blur=0.0, noise=0.0, rotate=1.0, scale=1.0)
     gen = torch.Generator().manual_seed(0)
-    x, y = images.batch(torch.arange(9), 64, aug, gen)
+    b = images.batch(torch.arange(9), 64, aug, gen)
+    x, y = b.x, b.y
     assert x.shape == y.shape == (9, 1, 64, 64)
     assert set(torch.unique(y).tolist()) <= {0.0, 1.0}
     assert float(x.min()) >= 0.0 and float(x.max()) <= 1.0
@@ -81,7 +84,7 @@ def test_small_images_are_cropped_at_twice_their_size() -> None:
     images = data.GpuImages(ex, torch.device("cpu"), upscale_below=200)
     aug = data.Augment(scale=0.0, rotate=0.0, blur=0.0, noise=0.0, defect_centre=1.0)
     gen = torch.Generator().manual_seed(0)
-    _, y = images.batch(torch.arange(len(ex)), 96, aug, gen)
+    y = images.batch(torch.arange(len(ex)), 96, aug, gen).y
     for e, yi in zip(ex, y, strict=True):
         # The scratch is 2 image rows high; flips and transposes may turn it upright.
         thick = min(int(yi[0].any(dim=1).sum()), int(yi[0].any(dim=0).sum()))
@@ -116,6 +119,94 @@ def test_the_torch_pass_on_small_images_is_the_numpy_forward(tmp_path: Path) -> 
         want = model.forward(e.image[None])[0]
         assert got.shape == want.shape == e.image.shape
         np.testing.assert_allclose(got, want, atol=2e-4)
+
+
+def test_crops_say_which_pixels_are_the_image_and_which_serving_would_see() -> None:
+    """A crop larger than its image: ``scored`` covers exactly the image's pixels, ``seen``
+    those and at most the rest of the image edge-padded to a multiple of 16 (what serving's
+    normalize_pad makes; the crop always holds the image, not always all of its padding)."""
+    data = _mod("train_data")
+    rng = np.random.default_rng(3)
+    shapes = [(40, 48), (33, 20), (64, 64)]
+    ex = []
+    for i, (h, w) in enumerate(shapes):
+        mask = np.zeros((h, w), np.uint8)
+        mask[h // 2 : h // 2 + 2, 2 : w - 2] = 1
+        image = rng.integers(1, 255, (h, w), dtype=np.uint8)
+        ex.append(data.Example(f"sd900/Sc/{i}.png", "sd900/Sc", image, mask))
+    images = data.GpuImages(ex, torch.device("cpu"))
+    aug = data.Augment(scale=0.0, rotate=0.0, blur=0.0, noise=0.0)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        b = images.batch(torch.arange(len(ex)), 80, aug, gen)
+        for e, scored, seen in zip(ex, b.scored, b.seen, strict=True):
+            h, w = e.image.shape
+            assert int(scored.sum()) == h * w
+            padded = (-(-h // 16) * 16) * (-(-w // 16) * 16)
+            assert h * w <= int(seen.sum()) <= padded
+            assert bool((seen >= scored).all())
+            if padded == h * w:
+                assert torch.equal(seen, scored)
+            assert set(torch.unique(scored).tolist()) == {0.0, 1.0}
+
+
+def test_an_upscaled_image_is_seen_as_serving_pads_its_double() -> None:
+    """With ``upscale_below`` a 20 x 30 image is served as 40 x 60, padded to 48 x 64: in
+    a crop of its double that is 48 * 64 pixels seen and 40 * 60 scored."""
+    data = _mod("train_data")
+    image = np.full((20, 30), 128, np.uint8)
+    ex = [data.Example("sd900/In/0.png", "sd900/In", image, np.zeros((20, 30), np.uint8))]
+    images = data.GpuImages(ex, torch.device("cpu"), upscale_below=64)
+    aug = data.Augment(scale=0.0, rotate=0.0, blur=0.0, noise=0.0)
+    b = images.batch(torch.arange(1), 96, aug, torch.Generator().manual_seed(0))
+    assert int(b.scored.sum()) == 40 * 60
+    assert int(b.seen.sum()) == 48 * 64
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 4),
+    st.integers(2, 40),
+    st.integers(0, 2**32 - 1),
+)
+def test_lovasz_hinge_ignores_pixels_of_weight_zero(rows: int, pixels: int, seed: int) -> None:
+    """The weighted Lovász hinge is the hinge over the kept pixels alone, row by row."""
+    loop = _mod("train_loop")
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, pixels, generator=g) * 3
+    target = (torch.rand(rows, pixels, generator=g) < 0.3).float()
+    weight = (torch.rand(rows, pixels, generator=g) < 0.6).float()
+    weight[:, 0] = 1  # at least one kept pixel a row
+    got = loop.lovasz_hinge(logits, target, weight)
+    rows_alone = [
+        loop.lovasz_hinge(lo[w > 0][None], t[w > 0][None])
+        for lo, t, w in zip(logits, target, weight, strict=True)
+    ]
+    want = torch.stack(rows_alone).mean()
+    assert float(got) == pytest.approx(float(want), rel=1e-5, abs=1e-6)
+
+
+def test_serve_rule_zeroes_the_input_past_the_padding_and_scores_the_image_only() -> None:
+    """``outside="serve"``: the normalised input is 0 (serving's convolution padding) where
+    serving has no pixel, and the loss's weights are the image's own pixels."""
+    loop, data = _mod("train_loop"), _mod("train_data")
+    from scratchd.model.torchnet import TorchScratchNet
+
+    recipe = loop.Recipe(batch=2, minutes=0.0, steps=1, warmup=1, outside="serve")
+    trainer = loop.Trainer(TorchScratchNet(TINY), recipe, torch.device("cpu"), 0)
+    x = torch.full((1, 1, 4, 4), 0.9)
+    seen = torch.zeros(1, 1, 4, 4)
+    seen[..., :3, :3] = 1
+    scored = torch.zeros(1, 1, 4, 4)
+    scored[..., :2, :2] = 1
+    inp, _, w = trainer._inputs(data.Batch(x, torch.zeros_like(x), scored, seen), 0.5, 0.25)
+    assert torch.equal(inp[0, 0] != 0, seen[0, 0] > 0)
+    assert w is not None and torch.equal(w, scored)
+    with pytest.raises(ValueError, match="outside"):
+        loop.Trainer(
+            TorchScratchNet(TINY), dataclasses.replace(recipe, outside="wrap"),
+            torch.device("cpu"), 0,
+        )  # fmt: skip
 
 
 def test_lovasz_hinge_is_zero_for_confident_right_answers() -> None:
