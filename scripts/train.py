@@ -139,6 +139,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--precision", choices=PRECISIONS, default="bf16",
         help="CUDA arithmetic: bf16 autocast or TF32 (scripts/bench_train_step.py times both)",
     )  # fmt: skip
+    ap.add_argument(
+        "--compile", action="store_true",
+        help="forward and losses through torch.compile (scripts/bench_train_step.py times it)",
+    )  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)  # the initial weights
     trainer = Trainer(
         TorchScratchNet(cfg), recipe, dev, args.seed, MEMORY_FORMATS[args.memory_format],
-        args.precision,
+        args.precision, args.compile,
     )  # fmt: skip
     if args.resume is not None and args.init is not None:
         raise SystemExit("--resume goes on with a schedule, --init starts one: give one")

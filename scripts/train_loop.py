@@ -129,17 +129,20 @@ class Trainer:
     def __init__(
         self, model: TorchScratchNet, recipe: Recipe, device: torch.device, seed: int,
         memory_format: torch.memory_format = torch.channels_last, precision: str = "bf16",
+        compiled: bool = False,
     ) -> None:  # fmt: skip
         """``memory_format`` is how activations are laid out and ``precision`` what the CUDA
-        arithmetic runs in (:data:`PRECISIONS`; the CPU runs fp32 either way): the same
-        function, but which kernels PyTorch picks, and so a step's time, depends on both
-        (``scripts/bench_train_step.py`` times them)."""
+        arithmetic runs in (:data:`PRECISIONS`; the CPU runs fp32 either way); ``compiled``
+        runs the forward and the losses through ``torch.compile`` (one graph per crop size,
+        compiled on its first step). The same function each way, but which kernels run, and
+        so a step's time, depends on them (``scripts/bench_train_step.py`` times them)."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if recipe.outside not in OUTSIDE:
             raise ValueError(f"outside must be one of {OUTSIDE}, got {recipe.outside!r}")
         self.recipe, self.device, self.memory_format = recipe, device, memory_format
         self.precision = precision
+        self._losses = torch.compile(self._eager_losses) if compiled else self._eager_losses
         torch.manual_seed(seed)
         self.model = model.to(device)
         for p in self.model.parameters():
@@ -172,7 +175,7 @@ class Trainer:
         return self.seconds / (60 * r.minutes) if r.minutes > 0 else self.step / r.steps
 
     def train_step(self, data: GpuImages, probs: torch.Tensor, mean: float, std: float) -> float:
-        r, dev = self.recipe, self.device
+        r = self.recipe
         cosine = 0.5 * (1 + math.cos(math.pi * min(self.progress(), 1.0)))
         lr = r.lr * min(1.0, (self.step + 1) / r.warmup) * cosine
         for g in self.opt.param_groups:
@@ -180,10 +183,25 @@ class Trainer:
         size = CROPS[self.step % len(CROPS)]
         idx = torch.multinomial(probs, r.batch, replacement=True, generator=self.gen)
         x, y, w = self._inputs(data.batch(idx, size, r.augment, self.gen), mean, std)
-        amp = dev.type == "cuda" and self.precision == "bf16"
         # Set per step (a process may hold trainers of both kinds, scripts/bench_train_step.py);
         # cuDNN's TF32 is PyTorch's default already, matmuls' is not.
         torch.backends.cuda.matmul.allow_tf32 = self.precision == "tf32"
+        loss = self._losses(x, y, w)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([*self.model.parameters(), *self.aux.parameters()], 2.0)
+        self.opt.step()
+        self._update_ema()
+        self.step += 1
+        return lr
+
+    def _eager_losses(
+        self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The training loss of one batch: main head, deep supervision, image loss."""
+        r, dev = self.recipe, self.device
+        size = x.shape[-1]
+        amp = dev.type == "cuda" and self.precision == "bf16"
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
             stages = self.model.decode(x)
             main = self.model.head(stages["dec0"])
@@ -196,13 +214,7 @@ class Trainer:
                 loss = loss + weight * seg_loss(a, y, r.loss, w)
         if r.image_loss > 0:
             loss = loss + r.image_loss * image_loss(up, y, r.top_k, r.min_area, w)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([*self.model.parameters(), *self.aux.parameters()], 2.0)
-        self.opt.step()
-        self._update_ema()
-        self.step += 1
-        return lr
+        return loss
 
     def _inputs(
         self, b: Batch, mean: float, std: float
