@@ -141,7 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     ap.add_argument(
         "--compile", action="store_true",
-        help="forward and losses through torch.compile (scripts/bench_train_step.py times it)",
+        help="the network through torch.compile (scripts/bench_train_step.py times it)",
     )  # fmt: skip
     return ap.parse_args(argv)
 

@@ -133,7 +133,7 @@ class Trainer:
     ) -> None:  # fmt: skip
         """``memory_format`` is how activations are laid out and ``precision`` what the CUDA
         arithmetic runs in (:data:`PRECISIONS`; the CPU runs fp32 either way); ``compiled``
-        runs the forward and the losses through ``torch.compile`` (one graph per crop size,
+        runs the network through ``torch.compile`` (one graph per crop size,
         compiled on its first step). The same function each way, but which kernels run, and
         so a step's time, depends on them (``scripts/bench_train_step.py`` times them)."""
         if precision not in PRECISIONS:
@@ -142,7 +142,9 @@ class Trainer:
             raise ValueError(f"outside must be one of {OUTSIDE}, got {recipe.outside!r}")
         self.recipe, self.device, self.memory_format = recipe, device, memory_format
         self.precision = precision
-        self._losses = torch.compile(self._eager_losses) if compiled else self._eager_losses
+        # The network only: inductor's Triton code generation failed on the losses (H200,
+        # torch 2.x of the device image: "list indices must be integers ..., not NoneType").
+        self._net = torch.compile(self._eager_net) if compiled else self._eager_net
         torch.manual_seed(seed)
         self.model = model.to(device)
         for p in self.model.parameters():
@@ -195,17 +197,21 @@ class Trainer:
         self.step += 1
         return lr
 
-    def _eager_losses(
-        self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The training loss of one batch: main head, deep supervision, image loss."""
+    def _eager_net(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The main head's logits and the deep-supervision heads' of one batch."""
         r, dev = self.recipe, self.device
-        size = x.shape[-1]
         amp = dev.type == "cuda" and self.precision == "bf16"
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
             stages = self.model.decode(x)
             main = self.model.head(stages["dec0"])
             aux = {s: self.aux[s](stages[s]) for s in AUX_STAGES if r.aux > 0}
+        return main, aux
+
+    def _losses(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
+        """The training loss of one batch: main head, deep supervision, image loss."""
+        r = self.recipe
+        size = x.shape[-1]
+        main, aux = self._net(x)
         up = F.interpolate(main.float(), size=(size, size), mode="bilinear", align_corners=False)
         loss = seg_loss(up, y, r.loss, w)
         for s, weight in zip(AUX_STAGES, (r.aux / 2, r.aux), strict=True):
