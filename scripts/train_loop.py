@@ -129,13 +129,14 @@ class Trainer:
     def __init__(
         self, model: TorchScratchNet, recipe: Recipe, device: torch.device, seed: int,
         memory_format: torch.memory_format = torch.channels_last, precision: str = "bf16",
-        compiled: bool = False,
+        compiled: bool = False, compile_backend: str = "inductor",
     ) -> None:  # fmt: skip
         """``memory_format`` is how activations are laid out and ``precision`` what the CUDA
         arithmetic runs in (:data:`PRECISIONS`; the CPU runs fp32 either way); ``compiled``
-        runs the network through ``torch.compile`` (one graph per crop size,
-        compiled on its first step). The same function each way, but which kernels run, and
-        so a step's time, depends on them (``scripts/bench_train_step.py`` times them)."""
+        runs the network through ``torch.compile`` with ``compile_backend`` (one graph per
+        crop size, compiled on its first step). The same function each way, but which
+        kernels run, and so a step's time, depends on them (``scripts/bench_train_step.py``
+        times them)."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if recipe.outside not in OUTSIDE:
@@ -144,7 +145,8 @@ class Trainer:
         self.precision = precision
         # The network only: inductor's Triton code generation failed on the losses (H200,
         # torch 2.x of the device image: "list indices must be integers ..., not NoneType").
-        self._net = torch.compile(self._eager_net) if compiled else self._eager_net
+        net = self._eager_net
+        self._net = torch.compile(net, backend=compile_backend) if compiled else net
         torch.manual_seed(seed)
         self.model = model.to(device)
         for p in self.model.parameters():

@@ -209,6 +209,29 @@ def test_serve_rule_zeroes_the_input_past_the_padding_and_scores_the_image_only(
         )  # fmt: skip
 
 
+def test_a_compiled_trainer_steps_as_the_eager_one() -> None:
+    """``compiled=True`` goes through torch.compile's graph capture (here with its ``eager``
+    backend: inductor's code generation takes minutes on a CPU) and trains the same weights."""
+    loop, data = _mod("train_loop"), _mod("train_data")
+    from scratchd.model.torchnet import TorchScratchNet
+
+    images = data.GpuImages(examples(8), torch.device("cpu"))
+    probs = torch.full((8,), 1 / 8)
+    recipe = loop.Recipe(batch=2, minutes=0.0, steps=4, warmup=1, outside="serve")
+    weights = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        t = loop.Trainer(
+            TorchScratchNet(TINY), recipe, torch.device("cpu"), 0,
+            compiled=compiled, compile_backend="eager",
+        )  # fmt: skip
+        for _ in range(2):
+            t.train_step(images, probs, 0.4, 0.2)
+        weights.append([p.detach().clone() for p in t.model.parameters()])
+    for a, b in zip(*weights, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_lovasz_hinge_is_zero_for_confident_right_answers() -> None:
     loop = _mod("train_loop")
     target = torch.zeros(2, 100)
