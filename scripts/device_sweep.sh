@@ -4,9 +4,9 @@
 #
 # Run from the repository root there, after scripts/device_setup.sh. Each variant trains with
 # `scripts/train.py --minutes MINUTES --stop-minutes STOP_MINUTES ARGS` into /tmp/sweep/NAME and
-# is packed as $OUT/NAME.tar.NN (checkpoint.pt, scratchnet.npz, curve.png, train_log.json,
+# is packed as $OUT/NAME.tar.NN (checkpoint.npz, scratchnet.npz, curve.png, train_log.json,
 # stdout.log): the device returns at most eight files. A checkpoint carried as
-# .devdata/resume/NAME/checkpoint.pt is resumed (same ARGS; a larger MINUTES stretches the
+# .devdata/resume/NAME/checkpoint.npz is resumed (same ARGS; a larger MINUTES stretches the
 # cosine). The nets are small, so the variants share the GPU without waiting on each other much.
 #
 # SWEEP_BUDGET_S: seconds from the start after which every variant still training is sent
@@ -24,7 +24,7 @@ for spec in "$@"; do
     dir=/tmp/sweep/$name
     mkdir -p "$dir"
     res=()
-    [[ -f .devdata/resume/$name/checkpoint.pt ]] && res=(--resume ".devdata/resume/$name/checkpoint.pt")
+    [[ -f .devdata/resume/$name/checkpoint.npz ]] && res=(--resume ".devdata/resume/$name/checkpoint.npz")
     # shellcheck disable=SC2086  # ARGS is a word list on purpose
     python3 scripts/train.py --shards "$SHARDS" --out "$dir" --minutes "$M" --stop-minutes "$STOP" \
         --seed 1 --version "scratchnet-2.0-$name" "${res[@]}" $args >"$dir/stdout.log" 2>&1 &

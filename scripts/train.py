@@ -1,7 +1,7 @@
 """Train ScratchNet on shards, calibrate it on an inner split, export the npz model.
 
     python scripts/train.py --shards .devdata/shards --out OUT [--minutes 14]
-        [--stop-minutes 7] [--resume OUT/checkpoint.pt] [--device cuda]
+        [--stop-minutes 7] [--resume OUT/checkpoint.npz] [--device cuda]
 
 The ``scratchnet-2`` recipe: one forward pass has to carry what four test-time views added.
 
@@ -27,7 +27,7 @@ The ``scratchnet-2`` recipe: one forward pass has to carry what four test-time v
    blocks to the checkpoint's (one more ``--dilations`` entry: a wider receptive field at
    H/16); they start as the identity (:func:`train_loop.grown_blocks`, ``init_from``).
 5. Checkpoint and resume: ``--stop-minutes`` ends this process early (the schedule goes on
-   from ``OUT/checkpoint.pt`` with ``--resume``), so one schedule spans several device
+   from ``OUT/checkpoint.npz`` with ``--resume``), so one schedule spans several device
    commands. Every process records its command line; steps and training seconds add up.
 6. At the end of each process: the EMA model is evaluated on the inner split, the operating
    point is chosen there (pixel threshold, score window, and the image-score threshold
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer.run(data, probs, mean, std, stop)
     print(f"trained: step {trainer.step}, {trainer.seconds:.0f} s", flush=True)
     extra = {"architecture": cfg.to_json(), "recipe": _recipe_json(recipe)}
-    save_checkpoint(args.out / "checkpoint.pt", trainer, extra)
+    save_checkpoint(args.out / "checkpoint.npz", trainer, extra)
 
     # Whole images come in ~170 sizes. On the H200 the evaluation on the GPU outlasted
     # 90 s twice (cause not found; per-shape cuDNN autotuning or kernel builds are suspects),
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         "mean_iou": (iou.get("sd900", 0.0) + iou.get("mtile", 0.0)) / 2,
         "tile_auroc": inner_metrics["auroc"].get("mtile", 0.0),
     })  # fmt: skip
-    save_checkpoint(args.out / "checkpoint.pt", trainer, extra)
+    save_checkpoint(args.out / "checkpoint.npz", trainer, extra)
     print(json.dumps({"calibration": cal, "inner": inner_metrics}), flush=True)
 
     done = trainer.progress() >= 1.0

@@ -232,6 +232,62 @@ def test_a_compiled_trainer_steps_as_the_eager_one() -> None:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+_DTYPES = [torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool]
+_tensors = st.builds(
+    lambda shape, dtype, seed: (torch.rand(shape, generator=torch.Generator().manual_seed(seed))
+                                * 100).to(dtype),
+    st.lists(st.integers(0, 4), max_size=3), st.sampled_from(_DTYPES), st.integers(0, 2**31),
+)  # fmt: skip
+_leaves = (
+    st.none() | st.booleans() | st.integers(-(2**62), 2**62) | st.text(max_size=8)
+    | st.floats(allow_nan=False) | _tensors
+)  # fmt: skip
+_states = st.recursive(
+    _leaves,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.text(max_size=6) | st.integers(-5, 5), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_same, a, b))
+    return type(a) is type(b) and a == b
+
+
+@settings(max_examples=80, deadline=None)
+@given(_states)
+def test_checkpoint_codec_round_trips_any_state(state: object) -> None:
+    """encode_state/decode_state (the checkpoint's format): the same structure, key types,
+    values and tensors (dtype, shape, bits) back, through the arrays np.savez stores."""
+    import io
+
+    loop = _mod("train_loop")
+    buf = io.BytesIO()
+    np.savez(buf, **loop.encode_state(state))
+    buf.seek(0)
+    with np.load(buf, allow_pickle=False) as z:
+        back = loop.decode_state({k: z[k] for k in z.files}, torch.device("cpu"))
+    assert _same(state, back)
+
+
+def test_checkpoint_codec_refuses_what_it_cannot_store() -> None:
+    loop = _mod("train_loop")
+    with pytest.raises(ValueError, match="cannot store"):
+        loop.encode_state({"x": {1, 2}})
+    with pytest.raises(ValueError, match="keys"):
+        loop.encode_state({(1, 2): 0})
+    with pytest.raises(ValueError, match="bfloat16"):
+        loop.encode_state([torch.zeros(2, dtype=torch.bfloat16)])
+
+
 def test_lovasz_hinge_is_zero_for_confident_right_answers() -> None:
     loop = _mod("train_loop")
     target = torch.zeros(2, 100)
@@ -281,9 +337,9 @@ def test_resume_continues_the_same_run(tmp_path: Path) -> None:
     first = _tiny_trainer(4)[0]
     for _ in range(2):
         first.train_step(images, probs, 0.2, 0.3)
-    loop.save_checkpoint(tmp_path / "c.pt", first, {})
+    loop.save_checkpoint(tmp_path / "c.npz", first, {})
     second = _tiny_trainer(4)[0]
-    second.load_state(loop.load_checkpoint(tmp_path / "c.pt", torch.device("cpu")))
+    second.load_state(loop.load_checkpoint(tmp_path / "c.npz", torch.device("cpu")))
     second.run(images, probs, 0.2, 0.3, float("inf"))
     assert second.step == 4
     for a, b in zip(
@@ -297,9 +353,9 @@ def test_a_fine_tune_starts_a_new_schedule_from_the_parents_ema(tmp_path: Path) 
     parent, images, probs = _tiny_trainer(3, ema=0.5)
     parent.commands.append("train.py --minutes 3")
     parent.run(images, probs, 0.2, 0.3, float("inf"))
-    loop.save_checkpoint(tmp_path / "p.pt", parent, {})
+    loop.save_checkpoint(tmp_path / "p.npz", parent, {})
     child = _tiny_trainer(5)[0]
-    child.init_from(loop.load_checkpoint(tmp_path / "p.pt", torch.device("cpu")), "ab12", TINY)
+    child.init_from(loop.load_checkpoint(tmp_path / "p.npz", torch.device("cpu")), "ab12", TINY)
     assert child.step == 0 and child.seconds == 0.0 and not child.opt.state
     for want, model, ema in zip(
         parent.ema.state_dict().values(),
@@ -315,9 +371,9 @@ def test_a_fine_tune_starts_a_new_schedule_from_the_parents_ema(tmp_path: Path) 
     child.run(images, probs, 0.2, 0.3, float("inf"))
     assert child.step == 5
     # The record survives the child's own checkpoint, which resumes like any other.
-    loop.save_checkpoint(tmp_path / "c.pt", child, {})
+    loop.save_checkpoint(tmp_path / "c.npz", child, {})
     again = _tiny_trainer(5)[0]
-    again.load_state(loop.load_checkpoint(tmp_path / "c.pt", torch.device("cpu")))
+    again.load_state(loop.load_checkpoint(tmp_path / "c.npz", torch.device("cpu")))
     assert again.parent == child.parent and again.step == 5
 
 
@@ -329,10 +385,10 @@ def test_a_net_grown_by_a_dilated_block_starts_computing_what_its_parent_did(
 
     parent, images, probs = _tiny_trainer(3, ema=0.5)
     parent.run(images, probs, 0.2, 0.3, float("inf"))
-    loop.save_checkpoint(tmp_path / "p.pt", parent, {})
+    loop.save_checkpoint(tmp_path / "p.npz", parent, {})
     wider = dataclasses.replace(TINY, dilations=(2, 4))
     child = loop.Trainer(TorchScratchNet(wider), parent.recipe, torch.device("cpu"), seed=3)
-    child.init_from(loop.load_checkpoint(tmp_path / "p.pt", torch.device("cpu")), "ab", TINY)
+    child.init_from(loop.load_checkpoint(tmp_path / "p.npz", torch.device("cpu")), "ab", TINY)
     assert child.parent["grown_by"] == ["enc3_d1"]
     x = torch.from_numpy(np.random.default_rng(0).normal(size=(2, 1, 64, 96))).float()
     with torch.no_grad():
@@ -375,9 +431,9 @@ def test_a_stop_request_ends_training_after_the_step_in_progress(tmp_path: Path)
     trainer.train_step = step_then_stop
     trainer.run(images, probs, 0.2, 0.3, float("inf"))
     assert trainer.step == 3
-    loop.save_checkpoint(tmp_path / "c.pt", trainer, {})
+    loop.save_checkpoint(tmp_path / "c.npz", trainer, {})
     again = _tiny_trainer(50)[0]
-    again.load_state(loop.load_checkpoint(tmp_path / "c.pt", torch.device("cpu")))
+    again.load_state(loop.load_checkpoint(tmp_path / "c.npz", torch.device("cpu")))
     again.run(images, probs, 0.2, 0.3, float("inf"))
     assert again.step == 50
 
