@@ -71,17 +71,19 @@ __all__ = [
 ]
 
 BAND_BYTES = 2 * 1024 * 1024
+MIN_BAND_BYTES = 64 * 1024  # smaller bands cost more in hand-over than their rows do
 
 
 def bands(n: int, rows: int, row_bytes: int) -> list[Task]:
-    """``(image, r0, r1)`` tasks covering ``n`` images of ``rows`` rows: about
-    ``BAND_BYTES`` each, their number a multiple of the pool's threads where rows allow (so
-    every core gets an equal share)."""
-    total = n * rows * row_bytes
-    k = max(1, -(-total // BAND_BYTES), THREADS)
-    k = -(-k // THREADS) * THREADS
-    per_image = -(-k // n)
-    per = -(-rows // per_image)
+    """``(image, r0, r1)`` tasks covering ``n`` images of ``rows`` rows: per image about
+    ``BAND_BYTES`` each and at least one per pool thread (so a lone frame keeps every core
+    busy), but none under ``MIN_BAND_BYTES`` where the image has that many.
+
+    An image's bands depend on the image alone, not on ``n``: BLAS rounds a band's matmul
+    by the band's size, so a frame's result is the same bit for bit whether it came alone
+    or in a batch (the daemon batches by timing)."""
+    k = max(1, -(-rows * row_bytes // BAND_BYTES), THREADS)
+    per = max(-(-rows // k), min(rows, -(-MIN_BAND_BYTES // max(1, row_bytes))))
     return [(i, r0, min(r0 + per, rows)) for i in range(n) for r0 in range(0, rows, per)]
 
 

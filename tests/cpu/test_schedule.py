@@ -119,8 +119,30 @@ def test_bands_cover_every_row_once_in_order(n: int, rows: int, row_bytes: int) 
         assert mine[0][0] == 0 and mine[-1][1] == rows
         assert all(a[1] == b[0] for a, b in itertools.pairwise(mine))
         assert all(r0 < r1 for r0, r1 in mine)
-    if n * rows >= cpu_bands.THREADS:  # enough rows: every core gets a band
-        assert len(tasks) >= cpu_bands.THREADS
+    # An image's bands are its own: the same whatever else shares the batch.
+    alone = cpu_schedule.bands(1, rows, row_bytes)
+    assert all(
+        [(r0, r1) for j, r0, r1 in tasks if j == i] == [t[1:] for t in alone] for i in range(n)
+    )
+    threads = cpu_bands.THREADS
+    if rows * row_bytes >= threads * cpu_schedule.MIN_BAND_BYTES:
+        # Enough bytes: a lone frame's largest band is at most one core's share of its rows.
+        assert max(r1 - r0 for _, r0, r1 in alone) <= -(-rows // threads)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(2, 4), h=st.integers(1, 40), w=st.integers(1, 40), seed=st.integers(0, 2**31))
+def test_a_frame_gets_the_same_bits_alone_as_in_a_batch(n: int, h: int, w: int, seed: int) -> None:
+    """The daemon batches by timing, so a block's output for one image must not depend on
+    which images came with it: bit for bit (BLAS rounds by the matmul's size)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, h, w, 24)).astype(np.float32)
+    dw_w, dw_b = rng.standard_normal((3, 3, 24), np.float32), rng.standard_normal(24, np.float32)
+    pw_w, pw_b = rng.standard_normal((24, 40), np.float32), rng.standard_normal(40, np.float32)
+    batch = cpu_schedule.ds_block_cpu(x, dw_w, dw_b, pw_w, pw_b, 1, 1, False)
+    for i in range(n):
+        one = cpu_schedule.ds_block_cpu(x[i : i + 1], dw_w, dw_b, pw_w, pw_b, 1, 1, False)
+        np.testing.assert_array_equal(batch[i], one[0])
 
 
 def test_missing_extension_is_an_import_error_not_a_slow_fallback() -> None:
