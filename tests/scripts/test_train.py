@@ -492,3 +492,14 @@ def test_precision_is_checked_and_a_tf32_trainer_steps() -> None:
     tf32 = loop.Trainer(trainer.model, trainer.recipe, trainer.device, 3, precision="tf32")
     tf32.train_step(images, probs, 0.2, 0.3)
     assert tf32.step == 1 and all(torch.isfinite(p).all() for p in tf32.model.parameters())
+
+
+def test_head_resolution_bound_is_exact_for_aligned_blocks_and_not_for_thin_lines() -> None:
+    bound = _mod("head_resolution_bound").bound_iou
+    mask = np.zeros((40, 40), np.uint8)
+    mask[8:24, 16:32] = 1  # blocks on the 2 px grid: a 1/2 map holds them exactly
+    assert bound(mask, 2) == 1.0
+    assert 0.95 < bound(mask, 4) < 1.0  # bilinear rounds the corners off
+    line = np.zeros((40, 40), np.uint8)
+    line[21, 4:36] = 1  # one pixel high: averaged to 0.5 at 1/2, lost at the threshold
+    assert bound(line, 2) < 0.5
