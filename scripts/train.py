@@ -53,6 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from train_checkpoint import load_checkpoint, save_checkpoint
 from train_data import Augment, Example, GpuImages, inner_split, load_split, sample_weights
 from train_loop import (
     CROPS,
@@ -61,8 +62,6 @@ from train_loop import (
     PRECISIONS,
     Recipe,
     Trainer,
-    load_checkpoint,
-    save_checkpoint,
 )
 from train_report import calibrate, draw_curve, measure, predict_probs
 

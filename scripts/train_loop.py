@@ -15,10 +15,9 @@
 - **Deep supervision** (``--aux W``): 1x1 heads on ``dec2`` and ``dec1`` (upsampled to the
   crop), their loss weighted ``W`` and ``W/2``; training only, never exported.
 - An EMA of the weights is what is evaluated and exported.
-- **Checkpoints** (``.npz``: arrays and JSON, no pickle): ``save_checkpoint``/
-  ``load_checkpoint`` keep model, EMA, auxiliary heads, optimiser, step, training seconds,
-  RNG states and the log, so one schedule (cosine over ``--minutes`` of training time) spans
-  several processes (``--stop-minutes`` each).
+- **Checkpoints** (:mod:`train_checkpoint`): :meth:`Trainer.state` is model, EMA, auxiliary
+  heads, optimiser, step, training seconds, RNG states and the log, so one schedule (cosine
+  over ``--minutes`` of training time) spans several processes (``--stop-minutes`` each).
 """
 
 from __future__ import annotations
@@ -425,67 +424,3 @@ def grown_blocks(parent: NetConfig, child: NetConfig) -> set[str]:
     if have:
         raise ValueError(f"blocks {sorted(have)} of the parent are not in this architecture")
     return added
-
-
-def save_checkpoint(path: Path, trainer: Trainer, extra: dict[str, Any]) -> None:
-    """Write ``trainer``'s state and ``extra`` (JSON-able) to ``path`` atomically, as
-    :func:`encode_state` does: numpy arrays and JSON in one ``.npz``, no pickle."""
-    tmp = path.with_name(path.name + ".tmp")
-    # Numeric arrays only (encode_state), so np.savez writes no pickle; its keyword
-    # arguments are typed as its options, hence the Any.
-    arrays: dict[str, Any] = encode_state(trainer.state() | {"extra": extra})
-    with tmp.open("wb") as f:
-        np.savez(f, **arrays)
-    tmp.replace(path)
-
-
-def load_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
-    """The state :func:`save_checkpoint` wrote, its tensors on ``device``."""
-    with np.load(path, allow_pickle=False) as z:
-        return decode_state({k: z[k] for k in z.files}, device)
-
-
-def encode_state(state: Any) -> dict[str, np.ndarray]:
-    """A nested state (dicts with str or int keys, lists, tuples, numbers, strings, None,
-    tensors) as arrays: every tensor becomes an entry ``t<i>``, and the structure, with
-    tensors by name, is JSON under ``meta`` (UTF-8 bytes). Tuples come back as lists."""
-    arrays: dict[str, np.ndarray] = {}
-
-    def enc(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            name = f"t{len(arrays)}"
-            if x.dtype == torch.bfloat16:
-                raise ValueError("encode_state: bfloat16 tensors have no numpy dtype")
-            arrays[name] = x.detach().cpu().numpy()
-            return {"tensor": name, "dtype": str(x.dtype).removeprefix("torch.")}
-        if isinstance(x, dict):
-            if not all(isinstance(k, str | int) and not isinstance(k, bool) for k in x):
-                raise ValueError(f"encode_state: keys must be str or int: {list(x)[:5]}")
-            return {"dict": [[k, enc(v)] for k, v in x.items()]}
-        if isinstance(x, list | tuple):
-            return {"list": [enc(v) for v in x]}
-        if x is None or isinstance(x, bool | int | float | str):
-            return {"value": x}
-        raise ValueError(f"encode_state: cannot store {type(x).__name__}")
-
-    meta = json.dumps(enc(state)).encode()
-    return {"meta": np.frombuffer(meta, np.uint8), **arrays}
-
-
-def decode_state(arrays: dict[str, np.ndarray], device: torch.device) -> Any:
-    """:func:`encode_state`'s inverse, tensors on ``device``."""
-
-    def dec(x: dict[str, Any]) -> Any:
-        if "tensor" in x:
-            t = torch.from_numpy(np.array(arrays[x["tensor"]]))
-            want = getattr(torch, x["dtype"])
-            if t.dtype != want:
-                raise ValueError(f"decode_state: {x['tensor']} is {t.dtype}, not {want}")
-            return t.to(device)
-        if "dict" in x:
-            return {k: dec(v) for k, v in x["dict"]}
-        if "list" in x:
-            return [dec(v) for v in x["list"]]
-        return x["value"]
-
-    return dec(json.loads(arrays["meta"].tobytes()))

@@ -274,16 +274,16 @@ def test_calibrate_and_measure_on_perfect_maps() -> None:
 
 
 def test_resume_continues_the_same_run(tmp_path: Path) -> None:
-    loop = _mod("train_loop")
+    ck = _mod("train_checkpoint")
     straight, images, probs = _tiny_trainer(4)  # the same initial weights each time
     straight.run(images, probs, 0.2, 0.3, float("inf"))
     assert straight.step == 4
     first = _tiny_trainer(4)[0]
     for _ in range(2):
         first.train_step(images, probs, 0.2, 0.3)
-    loop.save_checkpoint(tmp_path / "c.npz", first, {})
+    ck.save_checkpoint(tmp_path / "c.npz", first, {})
     second = _tiny_trainer(4)[0]
-    second.load_state(loop.load_checkpoint(tmp_path / "c.npz", torch.device("cpu")))
+    second.load_state(ck.load_checkpoint(tmp_path / "c.npz", torch.device("cpu")))
     second.run(images, probs, 0.2, 0.3, float("inf"))
     assert second.step == 4
     for a, b in zip(
@@ -293,13 +293,17 @@ def test_resume_continues_the_same_run(tmp_path: Path) -> None:
 
 
 def test_a_fine_tune_starts_a_new_schedule_from_the_parents_ema(tmp_path: Path) -> None:
-    loop = _mod("train_loop")
+    ck = _mod("train_checkpoint")
     parent, images, probs = _tiny_trainer(3, ema=0.5)
     parent.commands.append("train.py --minutes 3")
     parent.run(images, probs, 0.2, 0.3, float("inf"))
-    loop.save_checkpoint(tmp_path / "p.npz", parent, {})
+    ck.save_checkpoint(tmp_path / "p.npz", parent, {})
     child = _tiny_trainer(5)[0]
-    child.init_from(loop.load_checkpoint(tmp_path / "p.npz", torch.device("cpu")), "ab12", TINY)
+    child.init_from(
+        ck.load_checkpoint(tmp_path / "p.npz", torch.device("cpu")),
+        "ab12",
+        TINY,
+    )
     assert child.step == 0 and child.seconds == 0.0 and not child.opt.state
     for want, model, ema in zip(
         parent.ema.state_dict().values(),
@@ -315,24 +319,28 @@ def test_a_fine_tune_starts_a_new_schedule_from_the_parents_ema(tmp_path: Path) 
     child.run(images, probs, 0.2, 0.3, float("inf"))
     assert child.step == 5
     # The record survives the child's own checkpoint, which resumes like any other.
-    loop.save_checkpoint(tmp_path / "c.npz", child, {})
+    ck.save_checkpoint(tmp_path / "c.npz", child, {})
     again = _tiny_trainer(5)[0]
-    again.load_state(loop.load_checkpoint(tmp_path / "c.npz", torch.device("cpu")))
+    again.load_state(ck.load_checkpoint(tmp_path / "c.npz", torch.device("cpu")))
     assert again.parent == child.parent and again.step == 5
 
 
 def test_a_net_grown_by_a_dilated_block_starts_computing_what_its_parent_did(
     tmp_path: Path,
 ) -> None:
-    loop = _mod("train_loop")
+    loop, ck = _mod("train_loop"), _mod("train_checkpoint")
     from scratchd.model.torchnet import TorchScratchNet
 
     parent, images, probs = _tiny_trainer(3, ema=0.5)
     parent.run(images, probs, 0.2, 0.3, float("inf"))
-    loop.save_checkpoint(tmp_path / "p.npz", parent, {})
+    ck.save_checkpoint(tmp_path / "p.npz", parent, {})
     wider = dataclasses.replace(TINY, dilations=(2, 4))
     child = loop.Trainer(TorchScratchNet(wider), parent.recipe, torch.device("cpu"), seed=3)
-    child.init_from(loop.load_checkpoint(tmp_path / "p.npz", torch.device("cpu")), "ab", TINY)
+    child.init_from(
+        ck.load_checkpoint(tmp_path / "p.npz", torch.device("cpu")),
+        "ab",
+        TINY,
+    )
     assert child.parent["grown_by"] == ["enc3_d1"]
     x = torch.from_numpy(np.random.default_rng(0).normal(size=(2, 1, 64, 96))).float()
     with torch.no_grad():
@@ -362,7 +370,7 @@ def test_growth_is_refused_where_it_cannot_start_as_the_parent(
 def test_a_stop_request_ends_training_after_the_step_in_progress(tmp_path: Path) -> None:
     # What SIGTERM sets in train.py: the run ends after the current step, and the trainer
     # is left whole (its checkpoint resumes like any other).
-    loop = _mod("train_loop")
+    ck = _mod("train_checkpoint")
     trainer, images, probs = _tiny_trainer(50)
     step = trainer.train_step
 
@@ -375,9 +383,9 @@ def test_a_stop_request_ends_training_after_the_step_in_progress(tmp_path: Path)
     trainer.train_step = step_then_stop
     trainer.run(images, probs, 0.2, 0.3, float("inf"))
     assert trainer.step == 3
-    loop.save_checkpoint(tmp_path / "c.npz", trainer, {})
+    ck.save_checkpoint(tmp_path / "c.npz", trainer, {})
     again = _tiny_trainer(50)[0]
-    again.load_state(loop.load_checkpoint(tmp_path / "c.npz", torch.device("cpu")))
+    again.load_state(ck.load_checkpoint(tmp_path / "c.npz", torch.device("cpu")))
     again.run(images, probs, 0.2, 0.3, float("inf"))
     assert again.step == 50
 

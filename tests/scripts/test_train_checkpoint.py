@@ -48,20 +48,20 @@ def _same(a: object, b: object) -> bool:
 def test_checkpoint_codec_round_trips_any_state(state: object) -> None:
     """encode_state/decode_state (the checkpoint's format): the same structure, key types,
     values and tensors (dtype, shape, bits) back, through the arrays np.savez stores."""
-    loop = _mod("train_loop")
+    ck = _mod("train_checkpoint")
     buf = io.BytesIO()
-    np.savez(buf, **loop.encode_state(state))
+    np.savez(buf, **ck.encode_state(state))
     buf.seek(0)
     with np.load(buf, allow_pickle=False) as z:
-        back = loop.decode_state({k: z[k] for k in z.files}, torch.device("cpu"))
+        back = ck.decode_state({k: z[k] for k in z.files}, torch.device("cpu"))
     assert _same(state, back)
 
 
 def test_checkpoint_codec_refuses_what_it_cannot_store() -> None:
-    loop = _mod("train_loop")
+    ck = _mod("train_checkpoint")
     with pytest.raises(ValueError, match="cannot store"):
-        loop.encode_state({"x": {1, 2}})
+        ck.encode_state({"x": {1, 2}})
     with pytest.raises(ValueError, match="keys"):
-        loop.encode_state({(1, 2): 0})
+        ck.encode_state({(1, 2): 0})
     with pytest.raises(ValueError, match="bfloat16"):
-        loop.encode_state([torch.zeros(2, dtype=torch.bfloat16)])
+        ck.encode_state([torch.zeros(2, dtype=torch.bfloat16)])
