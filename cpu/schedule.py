@@ -61,6 +61,7 @@ from scratchd.kernels.sigmoid import sigmoid_ref
 
 __all__ = [
     "BAND_BYTES",
+    "MIN_BAND_BYTES",
     "available",
     "bands",
     "ds_block_cpu",

@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_data import inner_split, load_split
 
+from scratchd.model.evaluate import mask_iou
+
 
 def bound_iou(mask: np.ndarray, factor: int) -> float:
     """IoU against ``mask`` of its own area average at ``1/factor``, upsampled back."""
@@ -32,9 +34,10 @@ def bound_iou(mask: np.ndarray, factor: int) -> float:
     hp, wp = -(-h // factor) * factor, -(-w // factor) * factor
     low = F.avg_pool2d(F.pad(m, (0, wp - w, 0, hp - h), mode="replicate"), factor)
     up = F.interpolate(low, size=(hp, wp), mode="bilinear", align_corners=False)
-    pred = up[0, 0, :h, :w].numpy() >= 0.5
-    truth = mask.astype(bool)
-    return float((pred & truth).sum() / max(1, (pred | truth).sum()))
+    iou = mask_iou(up[0, 0, :h, :w].numpy() >= 0.5, mask)
+    if iou is None:
+        raise ValueError("bound_iou: the mask has no defect pixel")
+    return iou
 
 
 def main() -> None:

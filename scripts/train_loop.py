@@ -27,6 +27,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,15 +96,19 @@ def seg_loss(
     logits: torch.Tensor, target: torch.Tensor, kind: str, weight: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``logits``, ``target`` and the 0/1 ``weight`` (None: every pixel) ``[B, 1, S, S]``."""
-    w = torch.ones_like(target) if weight is None else weight
-    bce = (F.binary_cross_entropy_with_logits(logits, target, reduction="none") * w).sum()
-    bce = bce / w.sum().clamp(min=1)
+    if weight is None:  # the default recipe's path: no per-pixel weights to build
+        bce = F.binary_cross_entropy_with_logits(logits, target)
+    else:
+        bce = F.binary_cross_entropy_with_logits(logits, target, weight, reduction="sum")
+        bce = bce / weight.sum().clamp(min=1)
+        target = target * weight
     if kind == "bce+dice":
-        p = torch.sigmoid(logits) * w
+        p = torch.sigmoid(logits) if weight is None else torch.sigmoid(logits) * weight
         inter = (p * target).sum()
-        return bce + 1 - (2 * inter + 1) / (p.sum() + (target * w).sum() + 1)
+        return bce + 1 - (2 * inter + 1) / (p.sum() + target.sum() + 1)
     if kind == "bce+lovasz":
-        return bce + lovasz_hinge(logits.flatten(1), target.flatten(1), w.flatten(1))
+        w = None if weight is None else weight.flatten(1)
+        return bce + lovasz_hinge(logits.flatten(1), target.flatten(1), w)
     raise ValueError(f"unknown loss {kind!r}")
 
 
@@ -129,7 +134,7 @@ class Trainer:
     def __init__(
         self, model: TorchScratchNet, recipe: Recipe, device: torch.device, seed: int,
         memory_format: torch.memory_format = torch.channels_last, precision: str = "bf16",
-        compiled: bool = False, compile_backend: str = "inductor",
+        compiled: bool = False, compile_backend: str | Callable[..., Any] = "inductor",
     ) -> None:  # fmt: skip
         """``memory_format`` is how activations are laid out and ``precision`` what the CUDA
         arithmetic runs in (:data:`PRECISIONS`; the CPU runs fp32 either way); ``compiled``

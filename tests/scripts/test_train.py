@@ -210,10 +210,17 @@ def test_serve_rule_zeroes_the_input_past_the_padding_and_scores_the_image_only(
 
 
 def test_a_compiled_trainer_steps_as_the_eager_one() -> None:
-    """``compiled=True`` goes through torch.compile's graph capture (here with its ``eager``
-    backend: inductor's code generation takes minutes on a CPU) and trains the same weights."""
+    """``compiled=True`` runs the network as graphs torch.compile captured (handed here to a
+    backend that records them and runs them as captured: inductor's code generation takes
+    minutes on a CPU) and trains the same weights as the eager trainer."""
     loop, data = _mod("train_loop"), _mod("train_data")
     from scratchd.model.torchnet import TorchScratchNet
+
+    captured: list[object] = []
+
+    def backend(gm: torch.fx.GraphModule, _inputs: list[torch.Tensor]) -> object:
+        captured.append(gm)
+        return gm.forward
 
     images = data.GpuImages(examples(8), torch.device("cpu"))
     probs = torch.full((8,), 1 / 8)
@@ -223,13 +230,31 @@ def test_a_compiled_trainer_steps_as_the_eager_one() -> None:
         torch.manual_seed(0)
         t = loop.Trainer(
             TorchScratchNet(TINY), recipe, torch.device("cpu"), 0,
-            compiled=compiled, compile_backend="eager",
+            compiled=compiled, compile_backend=backend,
         )  # fmt: skip
         for _ in range(2):
             t.train_step(images, probs, 0.4, 0.2)
         weights.append([p.detach().clone() for p in t.model.parameters()])
+        assert bool(captured) == compiled  # the eager trainer captures nothing
     for a, b in zip(*weights, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_pixel_weights_of_one_change_no_loss() -> None:
+    """The weighted losses (``--outside serve``) with every pixel kept are the plain ones."""
+    loop = _mod("train_loop")
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 1, 12, 12, generator=g) * 2
+    target = (torch.rand(3, 1, 12, 12, generator=g) < 0.2).float()
+    ones = torch.ones_like(target)
+    for kind in ("bce+lovasz", "bce+dice"):
+        plain, weighted = (
+            loop.seg_loss(logits, target, kind),
+            loop.seg_loss(logits, target, kind, ones),
+        )
+        assert float(weighted) == pytest.approx(float(plain), rel=1e-5)
+    plain = loop.image_loss(logits, target, 4, 16)
+    assert float(loop.image_loss(logits, target, 4, 16, ones)) == pytest.approx(float(plain))
 
 
 def test_lovasz_hinge_is_zero_for_confident_right_answers() -> None:

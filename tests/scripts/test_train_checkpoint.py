@@ -1,4 +1,4 @@
-"""scripts/train_loop.py's checkpoint format: every state a trainer saves comes back as it was,
+"""scripts/train_checkpoint.py's format: every state a trainer saves comes back as it was,
 from numeric arrays and JSON alone (no pickle)."""
 
 from __future__ import annotations
