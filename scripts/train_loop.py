@@ -151,7 +151,8 @@ class Trainer:
         # The network only: inductor's Triton code generation failed on the losses (H200,
         # torch 2.x of the device image: "list indices must be integers ..., not NoneType").
         net = self._eager_net
-        self._net = torch.compile(net, backend=compile_backend) if compiled else net
+        # dynamic=False: one static graph per crop size (three), not a shape-generic one.
+        self._net = torch.compile(net, backend=compile_backend, dynamic=False) if compiled else net
         torch.manual_seed(seed)
         self.model = model.to(device)
         for p in self.model.parameters():
