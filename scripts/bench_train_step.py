@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train import config_of, parse_args, recipe_of
-from train_data import GpuImages, inner_split, load_split, sample_weights
+from train import config_of, gpu_images, parse_args, recipe_of
+from train_data import inner_split, load_split, sample_weights
 from train_loop import CROPS, MEMORY_FORMATS, PRECISIONS, Trainer
 
 from scratchd.model.torchnet import TorchScratchNet
@@ -44,9 +44,9 @@ def main() -> None:
     args = parse_args(["--out", "/nonexistent", *rest])
     dev = torch.device(args.device)
     torch.backends.cudnn.benchmark = True
-    train_set, _ = load_split(args.shards, "train")
+    train_set, data_hash = load_split(args.shards, "train")
     fit, _ = inner_split(train_set, args.inner_fraction)
-    data = GpuImages(fit, dev, args.upscale_below)
+    data, _ = gpu_images(args, fit, data_hash, dev)
     probs = torch.tensor(sample_weights(fit, args.free_weight), device=dev)
     cfg = config_of(args)
     variants = [

@@ -18,9 +18,11 @@ The ``scratchnet-2`` recipe: one forward pass has to carry what four test-time v
    the same way (``ModelMeta.upscale_below``).
 3. Loss (:mod:`train_loop`): BCE + Lovász hinge per crop on the upsampled logits, deep
    supervision of ``dec2``/``dec1`` (auxiliary heads, not exported), an image-level BCE on
-   each crop's top-k logit mean; AdamW, warm-up then cosine over ``--minutes`` of *training
-   time* (``--minutes 0``: over ``--steps``, reproducible step for step), bf16 autocast on
-   CUDA, EMA of the weights.
+   each crop's top-k logit mean; with ``--teacher MAPS --distill W``, W times a BCE of the
+   main head against a teacher's probability map (``train_teacher.py``: the mean of
+   several trained models' serving maps over the fit split), cropped as the masks; AdamW,
+   warm-up then cosine over ``--minutes`` of *training time* (``--minutes 0``: over
+   ``--steps``, reproducible step for step), bf16 autocast on CUDA, EMA of the weights.
 4. ``--init CHECKPOINT`` fine-tunes: a new schedule (this command's recipe, fresh optimiser,
    step 0) from that checkpoint's EMA weights; the parent's sha256, steps, seconds and
    commands go into the metadata (``fine_tuned_from``). The architecture may add residual
@@ -64,6 +66,7 @@ from train_loop import (
     Trainer,
 )
 from train_report import calibrate, draw_curve, measure, predict_probs
+from train_teacher import teacher_maps
 
 from scratchd.kernels.postprocess import intensity_histogram
 from scratchd.model.net import NetConfig, count_params
@@ -118,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--outside", choices=OUTSIDE, default="border",
         help="what a crop larger than its image shows past the edge (train_loop's docstring)",
     )  # fmt: skip
+    ap.add_argument("--teacher", type=Path, help="teacher maps (train_teacher.py) to distil")
+    ap.add_argument("--distill", type=float, default=0.0, help="weight of the teacher's BCE")
     ap.add_argument("--free-weight", type=float, default=0.5, help="sampling weight, clean")
     ap.add_argument("--min-area", type=int, default=16)
     ap.add_argument(
@@ -162,8 +167,27 @@ def recipe_of(args: argparse.Namespace) -> Recipe:
         loss=args.loss, aux=args.aux, image_loss=args.image_loss, min_area=args.min_area,
         batch=args.batch, lr=args.lr, wd=args.wd, warmup=args.warmup, ema=args.ema,
         minutes=args.minutes, steps=args.steps, free_weight=args.free_weight, augment=aug,
-        upscale_below=args.upscale_below, outside=args.outside,
+        upscale_below=args.upscale_below, outside=args.outside, distill=args.distill,
+        teacher=hashlib.sha256(args.teacher.read_bytes()).hexdigest() if args.teacher else "",
     )  # fmt: skip
+
+
+def gpu_images(
+    args: argparse.Namespace, fit: list[Example], data_hash: str, dev: torch.device
+) -> tuple[GpuImages, dict[str, Any] | None]:
+    """The fit split on the device, with the teacher's maps when distilling, and the
+    teacher file's metadata; exits with the reason for a teacher that does not fit."""
+    if (args.teacher is None) != (args.distill == 0):
+        raise SystemExit("--teacher and --distill (> 0) go together")
+    if args.teacher is None:
+        return GpuImages(fit, dev, args.upscale_below), None
+    try:
+        maps, meta = teacher_maps(args.teacher, fit)
+    except (OSError, ValueError, KeyError) as exc:
+        raise SystemExit(f"{args.teacher}: cannot use as teacher maps: {exc}") from exc
+    if meta.get("train_data_sha256") != data_hash:
+        raise SystemExit(f"{args.teacher}: made from other training data than --shards")
+    return GpuImages(fit, dev, args.upscale_below, maps), meta
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -214,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     # progress; the checkpoint, the inner-split pass and the export follow as after
     # --stop-minutes, so a lent machine's time limit does not lose the run.
     signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_requested", True))
-    data = GpuImages(fit, dev, args.upscale_below)
+    data, teacher = gpu_images(args, fit, data_hash, dev)
     probs = torch.tensor(sample_weights(fit, args.free_weight), device=dev, dtype=torch.float32)
     stop = 60 * args.stop_minutes if args.stop_minutes > 0 else float("inf")
     if args.profile_steps > 0:
@@ -255,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
         "schedule_done": done,
         "commands": trainer.commands,
         "fine_tuned_from": trainer.parent,
+        "teacher": teacher,
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "train_images": len(train_set),
         "fit_images": len(fit),

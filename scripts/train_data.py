@@ -11,7 +11,9 @@
   Each batch also says which crop pixels are the image's own (:attr:`Batch.scored`) and
   which the serving model's input would hold at all (:attr:`Batch.seen`: the image and its
   edge padding to a multiple of 16; past that, serving's convolutions see zeros), so a
-  crop larger than its image can be trained as serving runs it.
+  crop larger than its image can be trained as serving runs it. Given teacher maps
+  (:mod:`train_teacher`), each batch carries them cropped and augmented as the masks are
+  (:attr:`Batch.teacher`), for distillation.
   Nothing of a batch touches the CPU, so the CPUs are no bottleneck and several training
   processes can share one GPU.
 """
@@ -103,6 +105,7 @@ class Batch:
     y: torch.Tensor  # 0/1 masks
     scored: torch.Tensor  # 1 where the crop shows the image itself
     seen: torch.Tensor  # 1 where serving's padded input has pixels (image + edge padding)
+    teacher: torch.Tensor | None = None  # the teacher's probability in [0, 1], if given
 
 
 @dataclass(frozen=True)
@@ -122,10 +125,14 @@ class GpuImages:
     """All training images on the device, edge-padded to one ``[N, Hc, Wc]`` uint8 canvas."""
 
     def __init__(
-        self, examples: list[Example], device: torch.device, upscale_below: int = 0
-    ) -> None:
+        self, examples: list[Example], device: torch.device, upscale_below: int = 0,
+        teacher: list[np.ndarray] | None = None,
+    ) -> None:  # fmt: skip
         """``upscale_below``: images whose longer side is at most this many pixels are seen
-        at twice their size (the model's ``upscale_below``: serving does the same)."""
+        at twice their size (the model's ``upscale_below``: serving does the same).
+        ``teacher``: a uint8 probability map (255 = 1) per example, of its image's shape."""
+        if teacher is not None and [t.shape for t in teacher] != [e.image.shape for e in examples]:
+            raise ValueError("one teacher map per example, of its image's shape")
         hc = max(e.image.shape[0] for e in examples)
         wc = max(e.image.shape[1] for e in examples)
         n = len(examples)
@@ -146,6 +153,11 @@ class GpuImages:
         self.device = device
         self.images = torch.from_numpy(imgs).to(device)
         self.masks = torch.from_numpy(masks).to(device)
+        self.teacher = None
+        if teacher is not None:
+            soft = np.stack([np.pad(t, ((0, hc - t.shape[0]), (0, wc - t.shape[1])), mode="edge")
+                             for t in teacher])  # fmt: skip
+            self.teacher = torch.from_numpy(soft).to(device)
         self.points = torch.from_numpy(points).to(device)
         self.counts = torch.from_numpy(counts).to(device)
         sizes = np.array([e.image.shape for e in examples], np.float32)
@@ -208,10 +220,15 @@ class GpuImages:
             ok = (px > -0.5) & (px < w - 0.5) & (py > -0.5) & (py < h - 0.5)
             return ok[:, None].float()
 
-        x, y, scored, seen = _flips(
-            [x / 255.0, (y >= 0.5).float(), inside(hw), inside(self.served[idx])], rand
-        )
-        return Batch(_photometric(x, aug, rand, gen), y, scored, seen)
+        ts = [x / 255.0, (y >= 0.5).float(), inside(hw), inside(self.served[idx])]
+        if self.teacher is not None:
+            t = F.grid_sample(
+                self.teacher[idx, None].float(), grid, mode="bilinear", padding_mode="border",
+                align_corners=False,
+            )  # fmt: skip
+            ts.append(t / 255.0)
+        x, y, scored, seen, *teacher = _flips(ts, rand)
+        return Batch(_photometric(x, aug, rand, gen), y, scored, seen, *teacher)
 
 
 def _grid(

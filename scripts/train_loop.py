@@ -65,6 +65,8 @@ class Recipe:
     free_weight: float = 0.5
     upscale_below: int = 0  # images with a longer side at most this run at twice their size
     outside: str = "border"  # what a crop shows past its image's edge: border | serve
+    distill: float = 0.0  # weight of the main head's BCE against the teacher's map
+    teacher: str = ""  # sha256 of the teacher maps' file (train_teacher.py), if distilling
     augment: Augment = field(default_factory=Augment)
 
 
@@ -110,6 +112,18 @@ def seg_loss(
         w = None if weight is None else weight.flatten(1)
         return bce + lovasz_hinge(logits.flatten(1), target.flatten(1), w)
     raise ValueError(f"unknown loss {kind!r}")
+
+
+def distill_loss(
+    logits: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """BCE of ``logits`` against the teacher's probabilities, over the pixels of ``weight``
+    1 (None: every pixel); all ``[B, 1, S, S]``. Its gradient ``sigmoid(logits) - teacher``
+    pulls each pixel towards the teacher's soft answer, boundaries included."""
+    if weight is None:
+        return F.binary_cross_entropy_with_logits(logits, teacher)
+    bce = F.binary_cross_entropy_with_logits(logits, teacher, weight, reduction="sum")
+    return bce / weight.sum().clamp(min=1)
 
 
 def image_loss(
@@ -192,11 +206,11 @@ class Trainer:
             g["lr"] = lr
         size = CROPS[self.step % len(CROPS)]
         idx = torch.multinomial(probs, r.batch, replacement=True, generator=self.gen)
-        x, y, w = self._inputs(data.batch(idx, size, r.augment, self.gen), mean, std)
+        x, y, w, t = self._inputs(data.batch(idx, size, r.augment, self.gen), mean, std)
         # Set per step (a process may hold trainers of both kinds, scripts/bench_train_step.py);
         # cuDNN's TF32 is PyTorch's default already, matmuls' is not.
         torch.backends.cuda.matmul.allow_tf32 = self.precision == "tf32"
-        loss = self._losses(x, y, w)
+        loss = self._losses(x, y, w, t)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([*self.model.parameters(), *self.aux.parameters()], 2.0)
@@ -215,13 +229,21 @@ class Trainer:
             aux = {s: self.aux[s](stages[s]) for s in AUX_STAGES if r.aux > 0}
         return main, aux
 
-    def _losses(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
-        """The training loss of one batch: main head, deep supervision, image loss."""
+    def _losses(
+        self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None,
+        teacher: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The training loss of one batch: main head, distillation towards ``teacher``'s
+        map (``recipe.distill`` > 0), deep supervision, image loss."""
         r = self.recipe
         size = x.shape[-1]
         main, aux = self._net(x)
         up = F.interpolate(main.float(), size=(size, size), mode="bilinear", align_corners=False)
         loss = seg_loss(up, y, r.loss, w)
+        if r.distill > 0:
+            if teacher is None:
+                raise ValueError("the recipe distils, but the batch has no teacher maps")
+            loss = loss + r.distill * distill_loss(up, teacher, w)
         for s, weight in zip(AUX_STAGES, (r.aux / 2, r.aux), strict=True):
             if s in aux:
                 a = F.interpolate(aux[s].float(), size=(size, size), mode="bilinear")
@@ -232,14 +254,14 @@ class Trainer:
 
     def _inputs(
         self, b: Batch, mean: float, std: float
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The network's input, the target and the loss's pixel weights (None: all) under
-        the recipe's ``outside`` rule."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The network's input, the target, the loss's pixel weights (None: all) under
+        the recipe's ``outside`` rule, and the teacher's map (None: none)."""
         x = (b.x - mean) / std
         w = None
         if self.recipe.outside == "serve":
             x, w = x * b.seen, b.scored
-        return x.contiguous(memory_format=self.memory_format), b.y, w
+        return x.contiguous(memory_format=self.memory_format), b.y, w, b.teacher
 
     def _update_ema(self) -> None:
         decay = min(self.recipe.ema, (1 + self.step) / (10 + self.step))
@@ -343,7 +365,7 @@ class Trainer:
         """The main head's segmentation loss on one fresh batch (EMA model, no aux)."""
         r = self.recipe
         idx = torch.multinomial(probs, r.batch, replacement=True, generator=self.gen)
-        x, y, w = self._inputs(data.batch(idx, CROPS[1], r.augment, self.gen), mean, std)
+        x, y, w, _ = self._inputs(data.batch(idx, CROPS[1], r.augment, self.gen), mean, std)
         logits = self.ema(x).float()
         up = F.interpolate(logits, size=y.shape[-2:], mode="bilinear", align_corners=False)
         return seg_loss(up, y, r.loss, w)

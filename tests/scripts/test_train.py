@@ -199,7 +199,7 @@ def test_serve_rule_zeroes_the_input_past_the_padding_and_scores_the_image_only(
     seen[..., :3, :3] = 1
     scored = torch.zeros(1, 1, 4, 4)
     scored[..., :2, :2] = 1
-    inp, _, w = trainer._inputs(data.Batch(x, torch.zeros_like(x), scored, seen), 0.5, 0.25)
+    inp, _, w, _ = trainer._inputs(data.Batch(x, torch.zeros_like(x), scored, seen), 0.5, 0.25)
     assert torch.equal(inp[0, 0] != 0, seen[0, 0] > 0)
     assert w is not None and torch.equal(w, scored)
     with pytest.raises(ValueError, match="outside"):
