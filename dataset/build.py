@@ -38,6 +38,7 @@ class BuildReport:
     bytes: int = 0
     train: int = 0
     val: int = 0
+    other_split: int = 0  # inputs of the split that ``only`` leaves out (not read)
 
 
 @dataclass(frozen=True)
@@ -48,15 +49,23 @@ class _Packed:
 
 
 def build_shards(
-    src: Path, out: Path, *, shard_size_mb: int = 256, val_fraction: float = 0.2
-) -> BuildReport:
-    """Pack the dataset folder ``src`` into shards of at most ``shard_size_mb`` MiB in ``out``."""
+    src: Path, out: Path, *, shard_size_mb: int = 256, val_fraction: float = 0.2,
+    only: str | None = None,
+) -> BuildReport:  # fmt: skip
+    """Pack the dataset folder ``src`` into shards of at most ``shard_size_mb`` MiB in ``out``;
+    with ``only`` (``"train"`` or ``"val"``), the records of that split alone, the same
+    records a full build holds for it (a training machine needs no validation images)."""
     if shard_size_mb < 1:
         raise ValueError(f"shard size must be at least 1 MiB, got {shard_size_mb}")
+    if only not in (None, "train", "val"):
+        raise ValueError(f"only must be 'train', 'val' or None, got {only!r}")
     samples = scan_dataset(Path(src))
     writer = ShardWriter(Path(out), shard_size_mb * 2**20)
     report = BuildReport(images=len(samples))
     for sample in samples:
+        if only is not None and split_of(sample.rel, val_fraction) != only:
+            report.other_split += 1
+            continue
         try:
             packed = pack_sample(sample, Path(src), val_fraction)
         except _Rejected as exc:

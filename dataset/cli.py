@@ -32,13 +32,23 @@ def shard() -> None:
     type=click.FloatRange(0.0, 1.0),
     help="Share of the images held out as the validation split.",
 )
-def build(src: Path, out: Path, shard_size_mb: int, val_fraction: float) -> None:
+@click.option(
+    "--only",
+    type=click.Choice(["train", "val"]),
+    default=None,
+    help="Pack the records of this split alone (default: both).",
+)
+def build(src: Path, out: Path, shard_size_mb: int, val_fraction: float, only: str | None) -> None:
     """Pack the images and masks under SRC into shards in OUT."""
     started = time.perf_counter()
-    report = build_shards(src, out, shard_size_mb=shard_size_mb, val_fraction=val_fraction)
+    report = build_shards(
+        src, out, shard_size_mb=shard_size_mb, val_fraction=val_fraction, only=only
+    )
     elapsed = time.perf_counter() - started
     click.echo(f"images found      {report.images}")
     click.echo(f"records written   {report.records} (train {report.train}, val {report.val})")
+    if only is not None:
+        click.echo(f"left out          {report.other_split} of the other split (--only {only})")
     click.echo(f"with mask         {report.with_mask}")
     click.echo(
         f"masks repaired    {report.masks_repaired} files, "

@@ -52,3 +52,30 @@ def test_check_without_a_manifest_fails_cleanly(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["shard", "check", str(tmp_path)])
     assert result.exit_code == 1
     assert "manifest.json" in result.output
+
+
+def test_build_only_one_split_holds_exactly_that_splits_records(tmp_path: Path) -> None:
+    """``--only train`` packs the records a full build puts in the train split, byte for
+    byte, and none of the other split (nothing of it is read)."""
+    from scratchd.dataset.shard import open_shards
+
+    src = tmp_path / "src"
+    rng = np.random.default_rng(2)
+    for i in range(12):
+        write_png(src / f"images/Sc_{i}.png", rng.integers(0, 256, (12, 12), dtype=np.uint8))
+        write_png(src / f"masks/Sc_{i}.png", (rng.random((12, 12)) < 0.2).astype(np.uint8) * 255)
+    runner = CliRunner()
+    args = ["shard", "build", str(src), "--val-fraction", "0.5"]
+    full = runner.invoke(main, [*args[:3], str(tmp_path / "full"), *args[3:]])
+    only = runner.invoke(main, [*args[:3], str(tmp_path / "train"), *args[3:], "--only", "train"])
+    assert full.exit_code == 0 and only.exit_code == 0, full.output + only.output
+
+    def records(out: Path, split: str) -> list[tuple[str, bytes, bytes | None]]:
+        with open_shards(out) as ss:
+            return [(ss[i].meta.rel, ss[i].image, ss[i].mask) for i in ss.indices(split=split)]
+
+    train, val = records(tmp_path / "full", "train"), records(tmp_path / "full", "val")
+    assert train and val  # the source has both splits
+    assert records(tmp_path / "train", "train") == train
+    assert records(tmp_path / "train", "val") == []
+    assert f"left out          {len(val)} of the other split" in only.output
