@@ -482,11 +482,12 @@ class CudaBackend:
         dst = g.inputs[k]
         base = int(dst.data.ptr)
         frame_bytes = int(dst[0].nbytes)
-        for j, img in enumerate(c.frames):
-            at = base + j * frame_bytes
-            for src, n in self.host.sources(img, j, frame_bytes):
-                cp.cuda.runtime.memcpyAsync(at, src, n, H2D, self.copy_stream.ptr)
-                at += n
+        with self.host.chunk():
+            for j, img in enumerate(c.frames):
+                at = base + j * frame_bytes
+                for src, n in self.host.sources(img, j, frame_bytes):
+                    cp.cuda.runtime.memcpyAsync(at, src, n, H2D, self.copy_stream.ptr)
+                    at += n
         c.uploaded = cp.cuda.Event(disable_timing=True)
         c.uploaded.record(self.copy_stream)
 

@@ -22,13 +22,20 @@ Two kinds of range are page-locked (``cudaHostRegister``):
 ``sources`` is what an upload reads: the frame itself when it lies, contiguous, in registered
 memory (the DMA reads the slot or the client's region directly, one copy per registered range
 it spans: a frame larger than ``CHUNK``, or across two pieces, is two or more copies), else a
-copy in the staging buffer, reused only once the copy stream has drained it.
+copy in a staging area. A chunk's uploads run inside :meth:`PinnedHost.chunk`; chunks take the
+``STAGING_AREAS`` areas in turn, and a chunk's first staged frame waits for the event recorded
+after the copies of the chunk that used its area last, not for the whole copy stream: that
+stream's next copies also wait for the graph still reading the input buffer, so a wait on the
+stream would hold the worker's thread until the previous batch's compute ended, frame after
+frame.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -47,6 +54,10 @@ benchmarks comparing piece sizes."""
 
 PIECE_ENV: Final = "SCRATCHD_PIN_PIECE_MIB"
 
+STAGING_AREAS: Final = 2
+"""Staging areas taken in turn, one a chunk: a chunk reuses the area of two chunks back, whose
+copies have almost always finished by then."""
+
 
 @dataclass(eq=False)
 class _Region:
@@ -64,14 +75,25 @@ class PinnedHost:
     """The page-locked ranges of one worker and its staging buffer. ``cp`` is CuPy (or a
     stand-in with its ``cuda.runtime`` calls, for tests); ``copy_stream`` the uploads'."""
 
-    def __init__(self, cp: Any, copy_stream: Any) -> None:
+    def __init__(
+        self, cp: Any, copy_stream: Any,
+        alloc_pinned: Callable[[int], np.ndarray] | None = None,
+    ) -> None:  # fmt: skip
+        """``alloc_pinned(n)``: ``n`` bytes of page-locked host memory, a uint8 array
+        (default: ``cupyx.empty_pinned``)."""
         self.cp = cp
         self.copy_stream = copy_stream
         self.ranges: dict[int, int] = {}  # ptr -> nbytes, registered with CUDA, looked up
         self._starts: list[int] = []  # the ranges' addresses, sorted (disjoint ranges)
         self._regions: dict[int, _Region] = {}  # adopted client regions by address
         self._retiring: list[_Region] = []  # retired regions with pieces still locked
-        self._staging: Any = None
+        self._alloc = alloc_pinned or _empty_pinned
+        self._areas: list[np.ndarray | None] = [None] * STAGING_AREAS
+        # Per area, the event recorded after the last copies that read it (None: never used).
+        self._drained: list[Any] = [None] * STAGING_AREAS
+        self._area = 0
+        self._in_chunk = False
+        self._area_ready = False  # the current chunk's area has been waited for
         self._read_only_refused = False
         self.piece = int(env_choice(PIECE_ENV, str(CHUNK >> 20), ("1", "2", "4", "8", "16"))) << 20
 
@@ -190,12 +212,42 @@ class PinnedHost:
             found = self.pieces(ptr, nbytes)
             if found is not None:
                 return found
-        # The staging buffer is reused only after the copy stream has drained it.
-        self.copy_stream.synchronize()
+        if not self._in_chunk:
+            raise RuntimeError("a frame staged outside PinnedHost.chunk()")
+        a = self._area
+        if not self._area_ready:
+            if self._drained[a] is not None:
+                self._drained[a].synchronize()  # the copies that read this area last
+            self._area_ready = True
         need = (j + 1) * nbytes
-        if self._staging is None or self._staging.nbytes < need:
-            import cupyx
+        area = self._areas[a]
+        if area is None or area.nbytes < need:
+            area = self._areas[a] = self._alloc(max(need, 16 * nbytes))
+        area[j * nbytes : need] = np.ascontiguousarray(img).reshape(-1)
+        return [(int(area.ctypes.data) + j * nbytes, nbytes)]
 
-            self._staging = cupyx.empty_pinned((max(need, 16 * nbytes),), np.uint8)
-        self._staging[j * nbytes : need] = np.ascontiguousarray(img).reshape(-1)
-        return [(int(self._staging.ctypes.data) + j * nbytes, nbytes)]
+    @contextmanager
+    def chunk(self) -> Iterator[None]:
+        """One chunk's uploads: :meth:`sources` and the copies that read what it returns are
+        all enqueued on ``copy_stream`` inside. Its staged frames take the next area; on the
+        way out (an error included: copies may be in flight) an event after them marks when
+        the area may be written again."""
+        if self._in_chunk:
+            raise RuntimeError("PinnedHost.chunk() is not reentrant")
+        self._area = (self._area + 1) % STAGING_AREAS
+        self._in_chunk, self._area_ready = True, False
+        try:
+            yield
+        finally:
+            self._in_chunk = False
+            if self._area_ready:  # something was staged: its copies read the area
+                event = self._drained[self._area]
+                if event is None:
+                    event = self._drained[self._area] = self.cp.cuda.Event(disable_timing=True)
+                event.record(self.copy_stream)
+
+
+def _empty_pinned(nbytes: int) -> np.ndarray:
+    import cupyx
+
+    return cupyx.empty_pinned((nbytes,), np.uint8)
