@@ -72,7 +72,10 @@ def test_build_only_one_split_holds_exactly_that_splits_records(tmp_path: Path) 
 
     def records(out: Path, split: str) -> list[tuple[str, bytes, bytes | None]]:
         with open_shards(out) as ss:
-            return [(ss[i].meta.rel, ss[i].image, ss[i].mask) for i in ss.indices(split=split)]
+            return [
+                (r.meta.rel, bytes(r.image), None if r.mask is None else bytes(r.mask))
+                for r in (ss[i] for i in ss.indices(split=split))
+            ]
 
     train, val = records(tmp_path / "full", "train"), records(tmp_path / "full", "val")
     assert train and val  # the source has both splits
