@@ -177,6 +177,29 @@ def test_pipelined_batches_overlap_and_stay_in_order(gpu, data_dir: Path) -> Non
         assert g.boxes == w.boxes
 
 
+def test_staged_batches_in_a_pipeline_answer_as_alone(gpu, data_dir: Path) -> None:
+    """Six batches of frames in unregistered memory (so staged), two in flight at a time as
+    the worker loop runs them: the staging areas are taken in turn and reused after their
+    events (workers/host_memory.py), and every answer is the one its frames give alone."""
+    frames = real_frames(data_dir, 8)
+    batches = [[np.roll(frames[(i + j) % 8], 7 * i, axis=1) for j in range(3)] for i in range(6)]
+    alone = [gpu.infer(b, [False] * 3) for b in batches]
+    got, prev = [], None
+    for b in batches:
+        chunk = gpu.submit(b, [False] * 3)
+        if prev is not None:
+            gpu.collect(prev)
+        gpu.start(chunk)
+        if prev is not None:
+            got.append(gpu.finish(prev))
+        prev = chunk
+    gpu.collect(prev)
+    got.append(gpu.finish(prev))
+    for g, w in zip(got, alone, strict=True):
+        assert [r.score for r in g] == pytest.approx([r.score for r in w], abs=1e-6)
+        assert [r.boxes for r in g] == [r.boxes for r in w]
+
+
 def test_frames_read_straight_from_registered_shared_memory(gpu, data_dir: Path) -> None:
     frames = real_frames(data_dir, 3)
     q = RequestQueue.create(
