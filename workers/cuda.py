@@ -25,8 +25,8 @@ written again, the copy stream waits for the event recorded after the launch tha
 Frames in a client's region (``ipc/region_maps.py``) are uploaded straight from the worker's
 read-only mapping of it, page-locked piece by piece while the worker has nothing to claim
 (``register_region``, ``pin_pending``). Frames that are not in registered memory (a region
-not locked yet, tests, a device that cannot page-lock read-only memory) go through one pinned
-staging buffer instead — same streams, one extra host copy
+not locked yet, tests, a device that cannot page-lock read-only memory) go through pinned
+staging areas instead — same streams, one extra host copy
 (``workers/host_memory.py``).
 
 GPU compute time per batch is the start → end event interval, carried in every reply's

@@ -10,11 +10,11 @@ Two kinds of range are page-locked (``cudaHostRegister``):
   claim path of the batch that first names a region, it held the queue for that long. So a
   region is locked in ``CHUNK``-byte pieces by :meth:`pin_pending`, one piece a call, which the
   worker loop calls only when it has nothing to claim; until a frame's piece is locked, the
-  frame goes through the staging buffer. The mapping is ``PROT_READ``, so it is registered with
+  frame goes through a staging area. The mapping is ``PROT_READ``, so it is registered with
   ``cudaHostRegisterReadOnly`` (the device only reads it, which is all an upload does). A
   device that cannot register read-only memory (the flag needs
   ``cudaDevAttrHostRegisterReadOnlySupported``) leaves every region unregistered: its frames go
-  through the staging buffer, correct but with one more host copy. A region the worker unmaps
+  through a staging area, correct but with one more host copy. A region the worker unmaps
   (:meth:`retire`) leaves the lookup at once; its pieces are unlocked by :meth:`pin_pending`
   the same way, a piece a call, and its array (which keeps the mapping alive) is let go after
   the last.
@@ -72,8 +72,9 @@ class _Region:
 
 
 class PinnedHost:
-    """The page-locked ranges of one worker and its staging buffer. ``cp`` is CuPy (or a
-    stand-in with its ``cuda.runtime`` calls, for tests); ``copy_stream`` the uploads'."""
+    """The page-locked ranges of one worker and its staging areas. ``cp`` is CuPy (or a
+    stand-in with its ``cuda.runtime`` and ``cuda.Event``, for tests); ``copy_stream`` the
+    uploads'."""
 
     def __init__(
         self, cp: Any, copy_stream: Any,
@@ -206,7 +207,7 @@ class PinnedHost:
         """Page-locked ``(address, length)`` pieces that hold ``img`` (frame ``j`` of a chunk)
         in order: the frame itself if it lies in registered memory (and is contiguous), one
         piece per registered range it spans (each copy reads inside one registration), else
-        one copy in the staging buffer."""
+        one copy in the current chunk's staging area (only inside :meth:`chunk`)."""
         ptr = int(img.ctypes.data)
         if img.flags.c_contiguous:
             found = self.pieces(ptr, nbytes)
