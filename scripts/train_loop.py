@@ -98,11 +98,8 @@ def seg_loss(
     logits: torch.Tensor, target: torch.Tensor, kind: str, weight: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``logits``, ``target`` and the 0/1 ``weight`` (None: every pixel) ``[B, 1, S, S]``."""
-    if weight is None:  # the default recipe's path: no per-pixel weights to build
-        bce = F.binary_cross_entropy_with_logits(logits, target)
-    else:
-        bce = F.binary_cross_entropy_with_logits(logits, target, weight, reduction="sum")
-        bce = bce / weight.sum().clamp(min=1)
+    bce = weighted_bce(logits, target, weight)
+    if weight is not None:
         target = target * weight
     if kind == "bce+dice":
         p = torch.sigmoid(logits) if weight is None else torch.sigmoid(logits) * weight
@@ -114,15 +111,16 @@ def seg_loss(
     raise ValueError(f"unknown loss {kind!r}")
 
 
-def distill_loss(
-    logits: torch.Tensor, teacher: torch.Tensor, weight: torch.Tensor | None = None
+def weighted_bce(
+    logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """BCE of ``logits`` against the teacher's probabilities, over the pixels of ``weight``
-    1 (None: every pixel); all ``[B, 1, S, S]``. Its gradient ``sigmoid(logits) - teacher``
-    pulls each pixel towards the teacher's soft answer, boundaries included."""
+    """Mean BCE of ``logits`` against ``target`` probabilities (0/1 labels, or a teacher's
+    soft map for distillation: its gradient ``sigmoid(logits) - target`` pulls each pixel
+    towards the teacher's answer) over the pixels of ``weight`` 1 (None: every pixel, with
+    no weights built); all ``[B, 1, S, S]``."""
     if weight is None:
-        return F.binary_cross_entropy_with_logits(logits, teacher)
-    bce = F.binary_cross_entropy_with_logits(logits, teacher, weight, reduction="sum")
+        return F.binary_cross_entropy_with_logits(logits, target)
+    bce = F.binary_cross_entropy_with_logits(logits, target, weight, reduction="sum")
     return bce / weight.sum().clamp(min=1)
 
 
@@ -243,7 +241,7 @@ class Trainer:
         if r.distill > 0:
             if teacher is None:
                 raise ValueError("the recipe distils, but the batch has no teacher maps")
-            loss = loss + r.distill * distill_loss(up, teacher, w)
+            loss = loss + r.distill * weighted_bce(up, teacher, w)
         for s, weight in zip(AUX_STAGES, (r.aux / 2, r.aux), strict=True):
             if s in aux:
                 a = F.interpolate(aux[s].float(), size=(size, size), mode="bilinear")

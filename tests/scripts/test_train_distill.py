@@ -98,13 +98,13 @@ def test_batches_crop_the_teacher_as_the_mask_and_draw_the_same_crops() -> None:
         data.GpuImages(ex, cpu, teacher=[e.mask.T for e in ex])
 
 
-def test_distill_loss_is_the_bce_towards_the_teacher_over_kept_pixels() -> None:
+def test_the_distillation_term_is_the_bce_towards_the_teacher_over_kept_pixels() -> None:
     loop = _mod("train_loop")
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(2, 1, 6, 6, generator=g, requires_grad=True)
     teacher = torch.rand(2, 1, 6, 6, generator=g)
     keep = (torch.rand(2, 1, 6, 6, generator=g) < 0.6).float()
-    loss = loop.distill_loss(logits, teacher, keep)
+    loss = loop.weighted_bce(logits, teacher, keep)
     kept = keep > 0
     expected = F.binary_cross_entropy_with_logits(logits[kept], teacher[kept])
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
@@ -113,7 +113,7 @@ def test_distill_loss_is_the_bce_towards_the_teacher_over_kept_pixels() -> None:
     assert torch.all(logits.grad[~kept] == 0)
     # Its minimum is the teacher's own answer: zero gradient at logit(teacher).
     at_teacher = torch.logit(teacher).requires_grad_(True)
-    loop.distill_loss(at_teacher, teacher).backward()
+    loop.weighted_bce(at_teacher, teacher).backward()
     assert at_teacher.grad is not None
     assert float(at_teacher.grad.abs().max()) < 1e-6
 
@@ -138,7 +138,7 @@ def test_a_distilling_trainer_adds_the_teachers_term_and_needs_its_maps() -> Non
         plain = trainer._losses(x, y, w, t)
         main, _ = trainer._net(x)
         up = F.interpolate(main.float(), size=x.shape[-2:], mode="bilinear")
-    assert float(both) == pytest.approx(float(plain + 0.5 * loop.distill_loss(up, t)), rel=1e-5)
+    assert float(both) == pytest.approx(float(plain + 0.5 * loop.weighted_bce(up, t)), rel=1e-5)
     trainer.recipe = recipe
     with pytest.raises(ValueError, match="no teacher maps"):
         trainer._losses(x, y, w, None)
