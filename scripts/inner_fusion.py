@@ -5,7 +5,7 @@ distillation or a multi-scale network could reach (docs/scratchnet2/README.md).
     python scripts/inner_fusion.py --shards .devdata/shards --json OUT.json \
         model/weights/scratchnet.npz docs/scratchnet2/ablations/G8U.npz
 
-Each model's map is its serving map (``train_report.predict_probs``: its torch mirror, fp32,
+Each model's map is its serving map (``train_report.serving_maps``: its torch mirror, fp32,
 CPU, small frames at twice their size where its ``upscale_below`` says so); the mean of the
 maps is post-processed at the first model's operating point (``train_report.measure``).
 Prints IoU per group, tile AUROC and clean tiles rejected, for each model alone and for
@@ -20,15 +20,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from train_data import inner_split, load_split
-from train_report import measure, predict_probs
-
-from scratchd.model.scratchnet import load_model
-from scratchd.model.torchnet import load_weights
+from train_report import measure, serving_maps
 
 
 def main() -> None:
@@ -38,14 +34,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     _, inner = inner_split(load_split(args.shards, "train")[0])
-    cpu = torch.device("cpu")
     maps: list[list[np.ndarray]] = []
     metas = []
     for path in args.models:
-        model = load_model(path)
-        m = model.meta
-        net = load_weights(model.weights, model.config)
-        maps.append(predict_probs(net, inner, m.mean, m.std, cpu, m.upscale_below))
+        probs, m = serving_maps(path, inner)
+        maps.append(probs)
         metas.append(m)
     rows = [(m.version, probs, m) for m, probs in zip(metas, maps, strict=True)]
     mean = [np.mean(per_image, axis=0) for per_image in zip(*maps, strict=True)]

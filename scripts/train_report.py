@@ -29,8 +29,8 @@ from train_data import Example
 from scratchd.kernels.normalize_pad import padded_size
 from scratchd.kernels.postprocess import peak_local_mean, postprocess
 from scratchd.model.evaluate import Evaluation, auroc
-from scratchd.model.scratchnet import decide
-from scratchd.model.torchnet import TorchScratchNet, full_logits
+from scratchd.model.scratchnet import ModelMeta, decide, load_model
+from scratchd.model.torchnet import TorchScratchNet, full_logits, load_weights
 
 THRESHOLDS = (0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65)
 WINDOWS = (1, 3, 5, 9, 15)
@@ -67,6 +67,16 @@ def predict_probs(
             prob = F.avg_pool2d(prob, 2)
         out.append(prob[0, 0].cpu().numpy())
     return out
+
+
+def serving_maps(path: Path, examples: list[Example]) -> tuple[list[np.ndarray], ModelMeta]:
+    """The probability maps a saved model serves for ``examples`` (its torch mirror, fp32 on
+    the CPU, small frames at twice their size where its ``upscale_below`` says so) and its
+    metadata."""
+    model = load_model(path)
+    m = model.meta
+    net = load_weights(model.weights, model.config)
+    return predict_probs(net, examples, m.mean, m.std, torch.device("cpu"), m.upscale_below), m
 
 
 def measure(

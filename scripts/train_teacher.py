@@ -8,12 +8,12 @@ Why: on the inner split the mean of scratchnet-2.0's map (1x) and G8U's (strips 
 reaches SD-900 IoU 0.793 against 0.773 for either alone (``scripts/inner_fusion.py``); a
 student trained towards that mean keeps one forward pass.
 
-Each model's map is its serving map (``train_report.predict_probs``, fp32 on the CPU, small
+Each model's map is its serving map (``train_report.serving_maps``, fp32 on the CPU, small
 frames at twice their size where its ``upscale_below`` says so). The file is an npz of plain
 arrays (no pickle): ``rels`` (one per image, in the fit split's order), ``shapes`` ``[N, 2]``,
 ``offsets`` ``[N + 1]`` into ``maps`` (every map flattened, uint8 with 255 = 1, quantised to
 :data:`LEVELS` levels), and ``meta`` (JSON: the teachers' versions and sha256, the shards'
-data hash, the command).
+data hash, ``fit_iou``: the mean map's IoU at 0.5 with the fit split's own masks, the command).
 """
 
 from __future__ import annotations
@@ -83,11 +83,9 @@ def teacher_maps(path: Path, examples: list[Example]) -> tuple[list[np.ndarray],
 
 
 def main() -> None:
-    import torch
-    from train_report import predict_probs
+    from train_report import serving_maps
 
-    from scratchd.model.scratchnet import load_model
-    from scratchd.model.torchnet import load_weights
+    from scratchd.model.evaluate import mask_iou
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("models", type=Path, nargs="+")
@@ -100,21 +98,27 @@ def main() -> None:
     total = [np.zeros(e.image.shape, np.float64) for e in fit]
     teachers = []
     for path in args.models:
-        model = load_model(path)
-        m = model.meta
-        net = load_weights(model.weights, model.config)
-        probs = predict_probs(net, fit, m.mean, m.std, torch.device("cpu"), m.upscale_below)
+        probs, m = serving_maps(path, fit)
         for acc, p in zip(total, probs, strict=True):
             acc += p
         sha = hashlib.sha256(path.read_bytes()).hexdigest()
         teachers.append({"path": str(path), "version": m.version, "sha256": sha})
         print(f"{m.version}: {len(fit)} maps", flush=True)
+    maps = [acc / len(args.models) for acc in total]
+    # How far the mean map (at 0.5) is from the fit split's own masks: what the teacher adds
+    # beyond the labels (1.0 would be the labels again).
+    ious: dict[str, list[float]] = {}
+    for e, p in zip(fit, maps, strict=True):
+        iou = mask_iou(p >= 0.5, e.mask)
+        if e.mask.any() and iou is not None:  # images with a defect
+            ious.setdefault(e.group.split("/")[0], []).append(iou)
+    fit_iou = {g: round(float(np.mean(v)), 4) for g, v in sorted(ious.items())}
+    print(f"the mean map's IoU with the fit split's masks: {fit_iou}")
     meta = {
         "teachers": teachers, "train_data_sha256": data_hash,
-        "inner_fraction": args.inner_fraction,
+        "inner_fraction": args.inner_fraction, "fit_iou": fit_iou,
         "command": shlex.join([sys.executable, *sys.argv]),
     }  # fmt: skip
-    maps = [acc / len(args.models) for acc in total]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(args.out, **encode_maps([e.rel for e in fit], maps, meta))
     print(f"{args.out}: {len(fit)} images, {args.out.stat().st_size / 1e6:.1f} MB")
