@@ -54,7 +54,7 @@ class DeviceMemory(Protocol):
 
     def register_region(self, pixels: np.ndarray) -> None:
         """A client region's read-only mapping the worker mapped: to be page-locked, a piece
-        at a time (by a thread of the backend's, or by :meth:`pin_pending`)."""
+        at a time, by :meth:`pin_pending`."""
         ...
 
     def unregister_region(self, pixels: np.ndarray) -> None:
@@ -63,8 +63,7 @@ class DeviceMemory(Protocol):
 
     def pin_pending(self) -> bool:
         """One piece of page-locking (or unlocking) work; True while some is left. The worker
-        loop calls it only when it has nothing to claim. A backend that page-locks on a thread
-        of its own returns False, or raises that thread's failure."""
+        loop calls it only when it has nothing to claim."""
         ...
 
     def batch_limit(self) -> int:

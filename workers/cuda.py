@@ -23,10 +23,10 @@ ordering by events::
 k+1 while batch k computes (workers/main.py's pipelined loop); before an input buffer is
 written again, the copy stream waits for the event recorded after the launch that read it.
 Frames in a client's region (``ipc/region_maps.py``) are uploaded straight from the worker's
-read-only mapping of it, page-locked piece by piece by a thread of the worker's own
-(``register_region``; ``PinnedHost.start_pinning``). Frames that are not in registered
-memory (a region not locked yet, tests, a device that cannot page-lock read-only memory) go
-through pinned staging areas instead — same streams, one extra host copy
+read-only mapping of it, page-locked piece by piece while the worker has nothing to claim
+(``register_region``, ``pin_pending``). Frames that are not in registered memory (a region
+not locked yet, tests, a device that cannot page-lock read-only memory) go through pinned
+staging areas instead — same streams, one extra host copy
 (``workers/host_memory.py``).
 
 GPU compute time per batch is the start → end event interval, carried in every reply's
@@ -156,7 +156,6 @@ class CudaBackend:
         self.graphs: dict[tuple[int, int, int], Any] = {}
         self.copy_stream = cp.cuda.Stream(non_blocking=True)
         self.host = PinnedHost(cp, self.copy_stream)  # what uploads read (host_memory.py)
-        self.host.start_pinning(cp.cuda.Device().use)  # on this worker's device
         self._next_k: dict[tuple[int, int, int], int] = {}
         # (bucket, height, width) → the graph's device ms (CUDA events; EWMA of batches):
         # what submit's split weighs (gpu_memory.split_batch)
@@ -217,17 +216,16 @@ class CudaBackend:
 
     def register_region(self, pixels: np.ndarray) -> None:
         """A client region's read-only mapping (``ipc/region_maps.py``) is to be page-locked,
-        piece by piece off the batch loop (``workers/host_memory.py`` says why)."""
+        piece by piece in :meth:`pin_pending` (``workers/host_memory.py`` says why)."""
         self.host.adopt(pixels)
 
     def unregister_region(self, pixels: np.ndarray) -> None:
-        """The worker unmaps a region: uploads stop reading it; it is unlocked piece by piece
-        (the mapping lives until then)."""
+        """The worker unmaps a region: uploads stop reading it; :meth:`pin_pending` unlocks
+        it (the mapping lives until then)."""
         self.host.retire(pixels)
 
     def pin_pending(self) -> bool:
-        """Without the pinning thread, one piece of page-locking or unlocking of client
-        regions (True while some is left); with it, False, or the thread's failure raised."""
+        """One piece of page-locking or unlocking of client regions; True while some is left."""
         return self.host.pin_pending()
 
     def unregister_host(self) -> None:
