@@ -16,9 +16,10 @@ The ``scratchnet-2`` recipe: one forward pass has to carry what four test-time v
    blur, noise, uint8 quantisation. ``--upscale-below N``: images whose longer side is at
    most N pixels are seen at twice their size, and the exported model serves such frames
    the same way (``ModelMeta.upscale_below``).
-3. Loss (:mod:`train_loop`): BCE + Lovász hinge per crop on the upsampled logits, deep
+3. Loss (:mod:`train_losses`): BCE + Lovász hinge per crop on the upsampled logits, deep
    supervision of ``dec2``/``dec1`` (auxiliary heads, not exported), an image-level BCE on
-   each crop's top-k logit mean; with ``--teacher MAPS --distill W``, W times a BCE of the
+   each crop's top-k logit mean; with ``--ssim W``, W times one minus the SSIM of the main
+   head's map and the mask; with ``--teacher MAPS --distill W``, W times a BCE of the
    main head against a teacher's probability map (``train_teacher.py``: the mean of
    several trained models' serving maps over the fit split), cropped as the masks; AdamW,
    warm-up then cosine over ``--minutes`` of *training time* (``--minutes 0``: over
@@ -123,6 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     ap.add_argument("--teacher", type=Path, help="teacher maps (train_teacher.py) to distil")
     ap.add_argument("--distill", type=float, default=0.0, help="weight of the teacher's BCE")
+    ap.add_argument("--ssim", type=float, default=0.0, help="weight of the 1 - SSIM term")
     ap.add_argument("--free-weight", type=float, default=0.5, help="sampling weight, clean")
     ap.add_argument("--min-area", type=int, default=16)
     ap.add_argument(
@@ -168,6 +170,7 @@ def recipe_of(args: argparse.Namespace) -> Recipe:
         batch=args.batch, lr=args.lr, wd=args.wd, warmup=args.warmup, ema=args.ema,
         minutes=args.minutes, steps=args.steps, free_weight=args.free_weight, augment=aug,
         upscale_below=args.upscale_below, outside=args.outside, distill=args.distill,
+        ssim=args.ssim,
         teacher=hashlib.sha256(args.teacher.read_bytes()).hexdigest() if args.teacher else "",
     )  # fmt: skip
 

@@ -1,12 +1,7 @@
-"""The training loop of scripts/train.py: losses, deep supervision, EMA, checkpoints.
+"""The training loop of scripts/train.py: deep supervision, EMA, checkpoints.
 
-- **Loss** (``--loss``): ``bce+lovasz`` (default) is BCE plus the Lovász hinge per crop
-  (Berman et al. 2018: a convex surrogate of each image's IoU, the metric we report; on a
-  crop without defect it penalises the highest logit, i.e. a false alarm); ``bce+dice`` is
-  the scratchnet-1 loss (BCE plus soft Dice over the batch).
-- **Image loss** (``--image-loss W``): BCE of each crop's top-k mean logit against "the crop
-  holds at least ``min_area`` defect pixels" (crops with fewer, but some, are ignored), so
-  the peak of the map — what the image score reads — separates clean from defective parts.
+- **Losses** (:mod:`train_losses`): the segmentation loss, the image loss, the SSIM
+  term and distillation's BCE.
 - **Outside the image** (``--outside``): a crop larger than its image (a 200 px steel strip in
   a 256 px crop) shows, past the image's edge, ``border``: the edge pixels drawn out into
   stripes, with the loss taken there too (scratchnet-2.0's recipe); ``serve``: what the
@@ -38,6 +33,7 @@ import torch.nn.functional as F
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from torch import nn
 from train_data import Augment, Batch, GpuImages
+from train_losses import image_loss, seg_loss, ssim_loss, weighted_bce
 
 from scratchd.model.net import NetConfig, block_plan
 from scratchd.model.torchnet import DSBlock, TorchScratchNet
@@ -66,78 +62,12 @@ class Recipe:
     upscale_below: int = 0  # images with a longer side at most this run at twice their size
     outside: str = "border"  # what a crop shows past its image's edge: border | serve
     distill: float = 0.0  # weight of the main head's BCE against the teacher's map
+    ssim: float = 0.0  # weight of the main head's 1 - SSIM against the mask (train_losses)
     teacher: str = ""  # sha256 of the teacher maps' file (train_teacher.py), if distilling
     augment: Augment = field(default_factory=Augment)
 
 
 OUTSIDE = ("border", "serve")
-
-
-def lovasz_hinge(
-    logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Mean over images of the Lovász hinge; ``logits``, ``target`` ``[B, P]``. Pixels of
-    ``weight`` 0 count as absent: sorted last with no error and no defect, they change
-    neither the sum nor any prefix's Jaccard index."""
-    signs = 2 * target - 1
-    errors = 1 - logits * signs
-    if weight is not None:
-        errors = torch.where(weight > 0, errors, -1.0)
-        target = target * (weight > 0)
-    errors_sorted, perm = torch.sort(errors, dim=1, descending=True)
-    gt = torch.gather(target, 1, perm)
-    gts = gt.sum(dim=1, keepdim=True)
-    inter = gts - gt.cumsum(dim=1)
-    union = gts + (1 - gt).cumsum(dim=1)
-    jaccard = 1 - inter / union
-    grad = torch.cat([jaccard[:, :1], jaccard[:, 1:] - jaccard[:, :-1]], dim=1)
-    return (F.relu(errors_sorted) * grad).sum(dim=1).mean()
-
-
-def seg_loss(
-    logits: torch.Tensor, target: torch.Tensor, kind: str, weight: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``logits``, ``target`` and the 0/1 ``weight`` (None: every pixel) ``[B, 1, S, S]``."""
-    bce = weighted_bce(logits, target, weight)
-    if weight is not None:
-        target = target * weight
-    if kind == "bce+dice":
-        p = torch.sigmoid(logits) if weight is None else torch.sigmoid(logits) * weight
-        inter = (p * target).sum()
-        return bce + 1 - (2 * inter + 1) / (p.sum() + target.sum() + 1)
-    if kind == "bce+lovasz":
-        w = None if weight is None else weight.flatten(1)
-        return bce + lovasz_hinge(logits.flatten(1), target.flatten(1), w)
-    raise ValueError(f"unknown loss {kind!r}")
-
-
-def weighted_bce(
-    logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Mean BCE of ``logits`` against ``target`` probabilities (0/1 labels, or a teacher's
-    soft map for distillation: its gradient ``sigmoid(logits) - target`` pulls each pixel
-    towards the teacher's answer) over the pixels of ``weight`` 1 (None: every pixel, with
-    no weights built); all ``[B, 1, S, S]``."""
-    if weight is None:
-        return F.binary_cross_entropy_with_logits(logits, target)
-    bce = F.binary_cross_entropy_with_logits(logits, target, weight, reduction="sum")
-    return bce / weight.sum().clamp(min=1)
-
-
-def image_loss(
-    logits: torch.Tensor, target: torch.Tensor, k: int, min_area: int,
-    weight: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """BCE of the top-``k`` mean logit per crop against 'has >= min_area defect pixels',
-    both over the pixels of ``weight`` 1 (None: every pixel)."""
-    if weight is not None:
-        logits = torch.where(weight > 0, logits, torch.finfo(logits.dtype).min)
-        target = target * weight
-    top = logits.flatten(1).topk(k, dim=1).values.mean(dim=1)
-    area = target.flatten(1).sum(dim=1)
-    label = (area >= min_area).float()
-    weight = ((area == 0) | (area >= min_area)).float()
-    return F.binary_cross_entropy_with_logits(top, label, weight=weight)
 
 
 class Trainer:
@@ -231,13 +161,16 @@ class Trainer:
         self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None,
         teacher: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """The training loss of one batch: main head, distillation towards ``teacher``'s
-        map (``recipe.distill`` > 0), deep supervision, image loss."""
+        """The training loss of one batch: main head, its SSIM term (``recipe.ssim`` > 0),
+        distillation towards ``teacher``'s map (``recipe.distill`` > 0), deep supervision,
+        image loss."""
         r = self.recipe
         size = x.shape[-1]
         main, aux = self._net(x)
         up = F.interpolate(main.float(), size=(size, size), mode="bilinear", align_corners=False)
         loss = seg_loss(up, y, r.loss, w)
+        if r.ssim > 0:
+            loss = loss + r.ssim * ssim_loss(up, y, w)
         if r.distill > 0:
             if teacher is None:
                 raise ValueError("the recipe distils, but the batch has no teacher maps")

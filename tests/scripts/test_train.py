@@ -171,7 +171,7 @@ def test_an_upscaled_image_is_seen_as_serving_pads_its_double() -> None:
 )
 def test_lovasz_hinge_ignores_pixels_of_weight_zero(rows: int, pixels: int, seed: int) -> None:
     """The weighted Lovász hinge is the hinge over the kept pixels alone, row by row."""
-    loop = _mod("train_loop")
+    loop = _mod("train_losses")
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, pixels, generator=g) * 3
     target = (torch.rand(rows, pixels, generator=g) < 0.3).float()
@@ -242,7 +242,7 @@ def test_a_compiled_trainer_steps_as_the_eager_one() -> None:
 
 def test_pixel_weights_of_one_change_no_loss() -> None:
     """The weighted losses (``--outside serve``) with every pixel kept are the plain ones."""
-    loop = _mod("train_loop")
+    loop = _mod("train_losses")
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(3, 1, 12, 12, generator=g) * 2
     target = (torch.rand(3, 1, 12, 12, generator=g) < 0.2).float()
@@ -258,7 +258,7 @@ def test_pixel_weights_of_one_change_no_loss() -> None:
 
 
 def test_lovasz_hinge_is_zero_for_confident_right_answers() -> None:
-    loop = _mod("train_loop")
+    loop = _mod("train_losses")
     target = torch.zeros(2, 100)
     target[0, :10] = 1
     right = (2 * target - 1) * 5
