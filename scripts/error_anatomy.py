@@ -16,7 +16,9 @@ Per group (the SD-900 classes, the tiles) and split, over the defect images, mea
 - ``fp_share``: false-positive pixels over all wrong pixels (above 0.5: over-segmentation);
 - ``best_threshold_iou``: each image at the threshold best for it (an upper bound on what a
   better threshold could buy, not reachable by one threshold);
-- ``iou_by_size``: the IoU in terciles of the ground truth's area (small, middle, large).
+- ``iou_by_size``: the IoU in terciles of the ground truth's area (small, middle, large);
+- ``iou_per_image`` (JSON only): each image's group and IoU, for paired comparisons of two
+  models (``scripts/paired_iou.py``).
 
 The fit split is what the model trained on: a fit IoU well above the inner one says
 over-fitting, both low says the model or its training falls short.
@@ -112,11 +114,14 @@ def main() -> None:
         probs, m = serving_maps(args.model, defects)
         record["version"] = m.version
         rows: dict[str, list[dict]] = {}
+        per_image = {}
         for prob, e in zip(probs, defects, strict=True):
             row = image_row(prob, e, m.threshold, m.min_area, m.score_window)
+            per_image[e.rel] = {"group": e.group, "iou": round(row["iou"], 5)}
             for g in {e.group, e.group.split("/")[0]}:
                 rows.setdefault(g, []).append(row)
         record["splits"][split] = {g: summarise(v) for g, v in sorted(rows.items())}
+        record.setdefault("iou_per_image", {})[split] = per_image
         for g, s in record["splits"][split].items():
             if "/" in g and not g.startswith("sd900"):
                 continue
