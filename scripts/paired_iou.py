@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 RESAMPLES = 10_000
 
 
-def paired(a: dict[str, float], b: dict[str, float], seed: int = 0) -> dict[str, float]:
+def paired(a: dict[str, float], b: dict[str, float], seed: int = 0) -> dict[str, Any]:
     """The paired comparison of per-image IoUs ``a`` and ``b`` over their common images."""
     common = sorted(set(a) & set(b))
     if len(common) < 2:

@@ -58,6 +58,7 @@ def test_the_ssim_term_trains_towards_the_mask() -> None:
     loss = losses.ssim_loss(logits, target)
     before = loss.item()
     loss.backward()
+    assert logits.grad is not None
     with torch.no_grad():
         stepped = logits - 50 * logits.grad
     assert float(losses.ssim_loss(stepped, target)) < before
