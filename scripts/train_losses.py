@@ -111,11 +111,13 @@ def ssim_loss(
     def blur(v: torch.Tensor) -> torch.Tensor:
         return F.conv2d(F.pad(v, [SSIM_WINDOW // 2] * 4, mode="replicate"), kernel)
 
-    mp, mt = blur(p), blur(t)
-    vp, vt, cov = blur(p * p) - mp * mp, blur(t * t) - mt * mt, blur(p * t) - mp * mt
-    num = (2 * mp * mt + SSIM_C1) * (2 * cov + SSIM_C2)
-    den = (mp * mp + mt * mt + SSIM_C1) * (vp + vt + SSIM_C2)
-    sim = num / den
+    # fp32 even under a caller's autocast: the variances are differences of close moments.
+    with torch.autocast(p.device.type, enabled=False):
+        mp, mt = blur(p), blur(t)
+        vp, vt, cov = blur(p * p) - mp * mp, blur(t * t) - mt * mt, blur(p * t) - mp * mt
+        num = (2 * mp * mt + SSIM_C1) * (2 * cov + SSIM_C2)
+        den = (mp * mp + mt * mt + SSIM_C1) * (vp + vt + SSIM_C2)
+        sim = num / den
     if weight is None:
         return 1 - sim.mean()
     return 1 - (sim * weight).sum() / weight.sum().clamp(min=1)

@@ -32,6 +32,9 @@ def test_ssim_is_zero_for_the_mask_itself_and_grows_with_the_edge_error() -> Non
     assert 0 < off[0] < off[1] < off[2]
     blurred = float(losses.ssim_loss(torch.zeros(1, 1, 32, 32), target))  # p = 0.5 everywhere
     assert blurred > off[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the term keeps to fp32 inside
+        under = float(losses.ssim_loss(_confident(_box(32, 9, 21)), target))
+    assert under == off[0]
 
 
 @settings(max_examples=40, deadline=None)
