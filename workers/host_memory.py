@@ -17,7 +17,8 @@ Two kinds of range are page-locked (``cudaHostRegister``):
   through a staging area, correct but with one more host copy. A region the worker unmaps
   (:meth:`retire`) leaves the lookup at once; its pieces are unlocked by :meth:`pin_pending`
   the same way, a piece a call, and its array (which keeps the mapping alive) is let go after
-  the last.
+  the last. A region's last piece locked logs ``region_page_locked`` (its bytes and pieces,
+  the ms spent locking and since the worker mapped it, and the frames staged meanwhile).
 
 ``sources`` is what an upload reads: the frame itself when it lies, contiguous, in registered
 memory (the DMA reads the slot or the client's region directly, one copy per registered range
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -67,8 +69,11 @@ class _Region:
     array: np.ndarray
     base: int
     nbytes: int
+    adopted_ns: int  # when the worker mapped it (monotonic)
+    staged_before: int  # the worker's staged frames when it was adopted
     done: int = 0
     locked: list[int] = field(default_factory=list)
+    lock_ns: int = 0  # spent in cudaHostRegister for its pieces
 
 
 class PinnedHost:
@@ -96,6 +101,7 @@ class PinnedHost:
         self._in_chunk = False
         self._area_ready = False  # the current chunk's area has been waited for
         self._read_only_refused = False
+        self.staged = 0  # frames copied through a staging area so far
         self.piece = int(env_choice(PIECE_ENV, str(CHUNK >> 20), ("1", "2", "4", "8", "16"))) << 20
 
     def register(self, array: np.ndarray) -> None:
@@ -110,7 +116,8 @@ class PinnedHost:
         """A client region's read-only mapping, to be page-locked by :meth:`pin_pending`."""
         base = int(array.ctypes.data)
         if array.nbytes and base not in self._regions and not self._read_only_refused:
-            self._regions[base] = _Region(array, base, int(array.nbytes))
+            region = _Region(array, base, int(array.nbytes), time.monotonic_ns(), self.staged)
+            self._regions[base] = region
 
     def retire(self, array: np.ndarray) -> None:
         """The worker unmaps ``array`` (an adopted region): no upload reads it from now on;
@@ -147,6 +154,7 @@ class PinnedHost:
     def _lock_piece(self, region: _Region) -> None:
         ptr = region.base + region.done
         nbytes = min(self.piece, region.nbytes - region.done)
+        t0 = time.monotonic_ns()
         try:
             self.cp.cuda.runtime.hostRegister(ptr, nbytes, HOST_REGISTER_READ_ONLY)
         except self.cp.cuda.runtime.CUDARuntimeError as exc:
@@ -156,9 +164,20 @@ class PinnedHost:
             for r in list(self._regions.values()):
                 self.retire(r.array)
             return
+        now = time.monotonic_ns()
+        region.lock_ns += now - t0
         region.done += nbytes
         region.locked.append(ptr)
         self._add(ptr, nbytes)
+        if region.done == region.nbytes:
+            # When a gateway's frames start going straight from its region to the card, and
+            # what locking it cost: frames staged meanwhile took one more host copy each.
+            log_event(
+                "region_page_locked", bytes=region.nbytes, pieces=len(region.locked),
+                lock_ms=round(region.lock_ns / 1e6, 2),
+                after_ms=round((now - region.adopted_ns) / 1e6, 2),
+                frames_staged=self.staged - region.staged_before,
+            )  # fmt: skip
 
     def unregister_all(self) -> None:
         """Undo every page-locking now (before the memory is unmapped)."""
@@ -225,6 +244,7 @@ class PinnedHost:
         if area is None or area.nbytes < need:
             area = self._areas[a] = self._alloc(max(need, 16 * nbytes))
         area[j * nbytes : need] = np.ascontiguousarray(img).reshape(-1)
+        self.staged += 1
         return [(int(area.ctypes.data) + j * nbytes, nbytes)]
 
     @contextmanager

@@ -6,9 +6,11 @@ mappings, with a stand-in for CUDA's runtime (the GPU path itself: tests/workers
 from __future__ import annotations
 
 import fcntl
+import io
 import itertools
 import os
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +27,7 @@ from scratchd.ipc.queue import Geometry, RequestQueue, Status
 from scratchd.ipc.regions import Region
 from scratchd.model.scratchnet import load_model
 from scratchd.protocol.image import decode_image
+from scratchd.protocol.log import configure, parse_line
 from scratchd.workers.host_memory import CHUNK, HOST_REGISTER_READ_ONLY, PinnedHost
 from scratchd.workers.protocol import ExitCode
 
@@ -167,6 +170,51 @@ def test_a_region_is_page_locked_read_only_a_piece_a_call_and_unlocked_the_same_
     assert list(runtime.locked) == [slots.ctypes.data]
     host.unregister_all()
     assert runtime.locked == {}
+
+
+class NoCopyEvent:
+    """An event over a copy stream the test never runs (the staged bytes are not checked here:
+    tests/workers/test_staging.py does that)."""
+
+    def __init__(self, disable_timing: bool = True) -> None:
+        pass
+
+    def record(self, stream: object) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_a_region_fully_locked_is_logged_once_with_the_frames_staged_until_then() -> None:
+    """An operator sees when a gateway's frames start going straight to the card, what locking
+    its region cost, and how many frames took the staging copy meanwhile."""
+    runtime = FakeRuntime(read_only_supported=True)
+    cp = SimpleNamespace(cuda=SimpleNamespace(runtime=runtime, Event=NoCopyEvent))
+    host = PinnedHost(cp, copy_stream=None, alloc_pinned=lambda n: np.zeros(n, np.uint8))
+    region = np.arange(2 * CHUNK + 100, dtype=np.uint64).astype(np.uint8)
+    stream = io.StringIO()
+    configure("info", stream=stream, journald=False)
+    try:
+        host.adopt(region)
+        with host.chunk():
+            for j in range(2):  # not locked yet: both staged
+                ((src, length),) = host.sources(region[j * 64 : (j + 1) * 64], j, 64)
+                assert src != region.ctypes.data + j * 64 and length == 64
+        assert host.pin_pending() and host.pin_pending()  # two of three pieces
+        assert stream.getvalue() == ""  # not whole yet
+        with host.chunk():  # in a locked piece now: read in place, not staged
+            assert host.sources(region[:64], 0, 64) == [(region.ctypes.data, 64)]
+        assert not host.pin_pending()  # the last piece
+        assert not host.pin_pending()  # nothing more: logged once
+    finally:
+        configure("info", stream=sys.stderr)
+    (line,) = stream.getvalue().splitlines()
+    fields = parse_line(line)
+    assert fields["event"] == "region_page_locked"
+    assert (int(fields["bytes"]), int(fields["pieces"])) == (2 * CHUNK + 100, 3)
+    assert int(fields["frames_staged"]) == 2
+    assert float(fields["lock_ms"]) >= 0 and float(fields["after_ms"]) >= float(fields["lock_ms"])
 
 
 def test_the_piece_size_can_be_set_for_benchmarks_and_a_bad_one_is_refused(
