@@ -66,6 +66,12 @@ class DeviceMemory(Protocol):
         loop calls it only when it has nothing to claim."""
         ...
 
+    def pin_within(self, budget_ns: int) -> bool:
+        """Page-lock a staged frame's pages if that fits in ``budget_ns`` by its measured
+        cost; True if it did. The worker loop calls it instead of sleeping while a batch
+        computes, with the time left before it must claim again."""
+        ...
+
     def batch_limit(self) -> int:
         """How many frames the next claim may take (it follows the free device memory)."""
         ...

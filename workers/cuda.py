@@ -214,19 +214,19 @@ class CudaBackend:
         self.host.register(region)
         self.boot_ms["host_register"] = _ms(t0)
 
+    # Client regions (DeviceMemory's methods): page-locked and unlocked a range at a time off
+    # the claim path, their mapping alive until then (``workers/host_memory.py`` says why).
     def register_region(self, pixels: np.ndarray) -> None:
-        """A client region's read-only mapping (``ipc/region_maps.py``) is to be page-locked,
-        piece by piece in :meth:`pin_pending` (``workers/host_memory.py`` says why)."""
         self.host.adopt(pixels)
 
     def unregister_region(self, pixels: np.ndarray) -> None:
-        """The worker unmaps a region: uploads stop reading it; :meth:`pin_pending` unlocks
-        it (the mapping lives until then)."""
         self.host.retire(pixels)
 
     def pin_pending(self) -> bool:
-        """One piece of page-locking or unlocking of client regions; True while some is left."""
         return self.host.pin_pending()
+
+    def pin_within(self, budget_ns: int) -> bool:
+        return self.host.pin_within(budget_ns)
 
     def unregister_host(self) -> None:
         """Undo every page-locking (before the memory is unmapped)."""

@@ -8,9 +8,14 @@ Two kinds of range are page-locked (``cudaHostRegister``):
   (:meth:`adopt`). Page-locking faults in and pins every page of the range, which takes long
   for a gateway's region (``scripts/bench_host_register.py``; docs/benchmarks.md): done on the
   claim path of the batch that first names a region, it held the queue for that long. So a
-  region is locked in ``CHUNK``-byte pieces by :meth:`pin_pending`, one piece a call, which the
-  worker loop calls only when it has nothing to claim; until a frame's piece is locked, the
-  frame goes through a staging area. The mapping is ``PROT_READ``, so it is registered with
+  region is locked a piece at a time, off the claim path, and until a frame's bytes are
+  locked the frame goes through a staging area. The pages a staged frame lies in are locked
+  first: pages a gateway wrote cost 5-14x less to lock than pages it never wrote, and a grey
+  1024² frame fills only the first MiB of a 4 MiB ring slot. The worker loop locks them in
+  the time it would sleep while a batch computes (:meth:`pin_within`, when the measured
+  cost per byte says the range fits before the loop must claim again), and in turns with
+  nothing to claim (:meth:`pin_pending`), which then also lock the rest of the region in
+  ``CHUNK``-byte pieces. The mapping is ``PROT_READ``, so it is registered with
   ``cudaHostRegisterReadOnly`` (the device only reads it, which is all an upload does). A
   device that cannot register read-only memory (the flag needs
   ``cudaDevAttrHostRegisterReadOnlySupported``) leaves every region unregistered: its frames go
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import mmap
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -56,6 +62,16 @@ benchmarks comparing piece sizes."""
 
 PIECE_ENV: Final = "SCRATCHD_PIN_PIECE_MIB"
 
+PAGE: Final = mmap.PAGESIZE
+
+MAX_WANTED: Final = 256
+"""Ranges of staged frames a region remembers to lock first (a ring has tens of slots); more
+are left to the piece-by-piece locking."""
+
+FIRST_NS_PER_MIB: Final = 250_000
+"""What locking 1 MiB of a staged frame's pages is taken to cost until one has been timed (the
+H200: 0.1-0.2 ms for pages written, ``docs/bench/host-register.json``)."""
+
 STAGING_AREAS: Final = 2
 """Staging areas taken in turn, one a chunk: a chunk reuses the area of two chunks back, whose
 copies have almost always finished by then."""
@@ -63,17 +79,62 @@ copies have almost always finished by then."""
 
 @dataclass(eq=False)
 class _Region:
-    """A client region's mapping: ``locked`` pieces so far (their addresses), the next at
-    ``base + done``. ``array`` keeps the mapping alive until its pieces are unlocked."""
+    """A client region's mapping and what of it is locked. ``array`` keeps the mapping alive
+    until its ranges are unlocked."""
 
     array: np.ndarray
     base: int
     nbytes: int
     adopted_ns: int  # when the worker mapped it (monotonic)
     staged_before: int  # the worker's staged frames when it was adopted
-    done: int = 0
-    locked: list[int] = field(default_factory=list)
-    lock_ns: int = 0  # spent in cudaHostRegister for its pieces
+    done: int = 0  # bytes locked
+    locked: dict[int, int] = field(default_factory=dict)  # its locked ranges: ptr -> nbytes
+    starts: list[int] = field(default_factory=list)  # their addresses, sorted
+    wanted: dict[int, int] = field(default_factory=dict)  # staged frames' pages: ptr -> end
+    lock_ns: int = 0  # spent in cudaHostRegister for its ranges
+
+    def unlocked_run(self, lo: int, hi: int, limit: int) -> tuple[int, int] | None:
+        """The first run of unlocked bytes in ``[lo, hi)``, at most ``limit`` long, as
+        ``(address, length)``; None when all of it is locked."""
+        at = lo
+        for ptr in self.starts[max(0, bisect.bisect_right(self.starts, lo) - 1) :]:
+            end = ptr + self.locked[ptr]
+            if end <= at:
+                continue
+            if ptr > at:
+                break  # [at, ptr) is a gap
+            at = end
+            if at >= hi:
+                return None
+        else:
+            ptr = hi
+        if at >= hi:
+            return None
+        return at, min(ptr, hi, at + limit) - at
+
+    def want(self, ptr: int, nbytes: int) -> None:
+        """A frame at ``ptr`` was staged: lock its pages first."""
+        if len(self.wanted) >= MAX_WANTED:
+            return
+        lo = self.base + (ptr - self.base) // PAGE * PAGE
+        hi = min(self.base + self.nbytes, self.base - (-(ptr + nbytes - self.base) // PAGE) * PAGE)
+        self.wanted[lo] = max(self.wanted.get(lo, hi), hi)
+
+    def next_wanted(self, limit: int) -> tuple[int, int] | None:
+        """The first unlocked run of a staged frame's pages (forgetting those locked)."""
+        for lo, hi in list(self.wanted.items()):
+            run = self.unlocked_run(lo, hi, limit)
+            if run is not None:
+                return run
+            del self.wanted[lo]
+        return None
+
+    def next_piece(self, limit: int) -> tuple[int, int] | None:
+        """What to lock next: a staged frame's pages, else the first unlocked run."""
+        run = self.next_wanted(limit)
+        return (
+            run if run is not None else self.unlocked_run(self.base, self.base + self.nbytes, limit)
+        )
 
 
 class PinnedHost:
@@ -102,6 +163,7 @@ class PinnedHost:
         self._area_ready = False  # the current chunk's area has been waited for
         self._read_only_refused = False
         self.staged = 0  # frames copied through a staging area so far
+        self.ns_per_byte = FIRST_NS_PER_MIB / (1 << 20)  # locking staged frames' pages, EWMA
         self.piece = int(env_choice(PIECE_ENV, str(CHUNK >> 20), ("1", "2", "4", "8", "16"))) << 20
 
     def register(self, array: np.ndarray) -> None:
@@ -137,23 +199,42 @@ class PinnedHost:
             self._retiring.append(region)
 
     def pin_pending(self) -> bool:
-        """Unlock one piece of a retired region, or else lock the next piece of an adopted
-        one; True while work of either kind is left."""
+        """Unlock one range of a retired region, or else lock the next range of an adopted
+        one (a staged frame's pages first, then ``piece`` bytes at most); True while work of
+        either kind is left."""
         rt = self.cp.cuda.runtime
         if self._retiring:
             region = self._retiring[0]
-            rt.hostUnregister(region.locked.pop())
+            rt.hostUnregister(region.locked.popitem()[0])
             if not region.locked:
                 self._retiring.pop(0)
         else:
-            pending = next((r for r in self._regions.values() if r.done < r.nbytes), None)
-            if pending is not None:
-                self._lock_piece(pending)
+            for region in self._regions.values():
+                run = region.next_piece(self.piece)
+                if run is not None:
+                    self._lock(region, *run)
+                    break
         return bool(self._retiring) or any(r.done < r.nbytes for r in self._regions.values())
 
-    def _lock_piece(self, region: _Region) -> None:
-        ptr = region.base + region.done
-        nbytes = min(self.piece, region.nbytes - region.done)
+    def pin_within(self, budget_ns: int) -> bool:
+        """Lock the next staged frame's pages if their measured cost fits in ``budget_ns``
+        (the time the worker would otherwise sleep while a batch computes); True if it locked
+        anything. The rest of a region waits for :meth:`pin_pending`: pages never written
+        cost far more, and cannot be timed ahead."""
+        for region in self._regions.values():
+            run = region.next_wanted(self.piece)
+            if run is not None:
+                if run[1] * self.ns_per_byte > budget_ns:
+                    return False
+                t0 = time.monotonic_ns()
+                if self._lock(region, *run):
+                    sample = (time.monotonic_ns() - t0) / run[1]
+                    self.ns_per_byte = 0.8 * self.ns_per_byte + 0.2 * sample
+                    return True
+                return False
+        return False
+
+    def _lock(self, region: _Region, ptr: int, nbytes: int) -> bool:
         t0 = time.monotonic_ns()
         try:
             self.cp.cuda.runtime.hostRegister(ptr, nbytes, HOST_REGISTER_READ_ONLY)
@@ -163,11 +244,12 @@ class PinnedHost:
             log_event("region_not_page_locked", logging.WARNING, reason=str(exc))
             for r in list(self._regions.values()):
                 self.retire(r.array)
-            return
+            return False
         now = time.monotonic_ns()
         region.lock_ns += now - t0
         region.done += nbytes
-        region.locked.append(ptr)
+        region.locked[ptr] = nbytes
+        bisect.insort(region.starts, ptr)
         self._add(ptr, nbytes)
         if region.done == region.nbytes:
             # When a gateway's frames start going straight from its region to the card, and
@@ -178,6 +260,7 @@ class PinnedHost:
                 after_ms=round((now - region.adopted_ns) / 1e6, 2),
                 frames_staged=self.staged - region.staged_before,
             )  # fmt: skip
+        return True
 
     def unregister_all(self) -> None:
         """Undo every page-locking now (before the memory is unmapped)."""
@@ -214,6 +297,12 @@ class PinnedHost:
         """Whether every one of ``nbytes`` at ``ptr`` is registered."""
         return self.pieces(ptr, nbytes) is not None
 
+    def _want(self, ptr: int, nbytes: int) -> None:
+        for region in self._regions.values():
+            if region.base <= ptr < region.base + region.nbytes:
+                region.want(ptr, nbytes)
+                return
+
     def _add(self, ptr: int, nbytes: int) -> None:
         self.ranges[ptr] = nbytes
         bisect.insort(self._starts, ptr)
@@ -245,6 +334,8 @@ class PinnedHost:
             area = self._areas[a] = self._alloc(max(need, 16 * nbytes))
         area[j * nbytes : need] = np.ascontiguousarray(img).reshape(-1)
         self.staged += 1
+        if img.flags.c_contiguous:
+            self._want(ptr, nbytes)
         return [(int(area.ctypes.data) + j * nbytes, nbytes)]
 
     @contextmanager

@@ -158,8 +158,7 @@ def take_slot(queue: RequestQueue, slot: int, work_fd: int) -> None:
 
 
 def share_inputs(queue: RequestQueue, backend: Backend) -> None:
-    """A backend with device memory page-locks the queue's input slots, and each client
-    region when this worker maps it (zero-copy uploads)."""
+    """A backend with device memory page-locks the input slots and client regions it maps."""
     if isinstance(backend, DeviceMemory):
         backend.register_host(queue.input_region())
         queue.region_maps.set_hooks(backend.register_region, backend.unregister_region)
@@ -176,8 +175,7 @@ def wait_readable(fds: Sequence[int], timeout_s: float) -> set[int]:
 
 
 def await_takeover(control_fd: int, death_fd: int, stop: StopFlag) -> tuple[int, int] | None:
-    """Standby: wait for ``TAKE <slot>`` and the slot's work eventfd; None if told to stop
-    or orphaned first."""
+    """Standby: wait for ``TAKE <slot>`` and the slot's work eventfd (None: stopped, orphaned)."""
     control = socket.socket(fileno=control_fd)
     while not stop.requested:
         readable = wait_readable([control_fd, death_fd], 0.25)
@@ -420,12 +418,14 @@ class PipelinedLoop(WorkerLoop):
         return LEAD_FLOOR_NS + int(2 * self.submit_ns)
 
     def settle(self) -> bool:
-        """Nothing to claim now. While a batch computes, sleep until ``lead`` before its
-        expected end (a full batch or any new request wakes us earlier, to plan again), then
-        wait for the device; with nothing computing, finish the collected batch."""
+        """Nothing to claim now. While a batch computes, lock a staged frame's pages if that
+        fits before ``lead`` ahead of its expected end, else sleep until then (a full batch or
+        a new request wakes us earlier), then wait for the device; else finish the batch."""
         if self.inflight is not None:
             wake = self.busy_until_ns - self.lead_ns
             now = time.monotonic_ns()
+            if self.memory is not None and now < wake and self.memory.pin_within(wake - now):
+                return True  # a staged frame's pages locked in the batch's compute time
             if now < wake:
                 timeout = min(self.heartbeat_s, (wake - now) / 1e9)
                 self.queue.wait_for_work(self.slot, timeout, min_ready=self.policy.max_batch)

@@ -117,6 +117,48 @@ class PinningBackend(FakeAsyncBackend):
             self.log.append(("pin", self.pieces))
         return self.pieces > 0
 
+    def pin_within(self, budget_ns: int) -> bool:
+        return False  # nothing staged: PagesInComputeTime has that
+
+    def batch_limit(self) -> int:
+        return self.max_batch
+
+    def fragmentation_ratio(self) -> float:
+        return 0.0
+
+
+@dataclass
+class PagesInComputeTime(TimedBackend):
+    """A device with ``device_s`` a batch and ``wanted`` staged frames' ranges to lock, each
+    taken when ``pin_within`` is offered a budget of at least ``cost_ns``; logs each with
+    the batch then on the device and the budget."""
+
+    wanted: int = 3
+    cost_ns: int = 1_000_000
+    budgets: list[tuple[int, int]] = field(default_factory=list)  # (batch on device, budget)
+
+    def register_host(self, region: np.ndarray) -> None:
+        pass
+
+    def register_region(self, pixels: np.ndarray) -> None:
+        pass
+
+    def unregister_region(self, pixels: np.ndarray) -> None:
+        pass
+
+    def pin_pending(self) -> bool:
+        self.log.append(("pin", 0))
+        return False
+
+    def pin_within(self, budget_ns: int) -> bool:
+        if not self.wanted or budget_ns < self.cost_ns:
+            return False
+        self.wanted -= 1
+        on_device = max(n for n, _ in self.started_at.items())
+        self.budgets.append((on_device, budget_ns))
+        self.log.append(("pin_within", on_device))
+        return True
+
     def batch_limit(self) -> int:
         return self.max_batch
 
@@ -252,6 +294,27 @@ def test_page_locking_waits_until_nothing_is_ready_then_runs_to_the_end() -> Non
     first_pin = backend.log.index(("pin", 4))
     submits = [i for i, (step, _) in enumerate(backend.log) if step == "submit"]
     assert len(submits) == 3 and submits[-1] < first_pin  # the queued frames went first
+
+
+def test_staged_frames_pages_are_locked_while_a_batch_computes_not_after_it() -> None:
+    """The time the loop would sleep while batch k is on the device goes to locking staged
+    frames' pages, each only with a budget left that covers its cost, and all before batch
+    k is collected: none of it waits for a turn with nothing to claim."""
+    device_s = 2.0  # a window no scheduling delay on a busy machine closes
+    backend = PagesInComputeTime(max_batch=3, device_s=device_s, wanted=3)
+    with running_loop(max_delay_ms=0, backend=backend, before=3) as (main, _):
+        deadline = time.monotonic() + 30
+        done = 0
+        while done < 3 and time.monotonic() < deadline:
+            done += len(main.collect_completed())
+            time.sleep(0.001)
+        assert done == 3
+    assert backend.wanted == 0
+    steps = backend.log
+    locked_at = [i for i, (step, _) in enumerate(steps) if step == "pin_within"]
+    assert len(locked_at) == 3
+    assert steps.index(("start", 1)) < locked_at[0] and locked_at[-1] < steps.index(("collect", 1))
+    assert all(n == 1 and backend.cost_ns <= b <= device_s * 1e9 for n, b in backend.budgets)
 
 
 def test_each_frame_is_completed_as_soon_as_the_host_has_finished_it() -> None:

@@ -28,7 +28,13 @@ from scratchd.ipc.regions import Region
 from scratchd.model.scratchnet import load_model
 from scratchd.protocol.image import decode_image
 from scratchd.protocol.log import configure, parse_line
-from scratchd.workers.host_memory import CHUNK, HOST_REGISTER_READ_ONLY, PinnedHost
+from scratchd.workers.host_memory import (
+    CHUNK,
+    FIRST_NS_PER_MIB,
+    HOST_REGISTER_READ_ONLY,
+    PAGE,
+    PinnedHost,
+)
 from scratchd.workers.protocol import ExitCode
 
 from .test_main import MODEL, spawn, wait_completions
@@ -217,6 +223,48 @@ def test_a_region_fully_locked_is_logged_once_with_the_frames_staged_until_then(
     assert float(fields["lock_ms"]) >= 0 and float(fields["after_ms"]) >= float(fields["lock_ms"])
 
 
+def staging_host(runtime: FakeRuntime) -> PinnedHost:
+    cp = SimpleNamespace(cuda=SimpleNamespace(runtime=runtime, Event=NoCopyEvent))
+    return PinnedHost(cp, copy_stream=None, alloc_pinned=lambda n: np.zeros(n, np.uint8))
+
+
+def stage(host: PinnedHost, frame: np.ndarray) -> bool:
+    """Upload ``frame`` as a worker does; whether it went through a staging area."""
+    with host.chunk():
+        got = host.sources(frame, 0, frame.nbytes)
+    return got != host.pieces(frame.ctypes.data, frame.nbytes)
+
+
+def locked_disjoint(runtime: FakeRuntime) -> list[tuple[int, int]]:
+    spans = sorted((p, p + n) for p, (n, _) in runtime.locked.items())
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), "pages locked twice"
+    return spans
+
+
+def test_a_staged_frames_pages_are_locked_first_and_in_compute_time_only_when_they_fit() -> None:
+    runtime = FakeRuntime(read_only_supported=True)
+    host = staging_host(runtime)
+    region = np.zeros(3 * CHUNK, np.uint8)
+    base = region.ctypes.data
+    host.adopt(region)
+    frame = region[CHUNK + 5000 : CHUNK + 15000]
+    assert stage(host, frame)
+    lo, hi = (CHUNK + 5000) // PAGE * PAGE, -(-(CHUNK + 15000) // PAGE) * PAGE
+    cost = (hi - lo) * FIRST_NS_PER_MIB / (1 << 20)  # nothing timed yet: the first guess
+    assert not host.pin_within(0) and not host.pin_within(int(cost) - 1)
+    assert runtime.locked == {}
+    assert host.pin_within(int(cost) + 1)
+    assert runtime.locked == {base + lo: (hi - lo, HOST_REGISTER_READ_ONLY)}  # its pages only
+    assert not stage(host, frame)  # read in place from now on
+    assert not host.pin_within(10**12)  # the rest waits for turns with nothing to claim
+    assert host.pin_pending()
+    assert locked_disjoint(runtime)[0] == (base, base + CHUNK)  # then piece by piece
+    pin_all(host)
+    assert sum(e - s for s, e in locked_disjoint(runtime)) == region.nbytes
+    assert len(runtime.locked) == 5  # frame's pages; piece; gap up to them; two after them
+    assert host.registered(base, region.nbytes)  # every byte, across the five
+
+
 def test_the_piece_size_can_be_set_for_benchmarks_and_a_bad_one_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -305,7 +353,7 @@ class PinningMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.runtime = FakeRuntime(read_only_supported=True)
-        self.host = PinnedHost(fake_cupy(self.runtime), copy_stream=None)
+        self.host = staging_host(self.runtime)
         self.arrays = [np.zeros(n, np.uint8) for n in (CHUNK // 2, CHUNK, 2 * CHUNK + 1, 5)]
         self.mapped: set[int] = set()
 
@@ -323,6 +371,22 @@ class PinningMachine(RuleBasedStateMachine):
     def turn(self) -> None:
         self.host.pin_pending()
 
+    @rule(i=st.integers(0, 3), at=st.floats(0, 1), length=st.integers(1, 3 * PAGE))
+    def frame(self, i: int, at: float, length: int) -> None:
+        """A frame of a mapped region uploaded (staged unless its bytes are locked)."""
+        if i in self.mapped:
+            a = self.arrays[i]
+            lo = min(int(at * a.nbytes), a.nbytes - 1)
+            stage(self.host, a[lo : min(a.nbytes, lo + length)])
+
+    @rule(budget=st.integers(0, 2 * 10**6))
+    def compute_time(self, budget: int) -> None:
+        self.host.pin_within(budget)
+
+    @invariant()
+    def no_page_is_locked_twice(self) -> None:
+        locked_disjoint(self.runtime)
+
     @invariant()
     def lookups_only_see_locked_mapped_memory(self) -> None:
         for ptr, nbytes in self.host.ranges.items():
@@ -337,7 +401,7 @@ class PinningMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         pin_all(self.host)
         for i, a in enumerate(self.arrays):
-            whole = self.host.registered(a.ctypes.data, min(a.nbytes, CHUNK))
+            whole = self.host.pieces(a.ctypes.data, a.nbytes) is not None
             assert whole == (i in self.mapped)
             locked = sum(n for p, (n, _) in self.runtime.locked.items()
                          if a.ctypes.data <= p < a.ctypes.data + a.nbytes)  # fmt: skip
