@@ -35,6 +35,10 @@ summaries are in ``serve_load.py``:
 - ``burst``: the seed's pattern, ``--burst`` (23) requests spread over 0.3 s, then idle to
   2 s, repeated (from one client process: the pattern is a total).
 
+``--warmup W``: each Poisson load's clients first send the same load for W s on the same
+connections, uncounted, and the measured load (and the CPU, GPU and compute samplers) starts
+after it: a gateway's steady state, its region page-locked, rather than its first seconds.
+
 Latency is measured from each request's *scheduled* send time to its reply (no coordinated
 omission). Each row also gives the generator's lateness (send start − schedule, p50/p99/max):
 when it is small next to the latency, the generator was not the bottleneck. ``lost`` counts
@@ -94,6 +98,9 @@ DATA = ROOT.parent / "shared" / "data"
 LEGACY_KEYS = {"throughput": "throughput_ok_per_s", "p999_ms": "p99_9_ms"}
 TIMELINE_BIN_S = 0.5
 """The kill run's timeline bins, s."""
+CLIENT_START_S = 2.0
+"""Time given to client processes to start and connect before a ``--warmup`` begins (a slower
+start shortens the warm-up, never the measured load)."""
 
 
 # ---- load ---------------------------------------------------------------------------------
@@ -106,7 +113,11 @@ def start_clients(
     rate: float,
     duration: float,
     trace: bool = False,
+    start_at: float = 0.0,
 ) -> list[subprocess.Popen[str]]:
+    """The load's client processes; with ``start_at`` (CLOCK_MONOTONIC s) each sends the
+    same load from its connection until then, uncounted (a warm-up), and the measured one
+    from then."""
     procs = []
     clients = 1 if pattern == "burst" else args.clients  # the burst pattern is a total
     for k in range(clients):
@@ -117,6 +128,7 @@ def start_clients(
         cmd += ["--frames", args.frames] if args.frames else []
         cmd += ["--trace"] if trace else []
         cmd += ["--path", args.path]
+        cmd += ["--start-at", repr(start_at)] if start_at else []
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
     return procs
 
@@ -134,9 +146,15 @@ def collect(procs: list[subprocess.Popen[str]]) -> list[dict[str, Any]]:
 def run_load(args: argparse.Namespace, sock: str, pattern: str, rate: float) -> dict[str, Any]:
     """One load; in raw mode with the GPU's busy share (NVML here, compute from /metrics)."""
     port, pid = daemon_ports(sock) if args.size else (0, 0)
+    procs = []
+    if args.warmup and pattern != "burst":  # clients warm up; the samplers start after it
+        start_at = time.perf_counter() + CLIENT_START_S + args.warmup
+        procs = start_clients(args, sock, pattern, rate, args.duration, True, start_at)
+        time.sleep(max(0.0, start_at - time.perf_counter()))
     before, cpu_before = sl.scrape_compute(port), sl.process_cpu_s(pid)
     with sl.NvmlSampler() as nvml:
-        results = collect(start_clients(args, sock, pattern, rate, args.duration, trace=True))
+        procs = procs or start_clients(args, sock, pattern, rate, args.duration, trace=True)
+        results = collect(procs)
     main_cpu_s = sl.process_cpu_s(pid) - cpu_before
     row = sl.summarize(results, args.duration)
     # When in the load its latency rose: a whole-run p99 hides a stall of the first second.
@@ -149,6 +167,8 @@ def run_load(args: argparse.Namespace, sock: str, pattern: str, rate: float) -> 
         legacy = {"load": load, **{LEGACY_KEYS.get(k, k): row[k] for k in keep}}
         return {**legacy, "max_ms": row["max_ms"], "elapsed_s": row["elapsed_s"]}
     row = {"load": load, "rate": rate, "size": args.size, "path": args.path, **row}
+    if args.warmup and pattern != "burst":
+        row["warmup_s"] = args.warmup
     row["gpu_busy_nvml"] = nvml.means()
     row["compute_busy"] = sl.busy_share(before, sl.scrape_compute(port), row["elapsed_s"])
     # the daemon's main process (acceptor, dispatcher, metrics): is it the bottleneck?
@@ -337,6 +357,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate-step", type=float, default=2.0)
     p.add_argument("--max-rate", type=float, default=64000.0)
     p.add_argument("--duration", type=float, default=10.0)
+    p.add_argument(
+        "--warmup", type=float, default=0.0,
+        help="s of the same load on the same connections before each Poisson load, uncounted "
+        "(a gateway's steady state: its region page-locked); 0: none",
+    )  # fmt: skip
     p.add_argument("--clients", type=int, default=None, help="raw: cores / 2 in 2..12; CPU: 2")
     p.add_argument("--burst", type=int, default=23, help="requests per burst")
     p.add_argument("--kills", type=int, default=2, help="kill -9 rounds (CPU: per worker)")
@@ -360,6 +385,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=10.0, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--grace", type=float, default=8.0, help=argparse.SUPPRESS)
+    p.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.size is None and args.backend == "cuda":
         args.size = 1024

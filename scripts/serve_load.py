@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import sys
@@ -45,6 +46,8 @@ BURST_SPREAD_S: Final = 0.3
 BURST_PERIOD_S: Final = 2.0
 IMAGE_SUFFIXES: Final = (".png", ".jpg", ".jpeg", ".bmp")
 SWITCH_INTERVAL_S: Final = 0.0002
+WARM_STOP_S: Final = 0.05
+"""A warm-up's sends end this long before the measured load begins (``--start-at``)."""
 
 
 # ---- schedules ----------------------------------------------------------------------------
@@ -166,7 +169,22 @@ async def run_client(args: argparse.Namespace) -> dict[str, Any]:
     statuses: Counter[str] = Counter()
     async with await AsyncClient.connect(args.socket, zero_copy=args.path == "region") as client:
         loop = asyncio.get_running_loop()
-        start = time.perf_counter() + 0.2
+        warm: list[asyncio.Task[None]] = []
+        if args.start_at:  # the same load until then, on this connection, answers not counted
+            warm_offsets = schedule(
+                args.pattern, max(0.0, args.start_at - time.perf_counter() - WARM_STOP_S),
+                args.rate, args.seed + 1, args.burst,
+            )  # fmt: skip
+
+            async def warm_one(i: int) -> None:
+                with contextlib.suppress(ConnectionError):  # the measured load will say
+                    await client.infer(payloads[i % len(payloads)])
+
+            def begin_warm(i: int, due: float) -> None:
+                warm.append(loop.create_task(warm_one(i)))
+
+            await asyncio.to_thread(pace, warm_offsets, time.perf_counter(), loop, begin_warm)
+        start = args.start_at or time.perf_counter() + 0.2
         tasks: list[asyncio.Task[None]] = []
 
         async def one(i: int, due: float) -> None:
@@ -195,6 +213,8 @@ async def run_client(args: argparse.Namespace) -> dict[str, Any]:
             _, pending = await asyncio.wait(tasks, timeout=max(0.0, end - time.perf_counter()))
             for task in pending:
                 task.cancel()
+        if warm:  # answered long before the measured load's end: nothing left to wait for
+            await asyncio.wait(warm, timeout=max(0.0, end - time.perf_counter()))
     answered = sum(n for s, n in statuses.items() if s != "connection_lost")
     trace = {}
     if args.trace:  # per request, in send order: when it was due (CLOCK_MONOTONIC s), ...

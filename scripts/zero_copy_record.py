@@ -52,16 +52,21 @@ def cpu_per_request(frontend: dict[str, Any]) -> tuple[dict[str, float], dict[st
 
 
 def serve_rows(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-    """One row per (GPUs, path, rate) with every repeat's p99, and the lost under kill."""
-    grouped: dict[tuple[int, str, float], dict[str, Any]] = {}
+    """One row per (GPUs, path, rate, warm-up) with every repeat's p99, and the lost under
+    kill. Loads measured after a warm-up (``bench_serve.py --warmup``) are rows of their own,
+    with ``warmup_s``."""
+    grouped: dict[tuple[int, str, float, float], dict[str, Any]] = {}
     lost_under_kill = 0
     for record in records:
         gpus, _ = gpus_of(record["device"])
         for row in record["open_loop"]:
-            key = (gpus, row.get("path", "socket"), float(row["rate"]))
+            warmup = float(row.get("warmup_s", 0.0))
+            key = (gpus, row.get("path", "socket"), float(row["rate"]), warmup)
             entry = grouped.setdefault(
                 key, {"gpus": gpus, "path": key[1], "rate": key[2], "p99_ms": [], "lost": 0}
             )
+            if warmup:
+                entry["warmup_s"] = warmup
             entry["p99_ms"].append(row["p99_ms"])
             entry["lost"] += int(row["lost"])
         lost_under_kill += int(record.get("lost_under_kill", 0))
@@ -95,7 +100,10 @@ def table(record: dict[str, Any]) -> str:
     lines.append(f"{'gpus':>4s} {'path':7s} {'rate':>7s} {'lost':>5s}  p99 ms per repeat")
     for row in record["serve"]:
         p99 = ", ".join(f"{v:g}" for v in row["p99_ms"])
-        lines.append(f"{row['gpus']:4d} {row['path']:7s} {row['rate']:7g} {row['lost']:5d}  {p99}")
+        warm = f"  (after {row['warmup_s']:g} s of warm-up)" if "warmup_s" in row else ""
+        lines.append(
+            f"{row['gpus']:4d} {row['path']:7s} {row['rate']:7g} {row['lost']:5d}  {p99}{warm}"
+        )
     lines.append(f"lost under kill: {record['lost_under_kill']}")
     return "\n".join(lines)
 

@@ -4,13 +4,14 @@ markdown section. (The load itself runs against a daemon: see the script's smoke
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import random
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -293,6 +294,58 @@ def test_the_sender_hands_every_send_to_the_loop_in_order_and_never_early() -> N
     assert [i for i, _, _ in calls] == list(range(len(offsets)))
     assert [due for _, due, _ in calls] == [start + at for at in offsets]
     assert all(at >= due for _, due, at in calls)
+
+
+class CountingClient:
+    """``AsyncClient`` for one connection that answers every request ``ok`` at once and
+    counts them."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+
+    async def __aenter__(self) -> CountingClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        pass
+
+    async def infer(self, image: Any) -> Any:
+        self.requests += 1
+        timings = SimpleNamespace(queue_ms=0.1, compute_ms=0.2, total_ms=0.5)
+        return SimpleNamespace(status="ok", timings=timings)
+
+
+def client_args(start_at: float) -> Any:
+    return SimpleNamespace(
+        socket="unused", path="region", pattern="poisson", rate=400.0, duration=0.25,
+        seed=5, burst=23, grace=2.0, trace=True, start_at=start_at,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("warmup_s", [0.0, 1.0])
+def test_a_warm_up_sends_on_the_same_connection_and_only_the_measured_load_counts(
+    monkeypatch: pytest.MonkeyPatch, warmup_s: float
+) -> None:
+    made: list[CountingClient] = []
+
+    async def connect(path: str, zero_copy: bool = True) -> CountingClient:
+        made.append(CountingClient())
+        return made[-1]
+
+    monkeypatch.setattr(sl.AsyncClient, "connect", connect)
+    monkeypatch.setattr(sl, "load_payloads", lambda args: [np.zeros((8, 8), np.uint8)])
+    start_at = time.perf_counter() + warmup_s if warmup_s else 0.0
+    out = asyncio.run(sl.run_client(client_args(start_at)))
+    measured = sl.schedule("poisson", 0.25, 400.0, 5)
+    assert len(made) == 1  # one connection for both phases
+    assert out["sent"] == out["answered"] == len(measured) == out["statuses"]["ok"]
+    assert len(out["latencies_ms"]) == len(measured)
+    if warmup_s:
+        warm = sl.schedule("poisson", 1.0 - sl.WARM_STOP_S, 400.0, 6)  # at most this many
+        assert len(measured) < made[0].requests <= len(measured) + len(warm)
+        assert min(out["trace"]["due_s"]) >= start_at  # nothing sent to warm up is counted
+    else:
+        assert made[0].requests == len(measured)
 
 
 def test_a_second_section_lives_beside_the_first(tmp_path: Path) -> None:
