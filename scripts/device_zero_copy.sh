@@ -8,7 +8,8 @@
 # kill -9 run, and scripts/zero_copy_record.py assembling $OUT/zero-copy.json from them.
 # WARMUP (s, default 0): each Poisson load first runs that long on the same connections,
 # uncounted (bench_serve.py --warmup: the steady state, regions page-locked); the kill run
-# and the burst have none.
+# and the burst have none. The daemon's logs (region_page_locked: when each ring was whole)
+# are kept beside the JSON.
 # Frames are mosaics of tests/fixtures/data (the device has no ../shared).
 set -u
 GPUS=$1; REPEATS=${2:-5}; RATE=${3:-2000}; WARMUP=${4:-0}
@@ -22,7 +23,8 @@ for path in region socket; do
         --views identity --max-batch 8 --path "$path" --data tests/fixtures/data \
         --rates "$rates" --duration 4 --warmup "$WARMUP" --grace 5 --kills 1 --kill-gap 4 \
         --kill-rate "$RATE" \
-        --json "$OUT/serve-$path.json" 2>&1 | grep -v -i warn | tail -12 | cut -c1-200
+        --json "$OUT/serve-$path.json" --daemon-log "$OUT/daemon-$path.log" 2>&1 \
+        | grep -v -i warn | tail -12 | cut -c1-200
 done
 python3 scripts/zero_copy_record.py --frontend "$OUT/frontend.json" \
     --serve "$OUT"/serve-region.json "$OUT"/serve-socket.json --json "$OUT/zero-copy.json"
