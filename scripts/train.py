@@ -97,7 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--minutes", type=float, default=14.0, help="the schedule's training time")
     ap.add_argument("--stop-minutes", type=float, default=0.0, help="this process (0: all)")
-    ap.add_argument("--steps", type=int, default=1_000_000)
+    ap.add_argument(
+        "--steps", type=int, default=1_000_000,
+        help="the schedule's length in steps when --minutes is 0 (unused otherwise)",
+    )  # fmt: skip
     ap.add_argument("--resume", type=Path, help="checkpoint to go on from")
     ap.add_argument(
         "--init", type=Path,
