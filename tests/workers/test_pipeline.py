@@ -95,12 +95,11 @@ class TimedBackend(FakeAsyncBackend):
         return self.device_s * 1000.0
 
 
-@dataclass
-class PinningBackend(FakeAsyncBackend):
-    """A backend with device memory (``workers/backend.py: DeviceMemory``) that has
-    ``pieces`` of page-locking to do, one a ``pin_pending`` call, logged."""
+class DeviceMemoryParts:
+    """The rest of ``workers/backend.py: DeviceMemory`` for a fake async backend: nothing to
+    register, the whole batch always allowed."""
 
-    pieces: int = 5
+    max_batch: int
 
     def register_host(self, region: np.ndarray) -> None:
         pass
@@ -110,6 +109,20 @@ class PinningBackend(FakeAsyncBackend):
 
     def unregister_region(self, pixels: np.ndarray) -> None:
         pass
+
+    def batch_limit(self) -> int:
+        return self.max_batch
+
+    def fragmentation_ratio(self) -> float:
+        return 0.0
+
+
+@dataclass
+class PinningBackend(DeviceMemoryParts, FakeAsyncBackend):
+    """A backend with device memory (``workers/backend.py: DeviceMemory``) that has
+    ``pieces`` of page-locking to do, one a ``pin_pending`` call, logged."""
+
+    pieces: int = 5
 
     def pin_pending(self) -> bool:
         if self.pieces:
@@ -120,15 +133,9 @@ class PinningBackend(FakeAsyncBackend):
     def pin_within(self, budget_ns: int) -> bool:
         return False  # nothing staged: PagesInComputeTime has that
 
-    def batch_limit(self) -> int:
-        return self.max_batch
-
-    def fragmentation_ratio(self) -> float:
-        return 0.0
-
 
 @dataclass
-class PagesInComputeTime(TimedBackend):
+class PagesInComputeTime(DeviceMemoryParts, TimedBackend):
     """A device with ``device_s`` a batch and ``wanted`` staged frames' ranges to lock, each
     taken when ``pin_within`` is offered a budget of at least ``cost_ns``; logs each with
     the batch then on the device and the budget."""
@@ -136,15 +143,6 @@ class PagesInComputeTime(TimedBackend):
     wanted: int = 3
     cost_ns: int = 1_000_000
     budgets: list[tuple[int, int]] = field(default_factory=list)  # (batch on device, budget)
-
-    def register_host(self, region: np.ndarray) -> None:
-        pass
-
-    def register_region(self, pixels: np.ndarray) -> None:
-        pass
-
-    def unregister_region(self, pixels: np.ndarray) -> None:
-        pass
 
     def pin_pending(self) -> bool:
         self.log.append(("pin", 0))
@@ -158,12 +156,6 @@ class PagesInComputeTime(TimedBackend):
         self.budgets.append((on_device, budget_ns))
         self.log.append(("pin_within", on_device))
         return True
-
-    def batch_limit(self) -> int:
-        return self.max_batch
-
-    def fragmentation_ratio(self) -> float:
-        return 0.0
 
 
 @dataclass
