@@ -147,11 +147,17 @@ def run_load(args: argparse.Namespace, sock: str, pattern: str, rate: float) -> 
     """One load; in raw mode with the GPU's busy share (NVML here, compute from /metrics)."""
     port, pid = daemon_ports(sock) if args.size else (0, 0)
     procs = []
-    if args.warmup and pattern != "burst":  # clients warm up; the samplers start after it
+    warm = bool(args.warmup) and pattern != "burst"
+    # A /metrics scrape while requests flow would land in the measured load's latency, so
+    # with a warm-up the compute seconds are read before it and cover warm-up and load.
+    before = sl.scrape_compute(port)
+    span_start = time.perf_counter()
+    if warm:  # clients warm up; the CPU and GPU samplers start after it
         start_at = time.perf_counter() + CLIENT_START_S + args.warmup
+        span_start = start_at - args.warmup  # when the warm-up's first requests are due
         procs = start_clients(args, sock, pattern, rate, args.duration, True, start_at)
         time.sleep(max(0.0, start_at - time.perf_counter()))
-    before, cpu_before = sl.scrape_compute(port), sl.process_cpu_s(pid)
+    cpu_before = sl.process_cpu_s(pid)
     with sl.NvmlSampler() as nvml:
         procs = procs or start_clients(args, sock, pattern, rate, args.duration, trace=True)
         results = collect(procs)
@@ -170,7 +176,10 @@ def run_load(args: argparse.Namespace, sock: str, pattern: str, rate: float) -> 
     if args.warmup and pattern != "burst":
         row["warmup_s"] = args.warmup
     row["gpu_busy_nvml"] = nvml.means()
-    row["compute_busy"] = sl.busy_share(before, sl.scrape_compute(port), row["elapsed_s"])
+    span = time.perf_counter() - span_start if warm else row["elapsed_s"]
+    row["compute_busy"] = sl.busy_share(before, sl.scrape_compute(port), span)
+    if warm:
+        row["compute_busy_span_s"] = round(span, 2)
     # the daemon's main process (acceptor, dispatcher, metrics): is it the bottleneck?
     row["main_cpu_share"] = round(main_cpu_s / max(row["elapsed_s"], 1e-9), 3)
     row["main_cpu_us_per_request"] = round(main_cpu_s / max(row["sent"], 1) * 1e6, 1)
@@ -410,6 +419,8 @@ def main() -> None:
             print(json.dumps(runner.run(sl.run_client(args))))
         return
     load_before = os.getloadavg()
+    if args.size:
+        sl.NvmlSampler.prepare()  # NVML's first init before the daemon serves, not in a load
     with tempfile.TemporaryDirectory(prefix="sdbench-", dir="/tmp") as tmp:
         if args.size:
             frames = sl.build_frames(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import random
 import sys
@@ -355,6 +356,21 @@ def sustained_rate(rows: list[dict[str, Any]], limit: float | None) -> float:
 # ---- what the GPU did meanwhile -----------------------------------------------------------
 
 
+@functools.cache
+def _nvml_handles() -> tuple[Any, list[Any]]:
+    """``pynvml`` and a handle per visible GPU, initialised once per process: the first
+    ``nvmlInit`` is slow and was seen to coincide with a stall of the daemon's requests, so
+    a bench pays it before its loads, not at the start of one (``NvmlSampler.prepare``)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+        return pynvml, [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+    except Exception:
+        return None, []
+
+
 class NvmlSampler:
     """Samples ``nvmlDeviceGetUtilizationRates`` (the share of the last sample period in
     which a kernel ran) of every visible GPU every ``interval`` s in a thread, from the
@@ -365,15 +381,12 @@ class NvmlSampler:
         self.samples: dict[int, list[int]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        try:
-            import pynvml
+        self._nvml, self._handles = _nvml_handles()
 
-            pynvml.nvmlInit()
-            self._nvml: Any = pynvml
-            count = pynvml.nvmlDeviceGetCount()
-            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-        except Exception:
-            self._nvml, self._handles = None, []
+    @staticmethod
+    def prepare() -> None:
+        """Initialise NVML now (once per process)."""
+        _nvml_handles()
 
     def device_names(self) -> list[str]:
         names = [self._nvml.nvmlDeviceGetName(h) for h in self._handles]
