@@ -50,8 +50,11 @@ from scratchd.model import net as netdef
 from scratchd.model.scratchnet import ScratchNet, load_model
 
 
-def features(net: ScratchNet, image: np.ndarray, factor: int) -> np.ndarray:
-    """``[h, w, w0 + w3 + 1]`` gate input at stage 1's H/2 grid of ``image``."""
+def features(
+    net: ScratchNet, image: np.ndarray, factor: int, skips_too: bool = False
+) -> np.ndarray:
+    """``[h, w, w0 + w3 + 1]`` gate input at stage 1's H/2 grid of ``image`` (with
+    ``skips_too``, the encoder's three skips as well, each repeated up to that grid)."""
     small = cp.downscale(image, factor)
     m = net.meta
     x = normalize_pad_ref(small[None], m.mean, m.std, multiple=16)
@@ -77,7 +80,12 @@ def features(net: ScratchNet, image: np.ndarray, factor: int) -> np.ndarray:
     deep_up = np.repeat(np.repeat(deep, rep, axis=1), rep, axis=2)
     # Only the cells over the image itself (the canvas is padded to 16).
     hh, ww = -(-small.shape[0] // 2), -(-small.shape[1] // 2)
-    out = np.concatenate([h, deep_up, logit], axis=-1)[0, :hh, :ww]
+    parts = [h, deep_up, logit]
+    if skips_too:
+        for name in ("skip0", "skip1", "skip2"):
+            k = h.shape[1] // skips[name].shape[1]
+            parts.append(np.repeat(np.repeat(skips[name], k, axis=1), k, axis=2))
+    out = np.concatenate(parts, axis=-1)[0, :hh, :ww]
     return out.astype(np.float32)
 
 
@@ -156,20 +164,23 @@ def operating_points(
     return out
 
 
-def probe(net: ScratchNet, fit: list[Example], inner: list[Example], factor: int) -> dict:
+def probe(
+    net: ScratchNet, fit: list[Example], inner: list[Example], factor: int, skips_too: bool
+) -> dict:
     xs, ys = [], []
     for e in fit:
-        f = features(net, e.image, factor)
+        f = features(net, e.image, factor, skips_too)
         xs.append(f)
         ys.append(cell_labels(e.mask, factor, f.shape[0], f.shape[1]))
     model = fit_gate(xs, ys, seed=0)
     gate, s1max, clean, found = [], [], [], []
     for e in inner:
-        f = features(net, e.image, factor)
+        f = features(net, e.image, factor, skips_too)
         with torch.no_grad():
             g = torch.sigmoid(model(torch.from_numpy(f.reshape(-1, f.shape[-1])))).numpy()
         gate.append(float(g.max()))
-        s1max.append(float(1 / (1 + np.exp(-f[..., -1].max()))))
+        logit = f[..., net.config.widths[0] + net.config.widths[3]]
+        s1max.append(float(1 / (1 + np.exp(-logit.max()))))
         defect = bool(e.mask.any())
         clean.append(not defect)
         found.append(defect and net.predict([e.image])[0].verdict == "defect")
@@ -181,6 +192,7 @@ def probe(net: ScratchNet, fit: list[Example], inner: list[Example], factor: int
         p["fps_vs_full_90pct_clean"] = 1.0 / (stage1 + 0.1 + 0.9 * (1 - p["clean_at_stage1"]))
     return {
         "factor": factor,
+        "skips_too": skips_too,
         "stage1_macs_share": stage1,
         "inner_images": len(inner),
         "clean_images": int(c_arr.sum()),
@@ -220,13 +232,14 @@ def main() -> None:
     ap.add_argument("--shards", type=Path, default=Path(".devdata/shards"))
     ap.add_argument("--model", type=Path, default=None, help="default: the shipped model")
     ap.add_argument("--factors", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--skips", action="store_true", help="the encoder's skips as gate input too")
     ap.add_argument("--tiny", type=Path, nargs="*", default=[], help="small stage-1 models")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     net = load_model(args.model)
     train, sha = load_split(args.shards, "train")
     fit, inner = inner_split(train)
-    rows = [probe(net, fit, inner, f) for f in args.factors]
+    rows = [probe(net, fit, inner, f, args.skips) for f in args.factors]
     head = "clean images at stage 1 (0 / 1 / 2 missed)"
     print(f"{'factor':>6} {'stage1':>7} {'AUROC gate':>10} {'map max':>8}  {head}")
     for r in rows:
