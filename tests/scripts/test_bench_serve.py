@@ -433,3 +433,64 @@ def test_the_console_table_shows_the_timeline_and_each_kills_recovery(
     assert out.count("<- kill -9") == 1
     assert "0.5     10  1/40/50  q None sb None  {'ok': 10} <- kill -9" in out
     assert "normal again after 0.8 s" in report.record_markdown(doc, "x.json")
+
+
+@pytest.mark.parametrize("warmup_s", [0.0, 0.2])
+def test_the_daemons_metrics_are_never_read_while_measured_requests_flow(
+    monkeypatch: pytest.MonkeyPatch, warmup_s: float
+) -> None:
+    # A /metrics read lands on the daemon's event loop; with a warm-up the clients are
+    # sending from its start, so the first read must come before they start.
+    events: list[str] = []
+    seconds = iter([10.0, 10.3])
+
+    def scrape(port: int) -> dict[str, float]:
+        events.append("scrape")
+        return {"cuda": next(seconds)}
+
+    def clients(*a: Any, **k: Any) -> list[str]:
+        events.append("clients")
+        return ["proc"]
+
+    due = [time.perf_counter() + 0.01 * i for i in range(4)]
+    result = {
+        "sent": 4, "answered": 4, "statuses": {"ok": 4}, "latencies_ms": [1.0, 2.0, 3.0, 4.0],
+        "lateness_ms": [0.1] * 4, "queue_ms": [0.2] * 4, "compute_ms": [0.5] * 4,
+        "daemon_ms": [1.0] * 4, "elapsed_s": 0.5,
+        "trace": {"due_s": due, "latency_ms": [1.0, 2.0, 3.0, 4.0], "status": ["ok"] * 4},
+    }  # fmt: skip
+
+    def collect(procs: list[str]) -> list[dict[str, Any]]:
+        events.append("collect")
+        return [result]
+
+    class NoNvml:
+        def __enter__(self) -> NoNvml:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def means(self) -> dict[str, float]:
+            return {}
+
+    monkeypatch.setattr(bench, "daemon_ports", lambda sock: (9999, 1))
+    monkeypatch.setattr(bench, "start_clients", clients)
+    monkeypatch.setattr(bench, "collect", collect)
+    monkeypatch.setattr(bench, "CLIENT_START_S", 0.0)
+    monkeypatch.setattr(sl, "scrape_compute", scrape)
+    monkeypatch.setattr(sl, "NvmlSampler", NoNvml)
+    monkeypatch.setattr(sl, "process_cpu_s", lambda pid: 0.0)
+    args = SimpleNamespace(
+        size=1024, warmup=warmup_s, duration=0.5, path="region", clients=2, burst=23
+    )
+    row = bench.run_load(args, "sock", "poisson", 2000.0)
+    assert events == ["scrape", "clients", "collect", "scrape"]
+    if warmup_s:
+        assert row["warmup_s"] == warmup_s
+        span = row["compute_busy_span_s"]
+        assert span >= warmup_s  # the compute seconds cover the warm-up and the load
+        assert row["compute_busy"]["cuda"] == pytest.approx(0.3 / span, rel=0.05)  # span: 0.01
+    else:
+        assert "compute_busy_span_s" not in row
+        assert row["compute_busy"] == {"cuda": round(0.3 / 0.5, 3)}
