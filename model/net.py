@@ -172,14 +172,23 @@ def random_weights(cfg: NetConfig, seed: int = 0) -> Weights:
     return out
 
 
-def forward_logits_ref(weights: Weights, cfg: NetConfig, x: np.ndarray) -> np.ndarray:
+def forward_logits_ref(
+    weights: Weights,
+    cfg: NetConfig,
+    x: np.ndarray,
+    taps: dict[str, np.ndarray] | None = None,
+) -> np.ndarray:
     """Op by op: normalised, padded input ``[N, Hp, Wp, 1]`` → logits ``[N, Hp/2, Wp/2, 1]``.
 
-    The definition of the network (every step one ``<op>_ref``)."""
+    The definition of the network (every step one ``<op>_ref``). ``taps``, when given, receives
+    the intermediate features: ``skip0``..``skip2``, ``deep`` (the encoder's output, at H/16)
+    and ``dec`` (the last decoder block's, at H/2, what the head reads)."""
     h = conv3x3_ref(x, weights["stem.w"], weights["stem.b"], stride=2, act="relu")
     skips: dict[str, np.ndarray] = {"skip0": h}
     for b in block_plan(cfg):
         if b.join is not None:
+            if taps is not None and "deep" not in taps:
+                taps["deep"] = h
             h = upsample_concat_ref(h, skips[b.join])
         y = dwconv3x3_ref(
             h, weights[f"{b.name}.dw.w"], weights[f"{b.name}.dw.b"], b.stride, b.dilation, "relu"
@@ -188,6 +197,8 @@ def forward_logits_ref(weights: Weights, cfg: NetConfig, x: np.ndarray) -> np.nd
         h = pwconv_ref(y, weights[f"{b.name}.pw.w"], weights[f"{b.name}.pw.b"], "relu", res)
         if b.saves is not None:
             skips[b.saves] = h
+    if taps is not None:
+        taps.update(skips, dec=h)
     return pwconv_ref(h, weights["head.w"], weights["head.b"], act="none")
 
 

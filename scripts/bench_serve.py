@@ -151,10 +151,9 @@ def run_load(args: argparse.Namespace, sock: str, pattern: str, rate: float) -> 
     # A /metrics scrape while requests flow would land in the measured load's latency, so
     # with a warm-up the compute seconds are read before it and cover warm-up and load.
     before = sl.scrape_compute(port)
-    span_start = time.perf_counter()
+    start_at = 0.0
     if warm:  # clients warm up; the CPU and GPU samplers start after it
         start_at = time.perf_counter() + CLIENT_START_S + args.warmup
-        span_start = start_at - args.warmup  # when the warm-up's first requests are due
         procs = start_clients(args, sock, pattern, rate, args.duration, True, start_at)
         time.sleep(max(0.0, start_at - time.perf_counter()))
     cpu_before = sl.process_cpu_s(pid)
@@ -173,12 +172,12 @@ def run_load(args: argparse.Namespace, sock: str, pattern: str, rate: float) -> 
         legacy = {"load": load, **{LEGACY_KEYS.get(k, k): row[k] for k in keep}}
         return {**legacy, "max_ms": row["max_ms"], "elapsed_s": row["elapsed_s"]}
     row = {"load": load, "rate": rate, "size": args.size, "path": args.path, **row}
-    if args.warmup and pattern != "burst":
-        row["warmup_s"] = args.warmup
     row["gpu_busy_nvml"] = nvml.means()
-    span = time.perf_counter() - span_start if warm else row["elapsed_s"]
+    # with a warm-up: from its first requests' due time to now
+    span = args.warmup + time.perf_counter() - start_at if warm else row["elapsed_s"]
     row["compute_busy"] = sl.busy_share(before, sl.scrape_compute(port), span)
     if warm:
+        row["warmup_s"] = args.warmup
         row["compute_busy_span_s"] = round(span, 2)
     # the daemon's main process (acceptor, dispatcher, metrics): is it the bottleneck?
     row["main_cpu_share"] = round(main_cpu_s / max(row["elapsed_s"], 1e-9), 3)

@@ -47,46 +47,34 @@ from train_data import Example, inner_split, load_split
 from scratchd.kernels.normalize_pad import normalize_pad_ref
 from scratchd.model import cascade_plan as cp
 from scratchd.model import net as netdef
+from scratchd.model.evaluate import auroc
 from scratchd.model.scratchnet import ScratchNet, load_model
 
 
 def features(
     net: ScratchNet, image: np.ndarray, factor: int, skips_too: bool = False
 ) -> np.ndarray:
-    """``[h, w, w0 + w3 + 1]`` gate input at stage 1's H/2 grid of ``image`` (with
-    ``skips_too``, the encoder's three skips as well, each repeated up to that grid)."""
+    """``[h, w, w0 + w3 + 1]`` gate input at stage 1's H/2 grid of ``image``: the last decoder
+    features, the encoder's output repeated up to that grid, the logit (with ``skips_too``,
+    the encoder's three skips as well, each repeated up to that grid)."""
     small = cp.downscale(image, factor)
     m = net.meta
     x = normalize_pad_ref(small[None], m.mean, m.std, multiple=16)
-    wts, cfg = net.weights, net.config
-    h = netdef.conv3x3_ref(x, wts["stem.w"], wts["stem.b"], stride=2, act="relu")
-    skips = {"skip0": h}
-    deep = None
-    for b in netdef.block_plan(cfg):
-        if b.join is not None:
-            if deep is None:
-                deep = h
-            h = netdef.upsample_concat_ref(h, skips[b.join])
-        y = netdef.dwconv3x3_ref(
-            h, wts[f"{b.name}.dw.w"], wts[f"{b.name}.dw.b"], b.stride, b.dilation, "relu"
-        )
-        res = h if b.residual else None
-        h = netdef.pwconv_ref(y, wts[f"{b.name}.pw.w"], wts[f"{b.name}.pw.b"], "relu", res)
-        if b.saves is not None:
-            skips[b.saves] = h
-    logit = netdef.pwconv_ref(h, wts["head.w"], wts["head.b"], act="none")
-    assert deep is not None
-    rep = h.shape[1] // deep.shape[1]
-    deep_up = np.repeat(np.repeat(deep, rep, axis=1), rep, axis=2)
+    taps: dict[str, np.ndarray] = {}
+    logit = netdef.forward_logits_ref(net.weights, net.config, x, taps)
+    dec = taps["dec"]
+    parts = [dec, _repeat_to(taps["deep"], dec.shape[1]), logit]
+    if skips_too:
+        parts += [_repeat_to(taps[n], dec.shape[1]) for n in ("skip0", "skip1", "skip2")]
     # Only the cells over the image itself (the canvas is padded to 16).
     hh, ww = -(-small.shape[0] // 2), -(-small.shape[1] // 2)
-    parts = [h, deep_up, logit]
-    if skips_too:
-        for name in ("skip0", "skip1", "skip2"):
-            k = h.shape[1] // skips[name].shape[1]
-            parts.append(np.repeat(np.repeat(skips[name], k, axis=1), k, axis=2))
-    out = np.concatenate(parts, axis=-1)[0, :hh, :ww]
-    return out.astype(np.float32)
+    return np.concatenate(parts, axis=-1)[0, :hh, :ww].astype(np.float32)
+
+
+def _repeat_to(t: np.ndarray, height: int) -> np.ndarray:
+    """``[N, h, w, C]`` nearest-repeated up to ``height`` rows (and as many times the columns)."""
+    k = height // t.shape[1]
+    return np.repeat(np.repeat(t, k, axis=1), k, axis=2)
 
 
 def cell_labels(mask: np.ndarray, factor: int, hh: int, ww: int) -> np.ndarray:
@@ -96,15 +84,6 @@ def cell_labels(mask: np.ndarray, factor: int, hh: int, ww: int) -> np.ndarray:
     padded = np.zeros((hh * c, ww * c), dtype=np.uint8)
     padded[:h, :w] = mask
     return padded.reshape(hh, c, ww, c).max(axis=(1, 3)).astype(np.float32)
-
-
-def auroc(pos: np.ndarray, neg: np.ndarray) -> float:
-    """P(a positive scores above a negative), ties half."""
-    if len(pos) == 0 or len(neg) == 0:
-        return float("nan")
-    greater = (pos[:, None] > neg[None, :]).mean()
-    ties = (pos[:, None] == neg[None, :]).mean()
-    return float(greater + 0.5 * ties)
 
 
 def fit_gate(xs: list[np.ndarray], ys: list[np.ndarray], seed: int) -> torch.nn.Module:
@@ -164,66 +143,73 @@ def operating_points(
     return out
 
 
+def truth(net: ScratchNet, inner: list[Example]) -> tuple[np.ndarray, np.ndarray]:
+    """``(clean, found)`` per inner image: no defect pixel; defective and called ``defect``
+    by the full model (what stage 1 must never answer)."""
+    clean = np.array([not e.mask.any() for e in inner])
+    verdicts = [net.predict([e.image])[0].verdict for e in inner]
+    return clean, ~clean & np.array([v == "defect" for v in verdicts])
+
+
+def scored(gate: np.ndarray, clean: np.ndarray, found: np.ndarray, stage1: float) -> dict:
+    """A gate score per image against the truth: AUROC and the operating points, each with
+    what it gives a 90 %-clean stream (flagged frames run whole)."""
+    points = operating_points(gate, clean, found)
+    for p in points:
+        p["fps_vs_full_90pct_clean"] = 1.0 / (stage1 + 0.1 + 0.9 * (1 - p["clean_at_stage1"]))
+    return {"gate_auroc": auroc(gate[found], gate[clean]), "operating_points": points}
+
+
 def probe(
-    net: ScratchNet, fit: list[Example], inner: list[Example], factor: int, skips_too: bool
-) -> dict:
+    net: ScratchNet,
+    fit: list[Example],
+    inner: list[Example],
+    clean: np.ndarray,
+    found: np.ndarray,
+    factor: int,
+    skips_too: bool,
+) -> dict[str, Any]:
     xs, ys = [], []
     for e in fit:
         f = features(net, e.image, factor, skips_too)
         xs.append(f)
         ys.append(cell_labels(e.mask, factor, f.shape[0], f.shape[1]))
     model = fit_gate(xs, ys, seed=0)
-    gate, s1max, clean, found = [], [], [], []
+    logit_at = net.config.widths[0] + net.config.widths[3]  # features' channel layout
+    gate, s1max = [], []
     for e in inner:
         f = features(net, e.image, factor, skips_too)
         with torch.no_grad():
             g = torch.sigmoid(model(torch.from_numpy(f.reshape(-1, f.shape[-1])))).numpy()
         gate.append(float(g.max()))
-        logit = f[..., net.config.widths[0] + net.config.widths[3]]
-        s1max.append(float(1 / (1 + np.exp(-logit.max()))))
-        defect = bool(e.mask.any())
-        clean.append(not defect)
-        found.append(defect and net.predict([e.image])[0].verdict == "defect")
-    g_arr, s_arr = np.array(gate), np.array(s1max)
-    c_arr, f_arr = np.array(clean), np.array(found)
+        s1max.append(float(1 / (1 + np.exp(-f[..., logit_at].max()))))
     stage1 = cp.macs(net.config, 1024 // factor, 1024 // factor) / cp.macs(net.config, 1024, 1024)
-    points = operating_points(g_arr, c_arr, f_arr)
-    for p in points:
-        p["fps_vs_full_90pct_clean"] = 1.0 / (stage1 + 0.1 + 0.9 * (1 - p["clean_at_stage1"]))
+    s1 = np.array(s1max)
     return {
         "factor": factor,
         "skips_too": skips_too,
         "stage1_macs_share": stage1,
         "inner_images": len(inner),
-        "clean_images": int(c_arr.sum()),
-        "defective_found_by_full": int(f_arr.sum()),
-        "gate_auroc": auroc(g_arr[f_arr], g_arr[c_arr]),
-        "stage1_map_max_auroc": auroc(s_arr[f_arr], s_arr[c_arr]),
-        "operating_points": points,
-        "stage1_map_points": operating_points(s_arr, c_arr, f_arr),
+        "clean_images": int(clean.sum()),
+        "defective_found_by_full": int(found.sum()),
+        **scored(np.array(gate), clean, found, stage1),
+        "stage1_map_max_auroc": auroc(s1[found], s1[clean]),
+        "stage1_map_points": operating_points(s1, clean, found),
     }
 
 
-def probe_tiny(net: ScratchNet, tiny: ScratchNet, inner: list[Example]) -> dict[str, Any]:
+def probe_tiny(
+    net: ScratchNet, tiny: ScratchNet, inner: list[Example], clean: np.ndarray, found: np.ndarray
+) -> dict[str, Any]:
     """A separately trained small network at full resolution as stage 1: its map's highest
     pixel is the frame's gate score."""
-    gate, clean, found = [], [], []
-    for e in inner:
-        gate.append(float(tiny.forward(e.image[None])[0].max()))
-        defect = bool(e.mask.any())
-        clean.append(not defect)
-        found.append(defect and net.predict([e.image])[0].verdict == "defect")
-    g_arr, c_arr, f_arr = np.array(gate), np.array(clean), np.array(found)
+    gate = np.array([float(tiny.forward(e.image[None])[0].max()) for e in inner])
     stage1 = cp.macs(tiny.config, 1024, 1024) / cp.macs(net.config, 1024, 1024)
-    points = operating_points(g_arr, c_arr, f_arr)
-    for p in points:
-        p["fps_vs_full_90pct_clean"] = 1.0 / (stage1 + 0.1 + 0.9 * (1 - p["clean_at_stage1"]))
     return {
         "tiny": tiny.version,
         "architecture": tiny.config.to_json(),
         "stage1_macs_share": stage1,
-        "gate_auroc": auroc(g_arr[f_arr], g_arr[c_arr]),
-        "operating_points": points,
+        **scored(gate, clean, found, stage1),
     }
 
 
@@ -239,7 +225,8 @@ def main() -> None:
     net = load_model(args.model)
     train, sha = load_split(args.shards, "train")
     fit, inner = inner_split(train)
-    rows = [probe(net, fit, inner, f, args.skips) for f in args.factors]
+    clean, found = truth(net, inner)
+    rows = [probe(net, fit, inner, clean, found, f, args.skips) for f in args.factors]
     head = "clean images at stage 1 (0 / 1 / 2 missed)"
     print(f"{'factor':>6} {'stage1':>7} {'AUROC gate':>10} {'map max':>8}  {head}")
     for r in rows:
@@ -248,7 +235,7 @@ def main() -> None:
             f"{r['factor']:>6} {r['stage1_macs_share']:>7.1%} {r['gate_auroc']:>10.3f} "
             f"{r['stage1_map_max_auroc']:>8.3f}  {pts}"
         )
-    tiny = [probe_tiny(net, load_model(p), inner) for p in args.tiny]
+    tiny = [probe_tiny(net, load_model(p), inner, clean, found) for p in args.tiny]
     for t in tiny:
         pts = " / ".join(f"{p['clean_at_stage1']:.1%}" for p in t["operating_points"])
         print(f"{t['tiny']:>14} {t['stage1_macs_share']:>7.1%} {t['gate_auroc']:>10.3f}  {pts}")

@@ -358,9 +358,9 @@ def sustained_rate(rows: list[dict[str, Any]], limit: float | None) -> float:
 
 @functools.cache
 def _nvml_handles() -> tuple[Any, list[Any]]:
-    """``pynvml`` and a handle per visible GPU, initialised once per process: the first
-    ``nvmlInit`` is slow and was seen to coincide with a stall of the daemon's requests, so
-    a bench pays it before its loads, not at the start of one (``NvmlSampler.prepare``)."""
+    """``pynvml`` and a handle per visible GPU, initialised once per process (not once per
+    load), and by a bench before the daemon serves (``NvmlSampler.prepare``), so that none of
+    the bench's own setup falls inside a measured load."""
     try:
         import pynvml
 

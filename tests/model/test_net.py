@@ -119,3 +119,18 @@ def test_cpu_schedule_workspace_recycles_between_forwards() -> None:
     again = forward_logits(weights, cfg, x)
     assert not np.array_equal(first, other)
     np.testing.assert_array_equal(first, again)
+
+
+def test_taps_see_the_features_without_changing_the_logits() -> None:
+    cfg = NetConfig(widths=(8, 16, 24, 32), depths=(1, 1, 1, 1), dilations=(2,), dec_depth=1)
+    weights = random_weights(cfg, seed=4)
+    x = np.random.default_rng(1).normal(size=(1, 64, 96, 1)).astype(np.float32)
+    taps: dict[str, np.ndarray] = {}
+    logits = forward_logits_ref(weights, cfg, x, taps)
+    np.testing.assert_array_equal(logits, forward_logits_ref(weights, cfg, x))
+    assert {k: v.shape for k, v in taps.items()} == {
+        "skip0": (1, 32, 48, 8), "skip1": (1, 16, 24, 16), "skip2": (1, 8, 12, 24),
+        "deep": (1, 4, 6, 32), "dec": (1, 32, 48, 8),
+    }  # fmt: skip
+    head = taps["dec"] @ weights["head.w"] + weights["head.b"]
+    np.testing.assert_allclose(logits, head, rtol=1e-5, atol=1e-5)
